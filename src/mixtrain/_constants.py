@@ -1,0 +1,34 @@
+"""Every timeout and tunable as an env-var/default pair, read when used so tests can shrink it."""
+
+from __future__ import annotations
+
+import os
+
+# (environment variable, default) pairs. Seconds unless the name says otherwise.
+RENDEZVOUS_TIMEOUT_S = ("MIXTRAIN_RENDEZVOUS_TIMEOUT_S", 60.0)
+"""How long workers wait for every peer to join the gloo group."""
+COLLECTIVE_TIMEOUT_S = ("MIXTRAIN_COLLECTIVE_TIMEOUT_S", 120.0)
+"""How long one collective may wait on a peer (gloo's own default is 30 minutes)."""
+PLACEMENT_TIMEOUT_S = ("MIXTRAIN_PLACEMENT_TIMEOUT_S", 30.0)
+"""How long to wait for Ray to reserve the workers' resources."""
+ROUND_TIMEOUT_S = ("MIXTRAIN_ROUND_TIMEOUT_S", 1800.0)
+"""Backstop for one round on the driver, on top of the collective timeout."""
+ROUND_TARGET_S = ("MIXTRAIN_ROUND_TARGET_S", 1.5)
+"""Wanted length of one round of steps when steps_per_round is not set."""
+BUCKET_MB = ("MIXTRAIN_BUCKET_MB", 25.0)
+"""Size of one gradient bucket (one all-reduce call)."""
+
+
+def env_float(pair: tuple[str, float]) -> float:
+    """The value of an env-var/default pair, with a clear error for a bad value."""
+    name, default = pair
+    raw = os.environ.get(name)
+    if raw is None or raw == "":
+        return default
+    try:
+        value = float(raw)
+    except ValueError:
+        raise ValueError(f"{name}={raw!r} is not a number; set it to seconds (default {default})") from None
+    if value <= 0:
+        raise ValueError(f"{name}={raw!r} must be positive (default {default})")
+    return value

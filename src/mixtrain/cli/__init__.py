@@ -1,0 +1,1 @@
+"""The `mixtrain` command line."""

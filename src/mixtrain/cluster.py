@@ -1,0 +1,39 @@
+"""Connecting to Ray: an existing cluster, or an embedded local one started in seconds."""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+
+import ray
+
+
+def ensure_ray(address: str | None, num_cpus_needed: float) -> None:
+    """Connect to `address`, or start a quiet local Ray with enough logical CPUs for the workers.
+
+    A Ray that is already initialised in this process (a test session, a notebook) is used as is.
+    """
+    if ray.is_initialized():
+        return
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    quiet = {"logging_level": logging.ERROR, "log_to_driver": False}
+    if address is not None:
+        ray.init(address=address, **quiet)
+        return
+    cpus = os.cpu_count() or 1
+    if num_cpus_needed > cpus:
+        logging.getLogger("mixtrain").warning(
+            "the workers reserve %.1f CPUs but this machine has %d: they will share cores", num_cpus_needed, cpus
+        )
+    ray.init(num_cpus=max(cpus, math.ceil(num_cpus_needed)), include_dashboard=False, **quiet)
+
+
+def inventory() -> str:
+    """The cluster's total and free resources, for error messages."""
+    def fmt(res: dict) -> str:
+        keys = [k for k in sorted(res) if not k.startswith(("node:", "memory", "object_store_memory", "bundle_group"))]
+        return ", ".join(f"{k}={res[k]:g}" for k in keys) or "nothing"
+
+    nodes = [n for n in ray.nodes() if n.get("Alive")]
+    return f"{len(nodes)} node(s); total: {fmt(ray.cluster_resources())}; free: {fmt(ray.available_resources())}"

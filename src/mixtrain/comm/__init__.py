@@ -1,0 +1,1 @@
+"""Collectives among workers: process group, gradient buckets, sync strategies."""

@@ -1,0 +1,67 @@
+"""The gloo process group among workers: rendezvous at rank 0, explicit timeouts, teardown."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+import torch.distributed as dist
+
+
+class RendezvousError(RuntimeError):
+    """A peer never arrived at the rendezvous, or the group could not be formed."""
+
+
+class Rendezvous:
+    """Rank 0's side: a TCPStore on a free port that the other ranks connect to.
+
+    Opening the store before anyone joins lets the OS pick the port, so there is no
+    window in which another process can take it.
+    """
+
+    def __init__(self, host: str, timeout_s: float) -> None:
+        self.store = dist.TCPStore(
+            host, 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=timeout_s)
+        )
+        self.host = host
+        self.port = self.store.port
+
+
+def join_group(
+    *,
+    rank: int,
+    world_size: int,
+    host: str,
+    port: int,
+    rendezvous_timeout_s: float,
+    collective_timeout_s: float,
+    backend: str = "gloo",
+    store: dist.Store | None = None,
+) -> None:
+    """Join the default process group; raises RendezvousError within the timeout if a peer is missing."""
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    try:
+        if store is None:
+            store = dist.TCPStore(
+                host, port, world_size=None, is_master=False, timeout=timedelta(seconds=rendezvous_timeout_s)
+            )
+        # Every rank announces itself and waits for all: a missing peer fails here, within
+        # the rendezvous timeout, instead of inside the first collective.
+        store.set(f"mixtrain/arrived/{rank}", "1")
+        store.wait([f"mixtrain/arrived/{r}" for r in range(world_size)], timedelta(seconds=rendezvous_timeout_s))
+        dist.init_process_group(
+            backend, store=store, rank=rank, world_size=world_size, timeout=timedelta(seconds=collective_timeout_s)
+        )
+    except (RuntimeError, dist.DistStoreError) as exc:  # DistStoreError is a RuntimeError; named for clarity
+        raise RendezvousError(
+            f"rank {rank} of {world_size} could not form the {backend} group at {host}:{port} within "
+            f"{rendezvous_timeout_s:.0f} s (MIXTRAIN_RENDEZVOUS_TIMEOUT_S): a peer did not arrive or cannot reach "
+            f"rank 0's address. Check that every node can reach {host}:{port} (firewall, wrong interface). "
+            f"Cause: {exc}"
+        ) from exc
+
+
+def leave_group() -> None:
+    """Tear the group down; safe to call when none exists."""
+    if dist.is_initialized():
+        dist.destroy_process_group()

@@ -1,0 +1,88 @@
+"""Keeping replicas identical: initial broadcast, weighted buffer averaging, drift checks."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+
+def _flat_broadcast(tensors: list[torch.Tensor], src: int = 0) -> None:
+    """Broadcast tensors from `src` in one collective per dtype, staged through CPU."""
+    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+    for t in tensors:
+        by_dtype.setdefault(t.dtype, []).append(t)
+    for group in by_dtype.values():
+        flat = torch.cat([t.detach().reshape(-1).cpu() for t in group])
+        dist.broadcast(flat, src=src)
+        offset = 0
+        for t in group:
+            n = t.numel()
+            with torch.no_grad():
+                t.copy_(flat[offset : offset + n].view_as(t))
+            offset += n
+
+
+def optimizer_tensors(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+    """Optimizer state tensors in a fixed order (parameter order, then key order)."""
+    out = []
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            state = optimizer.state.get(p, {})
+            out.extend(state[k] for k in sorted(state) if isinstance(state[k], torch.Tensor))
+    return out
+
+
+def broadcast_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None, src: int = 0) -> None:
+    """Make every replica equal to rank `src`: parameters, buffers and optimizer state."""
+    tensors = list(model.parameters()) + list(model.buffers())
+    if optimizer is not None:
+        tensors += optimizer_tensors(optimizer)
+    _flat_broadcast(tensors, src)
+
+
+def average_buffers(model: torch.nn.Module, weight: float) -> None:
+    """Floating-point buffers (BatchNorm running stats) become the `weight`-weighted mean over ranks;
+    integer buffers (num_batches_tracked) take rank 0's value."""
+    floats = [b for b in model.buffers() if b.is_floating_point()]
+    ints = [b for b in model.buffers() if not b.is_floating_point()]
+    if floats:
+        flat = torch.cat([b.detach().reshape(-1).to("cpu", torch.float64) for b in floats]) * weight
+        dist.all_reduce(flat, op=dist.ReduceOp.SUM)
+        offset = 0
+        for b in floats:
+            n = b.numel()
+            with torch.no_grad():
+                b.copy_(flat[offset : offset + n].view_as(b))
+            offset += n
+    if ints:
+        _flat_broadcast(ints)
+
+
+def checksum(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """A float64 fingerprint of the tensors: sum and sum of absolute values."""
+    total = torch.zeros(2, dtype=torch.float64)
+    for t in tensors:
+        d = t.detach().to("cpu", torch.float64)
+        total[0] += d.sum()
+        total[1] += d.abs().sum()
+    return total
+
+
+def drift(model: torch.nn.Module) -> float:
+    """Largest relative checksum difference of any rank's parameters from rank 0's."""
+    mine = checksum(list(model.parameters()))
+    gathered = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
+    dist.all_gather(gathered, mine)
+    ref = gathered[0]
+    scale = ref.abs().clamp_min(1e-12)
+    return max(float(((g - ref).abs() / scale).max()) for g in gathered)
+
+
+def resync_if_drifted(model: torch.nn.Module, optimizer: torch.optim.Optimizer, tolerance: float) -> tuple[float, bool]:
+    """Compare replicas; re-broadcast rank 0's state when they drifted past `tolerance`.
+    Every rank sees the same gathered checksums, so all take the same branch."""
+    d = drift(model)
+    if d > tolerance:
+        broadcast_state(model, optimizer)
+        return d, True
+    return d, False

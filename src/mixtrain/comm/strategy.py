@@ -1,0 +1,89 @@
+"""How replicas agree after each local backward pass.
+
+The worker's step loop calls only `zero_grad`, `step` and `end_round`; a parameter server
+or local SGD is another subclass here, with no change to the loop.
+"""
+
+from __future__ import annotations
+
+import time
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+import torch
+
+from mixtrain.comm import replicas
+from mixtrain.comm.buckets import GradBuckets
+from mixtrain.task import Task
+
+
+@dataclass(frozen=True)
+class StepOutcome:
+    applied: bool
+    """False when the summed gradient was not finite and every rank skipped the update."""
+    stats: torch.Tensor
+    """The per-step statistics summed over ranks (the global mean loss at index 0)."""
+    comm_s: float
+    """Seconds spent in collectives, including waiting for slower peers."""
+
+
+@dataclass(frozen=True)
+class RoundSync:
+    drift: float
+    """Largest relative difference of a replica's parameter checksum from rank 0's."""
+    rebroadcast: bool
+    """True when drift passed the tolerance and rank 0's state was broadcast."""
+    comm_s: float
+
+
+class SyncStrategy(ABC):
+    name: str
+
+    @abstractmethod
+    def setup(self, task: Task, bucket_bytes: int) -> None:
+        """Called once when the replica exists and the group is formed."""
+
+    @abstractmethod
+    def zero_grad(self, task: Task) -> None: ...
+
+    @abstractmethod
+    def step(self, task: Task, local_stats: torch.Tensor) -> StepOutcome:
+        """After backward on this rank's samples: agree on the update and apply it."""
+
+    @abstractmethod
+    def end_round(self, task: Task, weight: float, drift_tolerance: float) -> RoundSync:
+        """Between rounds: average buffers (weighted by `weight`, this rank's share) and check drift."""
+
+
+class AllReduceStrategy(SyncStrategy):
+    """Synchronous data parallel: sum of sample-weighted gradients over gloo, then the same step everywhere."""
+
+    name = "allreduce"
+
+    def setup(self, task: Task, bucket_bytes: int) -> None:
+        replicas.broadcast_state(task.model)
+        params = [p for p in task.model.parameters() if p.requires_grad]
+        self.buckets = GradBuckets(params, bucket_bytes)
+
+    def zero_grad(self, task: Task) -> None:
+        self.buckets.zero_()
+
+    def step(self, task: Task, local_stats: torch.Tensor) -> StepOutcome:
+        t0 = time.perf_counter()
+        self.buckets.all_reduce_(local_stats)
+        comm_s = time.perf_counter() - t0
+        applied = self.buckets.all_finite() and bool(torch.isfinite(local_stats).all())
+        if applied:
+            task.optimizer.step()
+            if task.scheduler is not None:
+                task.scheduler.step()
+        return StepOutcome(applied, local_stats, comm_s)
+
+    def end_round(self, task: Task, weight: float, drift_tolerance: float) -> RoundSync:
+        t0 = time.perf_counter()
+        replicas.average_buffers(task.model, weight)
+        d, rebroadcast = replicas.resync_if_drifted(task.model, task.optimizer, drift_tolerance)
+        return RoundSync(d, rebroadcast, time.perf_counter() - t0)
+
+
+STRATEGIES: dict[str, type[SyncStrategy]] = {AllReduceStrategy.name: AllReduceStrategy}

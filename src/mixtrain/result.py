@@ -1,0 +1,34 @@
+"""What Trainer.fit returns."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+
+@dataclass
+class Result:
+    run_dir: Path
+    """Folder with config.json, metrics.jsonl and model.pt."""
+    model_path: Path
+    """The final weights (a state_dict; load with mixtrain.load_weights or torch.load(weights_only=True))."""
+    state_dict: dict[str, torch.Tensor]
+    """The final weights, on CPU."""
+    history: list[dict[str, Any]] = field(default_factory=list)
+    """One record per round: loss, samples/s, shares, per-worker compute/wait/comm seconds."""
+    evals: list[dict[str, Any]] = field(default_factory=list)
+    """Held-out metrics after each epoch (empty without eval data)."""
+    workers: list[dict[str, Any]] = field(default_factory=list)
+    """Where each worker ran: rank, host, pid, device, threads."""
+    seconds_to_first_step: float = 0.0
+    """From fit() being called to the first round being sent."""
+
+    @property
+    def metrics(self) -> dict[str, Any]:
+        """The last held-out metrics, or the last training loss when there is no eval data."""
+        if self.evals:
+            return self.evals[-1]
+        return {"loss": self.history[-1]["last_loss"]} if self.history else {}

@@ -1,0 +1,84 @@
+"""What the driver sends per round and what workers send back, plus pure summaries of it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from statistics import fmean
+
+
+@dataclass(frozen=True)
+class RoundPlan:
+    """One driver call: `num_steps` global steps of `epoch` starting at `first_step`."""
+
+    epoch: int
+    first_step: int
+    num_steps: int
+    shares: tuple[int, ...]
+    global_batch: int
+    drift_tolerance: float
+
+
+@dataclass
+class WorkerReport:
+    """One worker's account of a round."""
+
+    rank: int
+    samples: int = 0
+    compute_s: list[float] = field(default_factory=list)
+    """Per step: forward, backward and the optimizer step."""
+    comm_s: list[float] = field(default_factory=list)
+    """Per step: time inside collectives, waiting for slower peers included."""
+    losses: list[float] = field(default_factory=list)
+    """Per step: the global mean loss (the same on every rank)."""
+    skipped_steps: list[int] = field(default_factory=list)
+    drift: float = 0.0
+    rebroadcast: bool = False
+    round_comm_s: float = 0.0
+    wall_s: float = 0.0
+
+
+def worker_times(reports: list[WorkerReport]) -> list[dict[str, float]]:
+    """Compute, wait and communication seconds per worker for a round.
+
+    Waiting is not measured inside the all-reduce (that would cost another collective per
+    step); it is derived: at each step a worker waits for the slowest one, so its wait is
+    max_j compute_j - compute_i, and the rest of its collective time is communication.
+    """
+    num_steps = len(reports[0].compute_s)
+    slowest = [max(r.compute_s[t] for r in reports) for t in range(num_steps)]
+    out = []
+    for r in reports:
+        wait = sum(slowest[t] - r.compute_s[t] for t in range(num_steps))
+        comm = max(0.0, sum(r.comm_s) + r.round_comm_s - wait)
+        out.append({"compute_s": sum(r.compute_s), "wait_s": wait, "comm_s": comm, "samples": r.samples})
+    return out
+
+
+def summarize_round(plan: RoundPlan, reports: list[WorkerReport], wall_s: float) -> dict:
+    """The record of one round as it goes into metrics.jsonl."""
+    reports = sorted(reports, key=lambda r: r.rank)
+    samples = sum(r.samples for r in reports)
+    return {
+        "epoch": plan.epoch,
+        "first_step": plan.first_step,
+        "num_steps": plan.num_steps,
+        "samples": samples,
+        "loss": fmean(reports[0].losses),
+        "last_loss": reports[0].losses[-1],
+        "samples_per_s": samples / wall_s if wall_s > 0 else 0.0,
+        "wall_s": wall_s,
+        "skipped_steps": reports[0].skipped_steps,
+        "drift": max(r.drift for r in reports),
+        "rebroadcast": reports[0].rebroadcast,
+        "shares": list(plan.shares),
+        "workers": worker_times(reports),
+    }
+
+
+def next_round_steps(step_s: float, target_s: float, fixed: int | None, max_steps: int = 10_000) -> int:
+    """Steps for the next round: the user's fixed number, or enough for about `target_s` seconds."""
+    if fixed is not None:
+        return fixed
+    if step_s <= 0:
+        return max_steps
+    return max(1, min(max_steps, round(target_s / step_s)))

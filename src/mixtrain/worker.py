@@ -1,0 +1,134 @@
+"""The Ray actor: one device, one replica, the step loop."""
+
+from __future__ import annotations
+
+import os
+import socket
+import time
+from typing import Callable
+
+import numpy as np
+import torch
+
+from mixtrain.comm import process_group
+from mixtrain.comm.strategy import STRATEGIES, SyncStrategy
+from mixtrain.data import Arrays, as_tensors, epoch_permutation, step_size, worker_indices
+from mixtrain.rounds import RoundPlan, WorkerReport
+from mixtrain.task import Task, build_task
+
+
+def _node_ip() -> str:
+    import ray
+
+    return ray.util.get_node_ip_address()
+
+
+class TrainWorker:
+    """One replica of the model on one device. Every method is called by the driver for all
+    ranks at once (SPMD); between calls the worker holds its state."""
+
+    def __init__(self, rank: int, world_size: int, num_threads: int, seed: int) -> None:
+        torch.set_num_threads(num_threads)
+        self.rank = rank
+        self.world_size = world_size
+        self.seed = seed
+        self.host = _node_ip()
+        self.device = torch.device("cpu")
+        self._perm_epoch = -1
+        self._perm: np.ndarray = np.empty(0, dtype=np.int64)
+
+    def info(self) -> dict:
+        return {"rank": self.rank, "host": self.host, "hostname": socket.gethostname(), "pid": os.getpid(),
+                "device": str(self.device), "threads": torch.get_num_threads()}
+
+    # ---- set-up, in the order the driver calls it -------------------------------------------
+    def build(self, factory: Callable[[], Task]) -> dict:
+        torch.manual_seed(self.seed)
+        self.task = build_task(factory)
+        self.task.model.to(self.device)
+        num_params = sum(p.numel() for p in self.task.model.parameters())
+        return {"num_params": num_params}
+
+    def open_rendezvous(self, timeout_s: float) -> tuple[str, int]:
+        self._rendezvous = process_group.Rendezvous(self.host, timeout_s)
+        return self.host, self._rendezvous.port
+
+    def join(self, host: str, port: int, rendezvous_timeout_s: float, collective_timeout_s: float,
+             strategy: str, bucket_bytes: int) -> None:
+        store = self._rendezvous.store if self.rank == 0 else None
+        process_group.join_group(rank=self.rank, world_size=self.world_size, host=host, port=port,
+                                 rendezvous_timeout_s=rendezvous_timeout_s,
+                                 collective_timeout_s=collective_timeout_s, store=store)
+        self.strategy: SyncStrategy = STRATEGIES[strategy]()
+        self.strategy.setup(self.task, bucket_bytes)
+
+    def load_data(self, train: Arrays, evaluation: Arrays | None) -> int:
+        self.train = as_tensors(train)
+        self.eval = as_tensors(evaluation) if evaluation is not None else None
+        return len(self.train[0])
+
+    # ---- training ---------------------------------------------------------------------------
+    def run_round(self, plan: RoundPlan) -> WorkerReport:
+        t_round = time.perf_counter()
+        report = WorkerReport(rank=self.rank)
+        perm = self._permutation(plan.epoch)
+        self.task.model.train()
+        for step in range(plan.first_step, plan.first_step + plan.num_steps):
+            indices = worker_indices(perm, plan.global_batch, step, plan.shares, self.rank)
+            t0 = time.perf_counter()
+            self.strategy.zero_grad(self.task)
+            local_loss = self._forward_backward(indices, step_size(len(perm), plan.global_batch, step))
+            outcome = self.strategy.step(self.task, torch.tensor([local_loss], dtype=torch.float32))
+            report.compute_s.append(time.perf_counter() - t0 - outcome.comm_s)
+            report.comm_s.append(outcome.comm_s)
+            report.losses.append(float(outcome.stats[0]))
+            report.samples += len(indices)
+            if not outcome.applied:
+                report.skipped_steps.append(step)
+        total = sum(plan.shares)  # weights for buffer averaging: this rank's part of the round's samples
+        sync = self.strategy.end_round(self.task, plan.shares[self.rank] / total, plan.drift_tolerance)
+        report.drift, report.rebroadcast, report.round_comm_s = sync.drift, sync.rebroadcast, sync.comm_s
+        report.wall_s = time.perf_counter() - t_round
+        return report
+
+    def _forward_backward(self, indices: np.ndarray, step_total: int) -> float:
+        """Backward of this rank's samples, loss scaled by b_i/B so the sum over ranks is the global mean.
+        Returns this rank's term of the global mean loss."""
+        if len(indices) == 0:
+            return 0.0
+        index = torch.from_numpy(indices)
+        *inputs, target = (field[index].to(self.device, non_blocking=True) for field in self.train)
+        loss = self.task.loss_fn(self.task.model(*inputs), target)
+        weight = len(indices) / step_total
+        (loss * weight).backward()
+        return float(loss.detach()) * weight
+
+    def _permutation(self, epoch: int) -> np.ndarray:
+        if epoch != self._perm_epoch:
+            self._perm = epoch_permutation(self.seed, epoch, len(self.train[0]))
+            self._perm_epoch = epoch
+        return self._perm
+
+    # ---- evaluation and results -------------------------------------------------------------
+    @torch.no_grad()
+    def evaluate(self, start: int, stop: int, batch: int = 1024) -> dict[str, float]:
+        """Sums over eval samples [start, stop): loss (times count), correct predictions, counts."""
+        assert self.eval is not None, "evaluate called without eval data"
+        self.task.model.eval()
+        sums = {"loss_sum": 0.0, "samples": 0.0, "correct": 0.0, "targets": 0.0}
+        for lo in range(start, stop, batch):
+            *inputs, target = (f[lo : min(lo + batch, stop)].to(self.device) for f in self.eval)
+            out = self.task.model(*inputs)
+            n = len(target)
+            sums["loss_sum"] += float(self.task.loss_fn(out, target)) * n
+            sums["samples"] += n
+            if isinstance(out, torch.Tensor) and not target.is_floating_point() and out.shape[:-1] == target.shape:
+                sums["correct"] += float((out.argmax(-1) == target).sum())
+                sums["targets"] += target.numel()
+        return sums
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        return {k: v.detach().to("cpu").clone() for k, v in self.task.model.state_dict().items()}
+
+    def shutdown(self) -> None:
+        process_group.leave_group()
