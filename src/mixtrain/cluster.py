@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import math
 import os
+from typing import Any
 
 import ray
 
@@ -17,7 +18,7 @@ def ensure_ray(address: str | None, num_cpus_needed: float) -> None:
     if ray.is_initialized():
         return
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
-    quiet = {"logging_level": logging.ERROR, "log_to_driver": False}
+    quiet: dict[str, Any] = {"logging_level": logging.ERROR, "log_to_driver": False}
     if address is not None:
         ray.init(address=address, **quiet)
         return
@@ -31,6 +32,7 @@ def ensure_ray(address: str | None, num_cpus_needed: float) -> None:
 
 def inventory() -> str:
     """The cluster's total and free resources, for error messages."""
+
     def fmt(res: dict) -> str:
         keys = [k for k in sorted(res) if not k.startswith(("node:", "memory", "object_store_memory", "bundle_group"))]
         return ", ".join(f"{k}={res[k]:g}" for k in keys) or "nothing"

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 _PLACEMENT_STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
 
@@ -30,13 +30,15 @@ class ScalingConfig:
             raise ValueError(f"ScalingConfig.num_workers={self.num_workers!r}: must be an integer >= 1")
         if not self.cpus_per_worker > 0:
             raise ValueError(
-                f"ScalingConfig.cpus_per_worker={self.cpus_per_worker!r}: must be > 0 (fractions such as 0.5 are allowed)"
+                f"ScalingConfig.cpus_per_worker={self.cpus_per_worker!r}: must be > 0 "
+                "(fractions such as 0.5 are allowed)"
             )
         if self.threads_per_worker is not None and self.threads_per_worker < 1:
             raise ValueError(f"ScalingConfig.threads_per_worker={self.threads_per_worker!r}: must be >= 1 or None")
         if self.placement_strategy not in _PLACEMENT_STRATEGIES:
             raise ValueError(
-                f"ScalingConfig.placement_strategy={self.placement_strategy!r}: use one of {', '.join(_PLACEMENT_STRATEGIES)}"
+                f"ScalingConfig.placement_strategy={self.placement_strategy!r}: "
+                f"use one of {', '.join(_PLACEMENT_STRATEGIES)}"
             )
         if self.shares is not None:
             shares = list(self.shares)

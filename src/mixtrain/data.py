@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import math
 import warnings
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 import torch
@@ -36,9 +37,7 @@ def step_size(num_samples: int, global_batch: int, step: int) -> int:
     return min(global_batch, num_samples - step * global_batch)
 
 
-def worker_indices(
-    perm: np.ndarray, global_batch: int, step: int, shares: Sequence[int], rank: int
-) -> np.ndarray:
+def worker_indices(perm: np.ndarray, global_batch: int, step: int, shares: Sequence[int], rank: int) -> np.ndarray:
     """Dataset indices that worker `rank` processes at `step` of the epoch ordered by `perm`."""
     size = step_size(len(perm), global_batch, step)
     sizes = shares_for_step(shares, size)
@@ -71,7 +70,9 @@ def to_arrays(data: Any) -> Arrays:
         )
     lengths = {len(f) for f in fields}
     if len(lengths) != 1:
-        raise ValueError(f"dataset fields have different lengths {sorted(lengths)}; every field needs one row per sample")
+        raise ValueError(
+            f"dataset fields have different lengths {sorted(lengths)}; every field needs one row per sample"
+        )
     if lengths == {0}:
         raise ValueError("the dataset is empty (0 samples): give it at least one sample")
     return tuple(fields)

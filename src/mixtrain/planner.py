@@ -5,7 +5,7 @@ Fixed shares for now; speed-aware balancing plugs in here by producing the weigh
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 
 def largest_remainder(weights: Sequence[float], total: int) -> list[int]:

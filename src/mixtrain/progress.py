@@ -34,8 +34,13 @@ class ProgressView:
 
     def round_done(self, record: dict[str, Any]) -> None:
         if self._bar is not None:
-            self._bar.update(self._task, advance=record["samples"], epoch=record["epoch"],
-                             loss=record["last_loss"], rate=record["samples_per_s"])
+            self._bar.update(
+                self._task,
+                advance=record["samples"],
+                epoch=record["epoch"],
+                loss=record["last_loss"],
+                rate=record["samples_per_s"],
+            )
 
     def close(self) -> None:
         if self._bar is not None:

@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import ray
-
 from mixtrain import cluster
 from mixtrain._constants import BUCKET_MB, COLLECTIVE_TIMEOUT_S, RENDEZVOUS_TIMEOUT_S, env_float
 from mixtrain.checkpoint import atomic_save
@@ -41,16 +41,20 @@ class Trainer:
         *,
         global_batch: int,
         eval_data: Any = None,
-        scaling: ScalingConfig = ScalingConfig(),
-        run: RunConfig = RunConfig(),
+        scaling: ScalingConfig | None = None,
+        run: RunConfig | None = None,
         strategy: str = "allreduce",
     ) -> None:
         if not callable(task_factory):
-            raise TypeError("task_factory must be a callable that returns mixtrain.Task(model=..., optimizer=..., loss_fn=...)")
+            raise TypeError(
+                "task_factory must be a callable that returns mixtrain.Task(model=..., optimizer=..., loss_fn=...)"
+            )
         if not isinstance(global_batch, int) or global_batch < 1:
             raise ValueError(f"global_batch={global_batch!r}: must be an integer >= 1")
         if strategy not in STRATEGIES:
             raise ValueError(f"strategy={strategy!r}: use one of {', '.join(STRATEGIES)}")
+        scaling = scaling or ScalingConfig()
+        run = run or RunConfig()
         self.shares = resolve_shares(scaling.shares, global_batch, scaling.num_workers)
         self.train_arrays = to_arrays(train_data)
         self.eval_arrays = to_arrays(eval_data) if eval_data is not None else None
@@ -66,9 +70,18 @@ class Trainer:
         t_start = time.perf_counter()
         run_dir = make_run_dir(self.run)
         num_samples = len(self.train_arrays[0])
-        log = RunLog(run_dir, {"scaling": self.scaling, "run": self.run, "global_batch": self.global_batch,
-                                "epochs": epochs, "strategy": self.strategy, "shares": self.shares,
-                                "num_samples": num_samples})
+        log = RunLog(
+            run_dir,
+            {
+                "scaling": self.scaling,
+                "run": self.run,
+                "global_batch": self.global_batch,
+                "epochs": epochs,
+                "strategy": self.strategy,
+                "shares": self.shares,
+                "num_samples": num_samples,
+            },
+        )
         view = ProgressView(False, 0)
         cluster.ensure_ray(self.scaling.address, self.scaling.num_workers * self.scaling.cpus_per_worker)
         group = self.worker_group_cls(self.scaling, self.run.seed)
@@ -77,10 +90,18 @@ class Trainer:
             workers = self._set_up(group)
             log.write("workers", {"workers": workers})
             view = ProgressView(self.run.progress, num_samples * epochs)
-            view.log(f"mixtrain: {len(workers)} workers, global batch {self.global_batch} split {self.shares}, "
-                     f"{num_samples} samples x {epochs} epochs; run folder {run_dir}")
-            plan = EpochPlan(num_samples, self.global_batch, self.shares, self.run.steps_per_round,
-                             self.run.drift_tolerance, len(self.eval_arrays[0]) if self.eval_arrays else 0)
+            view.log(
+                f"mixtrain: {len(workers)} workers, global batch {self.global_batch} split {self.shares}, "
+                f"{num_samples} samples x {epochs} epochs; run folder {run_dir}"
+            )
+            plan = EpochPlan(
+                num_samples,
+                self.global_batch,
+                self.shares,
+                self.run.steps_per_round,
+                self.run.drift_tolerance,
+                len(self.eval_arrays[0]) if self.eval_arrays else 0,
+            )
             controller = Controller(group, plan, log, view)
             to_first_step = time.perf_counter() - t_start
             controller.run(epochs)
@@ -91,8 +112,15 @@ class Trainer:
             log.close()
         model_path = atomic_save(state, run_dir / "model.pt")
         view.log(f"done: weights in {model_path}")
-        return Result(run_dir=run_dir, model_path=model_path, state_dict=state, history=controller.history,
-                      evals=controller.evals, workers=workers, seconds_to_first_step=to_first_step)
+        return Result(
+            run_dir=run_dir,
+            model_path=model_path,
+            state_dict=state,
+            history=controller.history,
+            evals=controller.evals,
+            workers=workers,
+            seconds_to_first_step=to_first_step,
+        )
 
     def _set_up(self, group: WorkerGroup) -> list[dict[str, Any]]:
         """Build replicas, form the gloo group, ship the data: each phase fails fast and names the worker."""
@@ -103,8 +131,16 @@ class Trainer:
         group.call("build", self.task_factory, timeout_s=rendezvous_s + 600)
         host, port = group.call("open_rendezvous", rendezvous_s, timeout_s=rendezvous_s, ranks=[0])[0]
         bucket_bytes = int(env_float(BUCKET_MB) * 2**20)
-        group.call("join", host, port, rendezvous_s, collective_s, self.strategy, bucket_bytes,
-                   timeout_s=rendezvous_s + collective_s + 10)
+        group.call(
+            "join",
+            host,
+            port,
+            rendezvous_s,
+            collective_s,
+            self.strategy,
+            bucket_bytes,
+            timeout_s=rendezvous_s + collective_s + 10,
+        )
         train_ref = ray.put(self.train_arrays)  # once; workers read it zero-copy from the object store
         eval_ref = ray.put(self.eval_arrays) if self.eval_arrays is not None else None
         group.call("load_data", train_ref, eval_ref, timeout_s=rendezvous_s + 600)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 import socket
 import time
-from typing import Callable
+from collections.abc import Callable
 
 import numpy as np
 import torch
@@ -38,8 +38,14 @@ class TrainWorker:
         self._perm: np.ndarray = np.empty(0, dtype=np.int64)
 
     def info(self) -> dict:
-        return {"rank": self.rank, "host": self.host, "hostname": socket.gethostname(), "pid": os.getpid(),
-                "device": str(self.device), "threads": torch.get_num_threads()}
+        return {
+            "rank": self.rank,
+            "host": self.host,
+            "hostname": socket.gethostname(),
+            "pid": os.getpid(),
+            "device": str(self.device),
+            "threads": torch.get_num_threads(),
+        }
 
     # ---- set-up, in the order the driver calls it -------------------------------------------
     def build(self, factory: Callable[[], Task]) -> dict:
@@ -53,12 +59,25 @@ class TrainWorker:
         self._rendezvous = process_group.Rendezvous(self.host, timeout_s)
         return self.host, self._rendezvous.port
 
-    def join(self, host: str, port: int, rendezvous_timeout_s: float, collective_timeout_s: float,
-             strategy: str, bucket_bytes: int) -> None:
+    def join(
+        self,
+        host: str,
+        port: int,
+        rendezvous_timeout_s: float,
+        collective_timeout_s: float,
+        strategy: str,
+        bucket_bytes: int,
+    ) -> None:
         store = self._rendezvous.store if self.rank == 0 else None
-        process_group.join_group(rank=self.rank, world_size=self.world_size, host=host, port=port,
-                                 rendezvous_timeout_s=rendezvous_timeout_s,
-                                 collective_timeout_s=collective_timeout_s, store=store)
+        process_group.join_group(
+            rank=self.rank,
+            world_size=self.world_size,
+            host=host,
+            port=port,
+            rendezvous_timeout_s=rendezvous_timeout_s,
+            collective_timeout_s=collective_timeout_s,
+            store=store,
+        )
         self.strategy: SyncStrategy = STRATEGIES[strategy]()
         self.strategy.setup(self.task, bucket_bytes)
 

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import time
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
-import ray
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+import ray
 from mixtrain import cluster
 from mixtrain._constants import PLACEMENT_TIMEOUT_S, env_float
 from mixtrain.config import ScalingConfig
@@ -53,7 +54,7 @@ class WorkerGroup:
                 f"{timeout:g} s (MIXTRAIN_PLACEMENT_TIMEOUT_S). Cluster: {cluster.inventory()}. Free resources "
                 "held by other jobs, use fewer workers, or relax the placement strategy."
             )
-        remote = ray.remote(self.worker_cls)
+        remote: Any = ray.remote(self.worker_cls)
         self.actors = [
             remote.options(
                 num_cpus=cpus,

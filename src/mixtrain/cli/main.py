@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import argparse
 import sys
-from typing import Sequence
+from collections.abc import Sequence
 
 
 def _shares(text: str) -> list[int]:
@@ -54,12 +54,16 @@ def cmd_train(args: argparse.Namespace) -> int:
 
     ex = load_example(args.example, lr=args.lr, seed=args.seed)
     trainer = Trainer(
-        ex.task_factory, ex.train, eval_data=ex.eval,
+        ex.task_factory,
+        ex.train,
+        eval_data=ex.eval,
         global_batch=args.global_batch or ex.global_batch,
-        scaling=ScalingConfig(num_workers=args.workers, cpus_per_worker=args.cpus_per_worker, shares=args.shares,
-                              address=args.address),
-        run=RunConfig(run_dir=args.run_dir, seed=args.seed, steps_per_round=args.steps_per_round,
-                      progress=not args.quiet),
+        scaling=ScalingConfig(
+            num_workers=args.workers, cpus_per_worker=args.cpus_per_worker, shares=args.shares, address=args.address
+        ),
+        run=RunConfig(
+            run_dir=args.run_dir, seed=args.seed, steps_per_round=args.steps_per_round, progress=not args.quiet
+        ),
     )
     result = trainer.fit(epochs=args.epochs or ex.epochs)
     metrics = result.metrics

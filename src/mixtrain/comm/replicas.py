@@ -24,7 +24,7 @@ def _flat_broadcast(tensors: list[torch.Tensor], src: int = 0) -> None:
 
 def optimizer_tensors(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
     """Optimizer state tensors in a fixed order (parameter order, then key order)."""
-    out = []
+    out: list[torch.Tensor] = []
     for group in optimizer.param_groups:
         for p in group["params"]:
             state = optimizer.state.get(p, {})

@@ -23,8 +23,10 @@ class DigitsCNN(nn.Module):
     def __init__(self) -> None:
         super().__init__()
         self.features = nn.Sequential(
-            nn.Conv2d(1, 32, 3, padding=1), nn.ReLU(),
-            nn.Conv2d(32, 64, 3, padding=1), nn.ReLU(),
+            nn.Conv2d(1, 32, 3, padding=1),
+            nn.ReLU(),
+            nn.Conv2d(32, 64, 3, padding=1),
+            nn.ReLU(),
             nn.MaxPool2d(2),
         )
         self.head = nn.Sequential(nn.Flatten(), nn.Linear(64 * 4 * 4, 128), nn.ReLU(), nn.Linear(128, 10))
@@ -38,7 +40,9 @@ def make_task(lr: float = DEFAULT_LR) -> Task:
     return Task(model=model, optimizer=torch.optim.Adam(model.parameters(), lr=lr), loss_fn=nn.functional.cross_entropy)
 
 
-def load_digits(seed: int = 0, eval_fraction: float = 0.2) -> tuple[tuple[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]:
+def load_digits(
+    seed: int = 0, eval_fraction: float = 0.2
+) -> tuple[tuple[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]:
     """(train, held-out) tensors: images scaled to [0, 1] as (N, 1, 8, 8) float32, labels int64."""
     from sklearn.datasets import load_digits as sk_load_digits
 
@@ -51,7 +55,7 @@ def load_digits(seed: int = 0, eval_fraction: float = 0.2) -> tuple[tuple[torch.
     return (x[train], y[train]), (x[held], y[held])
 
 
-def example(lr: float | None = None, seed: int = 0):  # noqa: ANN201 - returns examples.Example
+def example(lr: float | None = None, seed: int = 0):
     from mixtrain.examples import Example
 
     train, held = load_digits(seed)
@@ -62,6 +66,7 @@ def main() -> None:
     from mixtrain import ScalingConfig, Trainer
 
     ex = example()
-    result = Trainer(ex.task_factory, ex.train, eval_data=ex.eval, global_batch=ex.global_batch,
-                     scaling=ScalingConfig(num_workers=2)).fit(epochs=ex.epochs)
+    result = Trainer(
+        ex.task_factory, ex.train, eval_data=ex.eval, global_batch=ex.global_batch, scaling=ScalingConfig(num_workers=2)
+    ).fit(epochs=ex.epochs)
     print(f"held-out accuracy {result.metrics['accuracy']:.4f}; files in {result.run_dir}")

@@ -1,0 +1,37 @@
+# One target per job. `make demo` and `make test` each set up everything they need on a fresh machine.
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+# The pinned CPU build of torch first: an unpinned torch pulls several GB of CUDA packages.
+TORCH ?= torch==2.13.0
+
+.PHONY: install install-dev demo test test-fast lint bench clean
+
+$(BIN)/python:
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+
+install: $(BIN)/python
+	$(BIN)/pip install -q $(TORCH)
+	$(BIN)/pip install -q -e .
+
+install-dev: install
+	$(BIN)/pip install -q -e ".[dev]"
+
+demo: install
+	$(BIN)/mixtrain train --example digits --workers 2
+
+test: install-dev
+	$(BIN)/python -m pytest -q tests
+
+lint: install-dev
+	$(BIN)/ruff check src tests benchmarks
+	$(BIN)/ruff format --check src tests benchmarks
+	$(BIN)/mypy
+
+bench: install
+	$(BIN)/pip install -q -e ".[bench]"
+	$(BIN)/python benchmarks/compare.py
+
+clean:
+	rm -rf $(VENV) mixtrain_runs bench_results

@@ -1,0 +1,114 @@
+"""Real multi-process gloo collectives on 127.0.0.1: buckets, finiteness agreement, replicas, rendezvous."""
+
+import time
+
+import torch
+
+from mixtrain.comm import replicas
+from mixtrain.comm.buckets import GradBuckets
+from tests.distributed.ranks import run_ranks
+
+
+def _model(seed: int) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.ReLU(), torch.nn.Linear(5, 3))
+
+
+def _weighted_grads(rank, world, shares, poison):
+    model = _model(0)
+    buckets = GradBuckets(list(model.parameters()), bucket_bytes=64)  # tiny: several buckets
+    torch.manual_seed(100)
+    x, y = torch.randn(sum(shares), 6), torch.randint(0, 3, (sum(shares),))
+    lo = sum(shares[:rank])
+    xs, ys = x[lo : lo + shares[rank]], y[lo : lo + shares[rank]]
+    buckets.zero_()
+    loss = torch.nn.functional.cross_entropy(model(xs), ys) * (shares[rank] / sum(shares))
+    loss.backward()
+    if poison == rank:
+        next(model.parameters()).grad[0, 0] = float("inf")
+    extras = torch.tensor([loss.item()])
+    buckets.all_reduce_(extras)
+    return {
+        "grads": [p.grad.clone() for p in model.parameters()],
+        "loss": float(extras[0]),
+        "finite": buckets.all_finite(),
+        "num_buckets": len(buckets.buckets),
+    }
+
+
+def test_unequal_shares_sum_to_the_global_mean_gradient():
+    shares = [7, 2, 3]
+    out = run_ranks(_weighted_grads, 3, shares, -1)
+    assert all(status == "ok" for status, _ in out.values()), out
+    model = _model(0)
+    torch.manual_seed(100)
+    x, y = torch.randn(12, 6), torch.randint(0, 3, (12,))
+    loss = torch.nn.functional.cross_entropy(model(x), y)
+    loss.backward()
+    for rank in range(3):
+        res = out[rank][1]
+        assert res["num_buckets"] > 1
+        assert abs(res["loss"] - loss.item()) < 1e-6
+        for got, p in zip(res["grads"], model.parameters()):
+            torch.testing.assert_close(got, p.grad, rtol=1e-6, atol=1e-7)
+    # identical bits on every rank
+    for g0, g1 in zip(out[0][1]["grads"], out[2][1]["grads"]):
+        assert torch.equal(g0, g1)
+
+
+def test_one_rank_with_inf_makes_every_rank_skip():
+    out = run_ranks(_weighted_grads, 2, [3, 3], 1)
+    assert [out[r][1]["finite"] for r in (0, 1)] == [False, False]
+
+
+def _drift_and_buffers(rank, world, perturb):
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.BatchNorm1d(4))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    if rank != 0:
+        model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.BatchNorm1d(4))  # other init
+        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    replicas.broadcast_state(model, opt)
+    synced = [p.detach().clone() for p in model.parameters()]
+    with torch.no_grad():
+        model[1].running_mean.fill_(float(rank + 1))
+        if rank == 1:
+            model[0].weight[0, 0] += perturb
+    replicas.average_buffers(model, weight=[0.75, 0.25][rank])
+    d, rebroadcast = replicas.resync_if_drifted(model, opt, tolerance=1e-6)
+    return {
+        "params": [p.detach().clone() for p in model.parameters()],
+        "synced": synced,
+        "running_mean": model[1].running_mean.clone(),
+        "drift": d,
+        "rebroadcast": rebroadcast,
+    }
+
+
+def test_broadcast_weighted_buffers_and_drift_rebroadcast():
+    out = run_ranks(_drift_and_buffers, 2, 1e-3)
+    r0, r1 = out[0][1], out[1][1]
+    for a, b in zip(r0["synced"], r1["synced"]):
+        assert torch.equal(a, b)  # initial broadcast made the replicas identical
+    # running_mean: 0.75 * 1 + 0.25 * 2
+    assert torch.allclose(r1["running_mean"], torch.full((4,), 1.25, dtype=r1["running_mean"].dtype))
+    assert r0["rebroadcast"] and r1["rebroadcast"] and r1["drift"] > 1e-6
+    for a, b in zip(r0["params"], r1["params"]):
+        assert torch.equal(a, b)
+
+
+def test_no_rebroadcast_without_drift():
+    out = run_ranks(_drift_and_buffers, 2, 0.0)
+    assert out[1][1]["drift"] == 0.0 and not out[1][1]["rebroadcast"]
+
+
+def _noop(rank, world):
+    return rank
+
+
+def test_missing_peer_is_a_clear_error_not_a_hang():
+    t0 = time.monotonic()
+    out = run_ranks(_noop, 2, timeout_s=2.0, ranks=[0])  # rank 1 never starts
+    assert time.monotonic() - t0 < 30
+    status, message = out[0]
+    assert status == "error"
+    assert "RendezvousError" in message and "MIXTRAIN_RENDEZVOUS_TIMEOUT_S" in message

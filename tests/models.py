@@ -1,0 +1,62 @@
+"""Task factories shared by the tests. Importable on Ray workers (the conftest puts the repo on PYTHONPATH)."""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+from torch import nn
+
+from mixtrain import Task
+
+
+def mlp() -> nn.Module:
+    return nn.Sequential(nn.Linear(20, 32), nn.Tanh(), nn.Linear(32, 16), nn.Tanh(), nn.Linear(16, 5))
+
+
+def cnn() -> nn.Module:
+    return nn.Sequential(
+        nn.Conv2d(1, 8, 3, padding=1),
+        nn.ReLU(),
+        nn.Conv2d(8, 8, 3, padding=1),
+        nn.ReLU(),
+        nn.MaxPool2d(2),
+        nn.Flatten(),
+        nn.Linear(8 * 4 * 4, 5),
+    )
+
+
+def bn_net() -> nn.Module:
+    return nn.Sequential(nn.Linear(20, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Linear(16, 5))
+
+
+MODELS = {"mlp": mlp, "cnn": cnn, "bn": bn_net}
+
+
+def optimizer(name: str, params) -> torch.optim.Optimizer:
+    if name == "sgd":
+        return torch.optim.SGD(params, lr=0.05, momentum=0.9)
+    if name == "adamw":
+        return torch.optim.AdamW(params, lr=1e-3, weight_decay=0.01)
+    raise ValueError(name)
+
+
+def make_task(model: str, opt: str) -> Task:
+    m = MODELS[model]()
+    return Task(model=m, optimizer=optimizer(opt, m.parameters()), loss_fn=nn.functional.cross_entropy)
+
+
+def factory(model: str, opt: str):
+    return functools.partial(make_task, model, opt)
+
+
+def raising_factory() -> Task:
+    raise RuntimeError("boom from the user's factory")
+
+
+def data(model: str, num_samples: int, seed: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    shape = (num_samples, 1, 8, 8) if model == "cnn" else (num_samples, 20)
+    x = torch.randn(shape, generator=g)
+    y = torch.randint(0, 5, (num_samples,), generator=g)
+    return x, y

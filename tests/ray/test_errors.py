@@ -1,0 +1,65 @@
+"""Bad input and failing workers give clear errors, fast, and no hang."""
+
+import time
+
+import pytest
+import torch
+
+from mixtrain import RunConfig, ScalingConfig, Trainer, WorkerError
+from tests.models import data, factory, raising_factory
+
+pytestmark = pytest.mark.usefixtures("ray_session")
+
+
+def test_factory_that_raises_on_a_worker_carries_its_traceback(tmp_path):
+    x, y = data("mlp", 64)
+    trainer = Trainer(raising_factory, (x, y), global_batch=16, run=RunConfig(run_dir=str(tmp_path), progress=False))
+    t0 = time.monotonic()
+    with pytest.raises(WorkerError) as info:
+        trainer.fit()
+    assert time.monotonic() - t0 < 30
+    message = str(info.value)
+    assert "failed in build()" in message
+    assert "boom from the user's factory" in message
+    assert "raising_factory" in message  # the worker's traceback, not just the message
+
+
+def test_factory_returning_the_wrong_type(tmp_path):
+    x, y = data("mlp", 64)
+    trainer = Trainer(
+        lambda: torch.nn.Linear(2, 2), (x, y), global_batch=16, run=RunConfig(run_dir=str(tmp_path), progress=False)
+    )
+    with pytest.raises(WorkerError, match=r"must return mixtrain.Task"):
+        trainer.fit()
+
+
+def test_impossible_placement_fails_fast_with_the_inventory(tmp_path):
+    x, y = data("mlp", 64)
+    trainer = Trainer(
+        factory("mlp", "sgd"),
+        (x, y),
+        global_batch=16,
+        scaling=ScalingConfig(num_workers=2, cpus_per_worker=3),
+        run=RunConfig(run_dir=str(tmp_path), progress=False),
+    )
+    t0 = time.monotonic()
+    with pytest.raises(RuntimeError, match=r"asks for 2 workers x 3 CPU = 6 CPUs.*Cluster: 1 node\(s\); total: CPU=4"):
+        trainer.fit()
+    assert time.monotonic() - t0 < 10
+
+
+def test_resources_held_elsewhere_time_out_with_the_inventory(tmp_path, monkeypatch):
+    import ray
+
+    monkeypatch.setenv("MIXTRAIN_PLACEMENT_TIMEOUT_S", "2")
+    hog = ray.util.placement_group([{"CPU": 3}])
+    ray.get(hog.ready())
+    try:
+        x, y = data("mlp", 64)
+        trainer = Trainer(
+            factory("mlp", "sgd"), (x, y), global_batch=16, run=RunConfig(run_dir=str(tmp_path), progress=False)
+        )
+        with pytest.raises(RuntimeError, match=r"could not reserve 2 workers.*within 2 s.*free: CPU=1"):
+            trainer.fit()
+    finally:
+        ray.util.remove_placement_group(hog)

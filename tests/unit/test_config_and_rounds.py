@@ -1,0 +1,60 @@
+import pytest
+import torch
+
+from mixtrain import RunConfig, ScalingConfig, Task, Trainer
+from mixtrain.rounds import RoundPlan, WorkerReport, next_round_steps, summarize_round, worker_times
+from tests.models import factory
+
+
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [
+        ({"num_workers": 0}, r"ScalingConfig.num_workers=0"),
+        ({"cpus_per_worker": 0}, r"ScalingConfig.cpus_per_worker=0"),
+        ({"placement_strategy": "pack"}, r"placement_strategy='pack'.*PACK, SPREAD"),
+        ({"num_workers": 2, "shares": [64]}, r"shares=\[64\]: has 1 entries but num_workers=2"),
+        ({"num_workers": 2, "shares": [64, 0]}, r"every share must be an integer >= 1"),
+    ],
+)
+def test_scaling_config_errors_name_field_and_value(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        ScalingConfig(**kwargs)
+
+
+def test_run_config_errors():
+    with pytest.raises(ValueError, match=r"RunConfig.steps_per_round=0"):
+        RunConfig(steps_per_round=0)
+
+
+def test_trainer_rejects_bad_input_before_starting_anything():
+    x, y = torch.ones(10, 20), torch.zeros(10, dtype=torch.long)
+    with pytest.raises(ValueError, match="global_batch=1 is smaller than num_workers=2"):
+        Trainer(factory("mlp", "sgd"), (x, y), global_batch=1, scaling=ScalingConfig(num_workers=2))
+    with pytest.raises(ValueError, match="empty"):
+        Trainer(factory("mlp", "sgd"), (x[:0], y[:0]), global_batch=4)
+    with pytest.raises(ValueError, match="strategy='ring'"):
+        Trainer(factory("mlp", "sgd"), (x, y), global_batch=4, strategy="ring")
+    with pytest.raises(ValueError, match="epochs=0"):
+        Trainer(factory("mlp", "sgd"), (x, y), global_batch=4).fit(epochs=0)
+
+
+def test_task_checks_its_fields():
+    with pytest.raises(TypeError, match=r"Task\.model"):
+        Task(model="m", optimizer=None, loss_fn=len)  # type: ignore[arg-type]
+
+
+def test_wait_is_derived_from_the_slowest_compute():
+    fast = WorkerReport(rank=0, samples=10, compute_s=[0.1, 0.1], comm_s=[0.35, 0.25], losses=[1.0, 0.5])
+    slow = WorkerReport(rank=1, samples=10, compute_s=[0.4, 0.2], comm_s=[0.05, 0.15], losses=[1.0, 0.5])
+    times = worker_times([fast, slow])
+    assert times[0]["wait_s"] == pytest.approx(0.4)
+    assert times[0]["comm_s"] == pytest.approx(0.2)
+    assert times[1]["wait_s"] == pytest.approx(0.0)
+    record = summarize_round(RoundPlan(0, 0, 2, (10, 10), 20, 1e-6), [slow, fast], wall_s=2.0)
+    assert record["samples"] == 20 and record["samples_per_s"] == 10 and record["loss"] == 0.75
+
+
+def test_round_length_follows_target():
+    assert next_round_steps(0.01, 1.5, None) == 150
+    assert next_round_steps(10.0, 1.5, None) == 1
+    assert next_round_steps(0.01, 1.5, 7) == 7

@@ -1,0 +1,59 @@
+import numpy as np
+import pytest
+import torch
+from torch.utils.data import Dataset, TensorDataset
+
+from mixtrain.data import epoch_permutation, step_size, steps_per_epoch, to_arrays, worker_indices
+
+
+@pytest.mark.parametrize("num_samples", [64 * 5, 64 * 5 + 17, 3, 1000])
+@pytest.mark.parametrize("shares", [[32, 32], [40, 24], [30, 20, 14], [1, 62, 1], [64]])
+def test_every_sample_exactly_once_per_epoch(num_samples, shares):
+    perm = epoch_permutation(seed=3, epoch=2, num_samples=num_samples)
+    seen = []
+    for step in range(steps_per_epoch(num_samples, 64)):
+        parts = [worker_indices(perm, 64, step, shares, r) for r in range(len(shares))]
+        assert sum(len(p) for p in parts) == step_size(num_samples, 64, step)
+        for part in parts:
+            seen.extend(part.tolist())
+    assert sorted(seen) == list(range(num_samples))
+
+
+def test_step_order_is_the_permutation_whatever_the_split():
+    perm = epoch_permutation(0, 0, 200)
+    for shares in ([32, 32], [50, 14], [10, 20, 34]):
+        step1 = np.concatenate([worker_indices(perm, 64, 1, shares, r) for r in range(len(shares))])
+        assert step1.tolist() == perm[64:128].tolist()
+
+
+def test_permutation_depends_on_seed_and_epoch_only():
+    a = epoch_permutation(1, 0, 50)
+    assert a.tolist() == epoch_permutation(1, 0, 50).tolist()
+    assert a.tolist() != epoch_permutation(1, 1, 50).tolist()
+    assert a.tolist() != epoch_permutation(2, 0, 50).tolist()
+
+
+class Squares(Dataset):
+    def __len__(self):
+        return 5
+
+    def __getitem__(self, i):
+        return torch.tensor([float(i)]), i * i
+
+
+def test_to_arrays_accepts_datasets_and_tuples():
+    x, y = to_arrays(Squares())
+    assert x.shape == (5, 1) and y.tolist() == [0, 1, 4, 9, 16]
+    x2, y2 = to_arrays(TensorDataset(torch.ones(4, 2), torch.zeros(4)))
+    assert x2.shape == (4, 2) and y2.shape == (4,)
+    (only,) = to_arrays((torch.arange(3),))
+    assert only.tolist() == [0, 1, 2]
+
+
+def test_to_arrays_errors_are_clear():
+    with pytest.raises(ValueError, match="empty"):
+        to_arrays(TensorDataset(torch.ones(0, 2), torch.zeros(0)))
+    with pytest.raises(ValueError, match="different lengths"):
+        to_arrays((torch.ones(4, 2), torch.zeros(3)))
+    with pytest.raises(TypeError, match="not supported"):
+        to_arrays("not a dataset")
