@@ -63,7 +63,7 @@ class AllReduceStrategy(SyncStrategy):
     def setup(self, task: Task, bucket_bytes: int) -> None:
         replicas.broadcast_state(task.model)
         params = [p for p in task.model.parameters() if p.requires_grad]
-        self.buckets = GradBuckets(params, bucket_bytes)
+        self.buckets = GradBuckets(params, bucket_bytes, num_extras=1)  # the loss rides along
 
     def zero_grad(self, task: Task) -> None:
         self.buckets.zero_()

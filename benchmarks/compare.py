@@ -1,0 +1,289 @@
+"""mixtrain vs torchrun DDP vs Ray Train vs one process, on the same workloads, in one run.
+
+Command lines:
+    make bench                                             # everything, medians of 3
+    python benchmarks/compare.py --repeats 1 --workloads cnn
+    python benchmarks/compare.py --runner mixtrain --workload mlp   # one runner, prints one JSON line
+
+Every runner is its own subprocess, started the way a user would start it, so "first step"
+is the wall time from the command starting to the first training step. Workloads use
+synthetic data, global batch 128, SGD with momentum; distributed runners use 2 workers
+x 1 thread, the single process 2 threads. samples/s excludes warm-up steps.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+T0_ENV = "MIXTRAIN_BENCH_T0"
+GLOBAL_BATCH = 128
+NUM_WORKERS = 2
+WORKLOADS = {
+    # name: (samples per epoch, epochs, warm-up steps excluded from samples/s)
+    "mlp": (128 * 100, 4, 40),
+    "cnn": (128 * 30, 2, 6),
+}
+RUNNERS = ("single", "ddp", "raytrain", "mixtrain")
+
+
+def t0() -> float:
+    return float(os.environ.get(T0_ENV, time.time()))
+
+
+def make_model(workload: str):
+    from torch import nn
+
+    if workload == "mlp":
+        return nn.Sequential(nn.Linear(784, 512), nn.ReLU(), nn.Linear(512, 512), nn.ReLU(), nn.Linear(512, 10))
+    return nn.Sequential(
+        nn.Conv2d(1, 32, 3),
+        nn.ReLU(),
+        nn.Conv2d(32, 64, 3),
+        nn.ReLU(),
+        nn.MaxPool2d(2),
+        nn.Flatten(),
+        nn.Linear(9216, 128),
+        nn.ReLU(),
+        nn.Linear(128, 10),
+    )
+
+
+def make_data(workload: str):
+    import torch
+
+    n = WORKLOADS[workload][0]
+    g = torch.Generator().manual_seed(0)
+    shape = (n, 784) if workload == "mlp" else (n, 1, 28, 28)
+    return torch.randn(shape, generator=g), torch.randint(0, 10, (n,), generator=g)
+
+
+def make_optimizer(model):
+    import torch
+
+    return torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+
+
+def timed_loop(model, opt, x, y, workload: str, rank: int, world: int) -> dict:
+    """A plain step loop (used by single, DDP and Ray Train): this rank's slice of each global batch."""
+    import torch
+
+    n, epochs, warmup = WORKLOADS[workload]
+    local = GLOBAL_BATCH // world
+    loss_fn = torch.nn.functional.cross_entropy
+    first_step = time.time() - t0()
+    steps, t_measure = 0, 0.0
+    for _ in range(epochs):
+        for start in range(0, n, GLOBAL_BATCH):
+            if steps == warmup:
+                t_measure = time.perf_counter()
+            lo = start + rank * local
+            opt.zero_grad()
+            loss_fn(model(x[lo : lo + local]), y[lo : lo + local]).backward()
+            opt.step()
+            steps += 1
+    elapsed = time.perf_counter() - t_measure
+    return {"samples_per_s": (steps - warmup) * GLOBAL_BATCH / elapsed, "first_step_s": first_step, "steps": steps}
+
+
+# ---- runners (each in its own process) ---------------------------------------------------------
+def run_single(workload: str) -> dict:
+    import torch
+
+    torch.set_num_threads(NUM_WORKERS)
+    torch.manual_seed(0)
+    model = make_model(workload)
+    x, y = make_data(workload)
+    return timed_loop(model, make_optimizer(model), x, y, workload, 0, 1)
+
+
+def run_ddp_rank(workload: str) -> dict:
+    import torch
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    torch.manual_seed(0)
+    model = DistributedDataParallel(make_model(workload))
+    x, y = make_data(workload)
+    out = timed_loop(model, make_optimizer(model), x, y, workload, dist.get_rank(), dist.get_world_size())
+    dist.destroy_process_group()
+    return out
+
+
+def run_ddp(workload: str) -> dict:
+    with tempfile.TemporaryDirectory() as tmp:
+        out_file = Path(tmp) / "out.json"
+        cmd = [
+            "torchrun",
+            "--standalone",
+            f"--nproc_per_node={NUM_WORKERS}",
+            __file__,
+            "--runner",
+            "ddp-rank",
+            "--workload",
+            workload,
+            "--out",
+            str(out_file),
+        ]
+        subprocess.run(cmd, check=True, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True)
+        return json.loads(out_file.read_text())
+
+
+def run_raytrain(workload: str) -> dict:
+    from ray.train import RunConfig, ScalingConfig
+    from ray.train.torch import TorchTrainer
+
+    import ray
+
+    with tempfile.TemporaryDirectory() as tmp:
+        out_file = Path(tmp) / "out.json"
+
+        def loop(config: dict) -> None:
+            import torch
+            from ray.train.torch import prepare_model
+
+            from ray import train
+
+            torch.set_num_threads(1)
+            torch.manual_seed(0)
+            model = prepare_model(make_model(workload))
+            x, y = make_data(workload)
+            ctx = train.get_context()
+            out = timed_loop(model, make_optimizer(model), x, y, workload, ctx.get_world_rank(), ctx.get_world_size())
+            if ctx.get_world_rank() == 0:
+                Path(config["out"]).write_text(json.dumps(out))
+
+        ray.init(num_cpus=NUM_WORKERS + 1, include_dashboard=False, log_to_driver=False, logging_level="ERROR")
+        TorchTrainer(
+            loop,
+            train_loop_config={"out": str(out_file)},
+            scaling_config=ScalingConfig(num_workers=NUM_WORKERS, resources_per_worker={"CPU": 1}),
+            run_config=RunConfig(storage_path=tmp, name="bench"),
+        ).fit()
+        ray.shutdown()
+        return json.loads(out_file.read_text())
+
+
+def run_mixtrain(workload: str) -> dict:
+    import functools
+
+    from mixtrain import RunConfig, ScalingConfig, Task, Trainer
+
+    x, y = make_data(workload)
+    n, epochs, warmup = WORKLOADS[workload]
+    t_fit = time.time()
+    with tempfile.TemporaryDirectory() as tmp:
+        result = Trainer(
+            functools.partial(_mixtrain_task, workload),
+            (x, y),
+            global_batch=GLOBAL_BATCH,
+            scaling=ScalingConfig(num_workers=NUM_WORKERS),
+            run=RunConfig(run_dir=tmp, progress=False),
+        ).fit(epochs=epochs)
+    del Task
+    steps_per_epoch = n // GLOBAL_BATCH
+    measured = [r for r in result.history if r["epoch"] * steps_per_epoch + r["first_step"] >= warmup]
+    samples = sum(r["samples"] for r in measured)
+    wall = sum(r["wall_s"] for r in measured)
+    workers = measured[-1]["workers"]
+    return {
+        "samples_per_s": samples / wall,
+        "first_step_s": t_fit + result.seconds_to_first_step - t0(),
+        "steps": sum(r["num_steps"] for r in result.history),
+        "compute_share": sum(w["compute_s"] for w in workers) / (len(workers) * measured[-1]["wall_s"]),
+    }
+
+
+def _mixtrain_task(workload: str):
+    import torch
+
+    from mixtrain import Task
+
+    model = make_model(workload)
+    return Task(model=model, optimizer=make_optimizer(model), loss_fn=torch.nn.functional.cross_entropy)
+
+
+# ---- the comparison ---------------------------------------------------------------------------
+def run_subprocess(runner: str, workload: str) -> dict:
+    env = {**os.environ, T0_ENV: repr(time.time())}
+    proc = subprocess.run(
+        [sys.executable, __file__, "--runner", runner, "--workload", workload],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=Path(__file__).resolve().parent.parent,
+    )
+    if proc.returncode != 0:
+        raise RuntimeError(f"{runner}/{workload} failed:\n{proc.stderr[-3000:]}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def compare(workloads: list[str], runners: list[str], repeats: int) -> dict:
+    results: dict = {}
+    for rep in range(repeats):
+        for workload in workloads:
+            for runner in runners:
+                out = run_subprocess(runner, workload)
+                results.setdefault(workload, {}).setdefault(runner, []).append(out)
+                print(
+                    f"  [{rep + 1}/{repeats}] {workload:4s} {runner:9s} {out['samples_per_s']:9,.0f} samples/s  "
+                    f"first step {out['first_step_s']:5.1f} s",
+                    file=sys.stderr,
+                    flush=True,
+                )
+    return results
+
+
+def table(results: dict) -> str:
+    lines = [
+        "| workload | runner | samples/s (median) | vs DDP | first step (s) | mixtrain first step vs this |",
+        "|---|---|---:|---:|---:|---:|",
+    ]
+    for workload, by_runner in results.items():
+        med = {r: statistics.median(o["samples_per_s"] for o in outs) for r, outs in by_runner.items()}
+        first = {r: statistics.median(o["first_step_s"] for o in outs) for r, outs in by_runner.items()}
+        for runner in by_runner:
+            vs_ddp = f"{med[runner] / med['ddp']:.2f}x" if "ddp" in med else "-"
+            vs_first = f"{first['mixtrain'] / first[runner]:.2f}x" if "mixtrain" in first else "-"
+            lines.append(
+                f"| {workload} | {runner} | {med[runner]:,.0f} | {vs_ddp} | {first[runner]:.1f} | {vs_first} |"
+            )
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--runner", choices=[*RUNNERS, "ddp-rank"])
+    parser.add_argument("--workload", choices=list(WORKLOADS))
+    parser.add_argument("--out", help="(ddp-rank) where rank 0 writes its result")
+    parser.add_argument("--workloads", default="mlp,cnn")
+    parser.add_argument("--runners", default=",".join(RUNNERS))
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--json", default="bench_results/compare.json", help="where the raw results go")
+    args = parser.parse_args()
+    if args.runner == "ddp-rank":
+        out = run_ddp_rank(args.workload)
+        if int(os.environ.get("RANK", "0")) == 0:
+            Path(args.out).write_text(json.dumps(out))
+        return
+    if args.runner:
+        runner = {"single": run_single, "ddp": run_ddp, "raytrain": run_raytrain, "mixtrain": run_mixtrain}
+        print(json.dumps(runner[args.runner](args.workload)))
+        return
+    results = compare(args.workloads.split(","), args.runners.split(","), args.repeats)
+    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.json).write_text(json.dumps(results, indent=1))
+    print(table(results))
+
+
+if __name__ == "__main__":
+    main()
