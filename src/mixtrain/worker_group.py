@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -18,6 +19,21 @@ from mixtrain.worker import TrainWorker
 
 class WorkerError(RuntimeError):
     """A worker failed; the message names its rank and node and carries its traceback."""
+
+
+_ANSI = re.compile(r"\x1b\[[0-9;]*m")
+
+
+def _describe(rank: int, method: str, exc: Exception) -> str:
+    text = _ANSI.sub("", str(exc))
+    message = f"worker {rank} failed in {method}():\n{text}"
+    if "ModuleNotFoundError" in text or "No module named" in text:
+        message += (
+            "\nFix: the task factory (and what it imports) must be importable on every worker: define it in an "
+            "installed package, or in a module under the folder you start from (local workers share your working "
+            "directory), or set PYTHONPATH for the Ray nodes."
+        )
+    return message
 
 
 class WorkerGroup:
@@ -92,7 +108,7 @@ class WorkerGroup:
             try:
                 results[rank_of[ref]] = ray.get(ref)
             except ray.exceptions.RayError as exc:
-                raise WorkerError(f"worker {rank_of[ref]} failed in {method}():\n{exc}") from exc
+                raise WorkerError(_describe(rank_of[ref], method, exc)) from exc
         return [results[r] for r in sorted(results)]
 
     def shutdown(self) -> None:

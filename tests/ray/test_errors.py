@@ -63,3 +63,20 @@ def test_resources_held_elsewhere_time_out_with_the_inventory(tmp_path, monkeypa
             trainer.fit()
     finally:
         ray.util.remove_placement_group(hog)
+
+
+def test_factory_from_a_module_workers_cannot_import_says_how_to_fix(tmp_path, monkeypatch):
+    import sys
+    import types
+
+    module = types.ModuleType("only_on_the_driver")
+    exec("from tests.models import make_task\ndef make():\n    return make_task('mlp', 'sgd')\n", module.__dict__)
+    monkeypatch.setitem(sys.modules, "only_on_the_driver", module)
+    x, y = data("mlp", 64)
+    trainer = Trainer(module.make, (x, y), global_batch=16, run=RunConfig(run_dir=str(tmp_path), progress=False))
+    with pytest.raises(WorkerError) as info:
+        trainer.fit()
+    message = str(info.value)
+    assert "No module named 'only_on_the_driver'" in message
+    assert "must be importable on every worker" in message
+    assert "\x1b[" not in message  # no terminal colour codes from Ray
