@@ -73,11 +73,7 @@ class Controller:
 
     def evaluate(self) -> dict[str, float]:
         """Held-out metrics, each worker taking a contiguous slice of the eval set."""
-        sizes = (
-            equal_shares(self.plan.num_eval, self.group.num_workers)
-            if self.plan.num_eval >= self.group.num_workers
-            else [self.plan.num_eval] + [0] * (self.group.num_workers - 1)
-        )
+        sizes = equal_shares(self.plan.num_eval, self.group.num_workers)  # zeros when fewer samples than workers
         bounds = [(sum(sizes[:i]), sum(sizes[: i + 1])) for i in range(len(sizes))]
         parts = self.group.call_each("evaluate", bounds, timeout_s=env_float(ROUND_TIMEOUT_S))
         total = {k: sum(part[k] for part in parts) for k in parts[0]}

@@ -36,10 +36,11 @@ def assert_same_weights(got: dict[str, torch.Tensor], want: dict[str, torch.Tens
         assert err <= rtol, f"{name}: relative difference {err:.2e} > {rtol}"
 
 
-def train(model, opt, shares, x, y, tmp_path, steps_per_round=7):
+def train(model, opt, shares, x, y, tmp_path, steps_per_round=7, eval_data=None):
     trainer = Trainer(
         factory(model, opt),
         (x, y),
+        eval_data=eval_data,
         global_batch=GLOBAL_BATCH,
         scaling=ScalingConfig(num_workers=len(shares), shares=shares),
         run=RunConfig(run_dir=str(tmp_path), seed=SEED, steps_per_round=steps_per_round, progress=False),
@@ -110,7 +111,9 @@ def bn_reference(shares: list[int], x: torch.Tensor, y: torch.Tensor, steps_per_
 def test_batchnorm_semantics_local_statistics_and_weighted_running_averages(tmp_path):
     shares = [40, 24]
     x, y = data("bn", 64 * 12)
-    result = train("bn", "sgd", shares, x, y, tmp_path, steps_per_round=5)
+    one_sample = (x[:1], y[:1])  # fewer held-out samples than workers: one worker evaluates, one idles
+    result = train("bn", "sgd", shares, x, y, tmp_path, steps_per_round=5, eval_data=one_sample)
+    assert result.evals[-1]["samples"] == 1 and result.evals[-1]["accuracy"] in (0.0, 1.0)
     assert_same_weights(result.state_dict, bn_reference(shares, x, y, steps_per_round=5))
     # and it is NOT single-process training (the forward normalises per worker): the doc is honest
     plain = reference("bn", "sgd", x, y)

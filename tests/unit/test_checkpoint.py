@@ -20,6 +20,7 @@ class _Payload:
         return (os.system, ("touch pwned",))
 
 
+@pytest.mark.filterwarnings("ignore:Detected pickle protocol")
 def test_load_refuses_pickled_code(tmp_path):
     path = tmp_path / "evil.pt"
     with open(path, "wb") as f:

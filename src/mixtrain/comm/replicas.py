@@ -6,20 +6,29 @@ import torch
 import torch.distributed as dist
 
 
+def _flatten(tensors: list[torch.Tensor], dtype: torch.dtype | None = None) -> torch.Tensor:
+    """One CPU buffer holding `tensors` back to back (gloo takes CPU tensors only)."""
+    return torch.cat([t.detach().reshape(-1).to("cpu", dtype or t.dtype) for t in tensors])
+
+
+def _unflatten_into(flat: torch.Tensor, tensors: list[torch.Tensor]) -> None:
+    offset = 0
+    for t in tensors:
+        n = t.numel()
+        with torch.no_grad():
+            t.copy_(flat[offset : offset + n].view_as(t))
+        offset += n
+
+
 def _flat_broadcast(tensors: list[torch.Tensor], src: int = 0) -> None:
-    """Broadcast tensors from `src` in one collective per dtype, staged through CPU."""
+    """Broadcast tensors from `src` in one collective per dtype."""
     by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
     for t in tensors:
         by_dtype.setdefault(t.dtype, []).append(t)
     for group in by_dtype.values():
-        flat = torch.cat([t.detach().reshape(-1).cpu() for t in group])
+        flat = _flatten(group)
         dist.broadcast(flat, src=src)
-        offset = 0
-        for t in group:
-            n = t.numel()
-            with torch.no_grad():
-                t.copy_(flat[offset : offset + n].view_as(t))
-            offset += n
+        _unflatten_into(flat, group)
 
 
 def optimizer_tensors(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
@@ -46,14 +55,9 @@ def average_buffers(model: torch.nn.Module, weight: float) -> None:
     floats = [b for b in model.buffers() if b.is_floating_point()]
     ints = [b for b in model.buffers() if not b.is_floating_point()]
     if floats:
-        flat = torch.cat([b.detach().reshape(-1).to("cpu", torch.float64) for b in floats]) * weight
+        flat = _flatten(floats, torch.float64) * weight
         dist.all_reduce(flat, op=dist.ReduceOp.SUM)
-        offset = 0
-        for b in floats:
-            n = b.numel()
-            with torch.no_grad():
-                b.copy_(flat[offset : offset + n].view_as(b))
-            offset += n
+        _unflatten_into(flat, floats)
     if ints:
         _flat_broadcast(ints)
 
