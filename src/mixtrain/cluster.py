@@ -5,9 +5,12 @@ from __future__ import annotations
 import logging
 import math
 import os
+import socket
+import time
 from typing import Any
 
 import ray
+from mixtrain._constants import CONNECT_TIMEOUT_S, env_float
 
 
 def ensure_ray(address: str | None, num_cpus_needed: float) -> None:
@@ -20,6 +23,7 @@ def ensure_ray(address: str | None, num_cpus_needed: float) -> None:
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     quiet: dict[str, Any] = {"logging_level": logging.ERROR, "log_to_driver": False}
     if address is not None:
+        check_reachable(address)
         ray.init(address=address, **quiet)
         return
     cpus = os.cpu_count() or 1
@@ -39,3 +43,30 @@ def inventory() -> str:
 
     nodes = [n for n in ray.nodes() if n.get("Alive")]
     return f"{len(nodes)} node(s); total: {fmt(ray.cluster_resources())}; free: {fmt(ray.available_resources())}"
+
+
+def check_reachable(address: str) -> None:
+    """Fail in seconds, naming the address, when no Ray head answers at host:port.
+
+    Ray 2.60's own connect keeps retrying for minutes. "auto" and "ray://" addresses are
+    left to Ray.
+    """
+    if address == "auto" or "://" in address:
+        return
+    host, sep, port = address.rpartition(":")
+    if not sep or not port.isdigit():
+        raise ValueError(f"address={address!r}: use HOST:PORT of the Ray head (e.g. 192.168.1.10:6379), or 'auto'")
+    timeout = env_float(CONNECT_TIMEOUT_S)
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            with socket.create_connection((host, int(port)), timeout=max(0.1, deadline - time.monotonic())):
+                return
+        except OSError as exc:
+            if time.monotonic() >= deadline:
+                raise ConnectionError(
+                    f"no Ray head answers at {address} (tried for {timeout:g} s, MIXTRAIN_CONNECT_TIMEOUT_S): {exc}. "
+                    "Check the address that `ray start --head` printed, that the head is running, and that no "
+                    "firewall blocks the port; or leave the address out to start a local Ray."
+                ) from exc
+            time.sleep(0.5)

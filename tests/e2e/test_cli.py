@@ -11,8 +11,12 @@ import torch
 MIXTRAIN = str(Path(sys.executable).parent / "mixtrain")
 
 
-def run_cli(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
-    return subprocess.run([MIXTRAIN, *args], capture_output=True, text=True, timeout=timeout)
+def run_cli(*args: str, timeout: float = 300, env: dict | None = None) -> subprocess.CompletedProcess:
+    import os
+
+    return subprocess.run(
+        [MIXTRAIN, *args], capture_output=True, text=True, timeout=timeout, env={**os.environ, **(env or {})}
+    )
 
 
 def test_digits_main_job_end_to_end(tmp_path):
@@ -46,3 +50,81 @@ def test_bad_flags_name_the_flag_and_the_fix(tmp_path):
     assert proc.returncode == 2 and "shares=[40, 20] sum to 60 but global_batch=64" in proc.stderr
     proc = run_cli("train", "--shares", "4x")
     assert proc.returncode == 2 and "--shares" in proc.stderr
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_train_on_an_existing_ray_cluster_via_address(tmp_path):
+    """`--address` connects to a running cluster instead of starting one. The head runs in its own
+    process group with its own (short: Ray's socket paths are length-limited) temp dir, and only that
+    group is stopped, never `ray stop`. Ray binds the head to this machine's own address and maps
+    127.0.0.1 to it, so nothing leaves the host."""
+    import os
+    import secrets
+    import shutil
+    import signal
+    import tempfile
+
+    port = _free_port()
+    ray_tmp = tempfile.mkdtemp(prefix="mt-ray-")
+    # Ray >= 2.59 authenticates with a token; head and driver share one explicitly
+    auth = {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": secrets.token_hex(16), "RAY_USAGE_STATS_ENABLED": "0"}
+    ray_bin = str(Path(sys.executable).parent / "ray")
+    head = subprocess.Popen(
+        [
+            ray_bin,
+            "start",
+            "--head",
+            "--block",
+            f"--port={port}",
+            "--num-cpus=2",
+            "--include-dashboard=false",
+            f"--temp-dir={ray_tmp}",
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+        env={**os.environ, **auth},
+    )
+    try:
+        # the CLI waits up to MIXTRAIN_CONNECT_TIMEOUT_S for the head to come up
+        proc = run_cli(
+            "train",
+            "--address",
+            f"127.0.0.1:{port}",
+            "--epochs",
+            "2",
+            "--quiet",
+            "--run-dir",
+            str(tmp_path / "run"),
+            env={"MIXTRAIN_CONNECT_TIMEOUT_S": "60", **auth},
+        )
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        assert re.search(r"accuracy 0\.\d+", proc.stdout)
+        records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+        assert any(r["kind"] == "workers" and len(r["workers"]) == 2 for r in records)
+    finally:
+        os.killpg(head.pid, signal.SIGTERM)
+        try:
+            head.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            os.killpg(head.pid, signal.SIGKILL)  # only this head's own process group
+            head.wait(timeout=15)
+        shutil.rmtree(ray_tmp, ignore_errors=True)
+
+
+def test_unreachable_address_fails_in_seconds_with_the_fix():
+    import time
+
+    t0 = time.monotonic()
+    proc = run_cli("train", "--address", f"127.0.0.1:{_free_port()}", env={"MIXTRAIN_CONNECT_TIMEOUT_S": "2"})
+    assert time.monotonic() - t0 < 30
+    assert proc.returncode == 1
+    assert "no Ray head answers at 127.0.0.1:" in proc.stderr and "MIXTRAIN_CONNECT_TIMEOUT_S" in proc.stderr
+    assert "Traceback" not in proc.stderr

@@ -78,9 +78,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if args.command == "train":
             return cmd_train(args)
-    except (ValueError, TypeError) as exc:
+    except (ValueError, TypeError) as exc:  # bad input: nothing started
         print(f"mixtrain: error: {exc}", file=sys.stderr)
         return 2
+    except (RuntimeError, ConnectionError) as exc:  # a worker, the cluster or a timeout: a clear line, no traceback
+        print(f"mixtrain: error: {exc}", file=sys.stderr)
+        return 1
     return 1
 
 
