@@ -17,6 +17,8 @@ ROUND_TIMEOUT_S = ("MIXTRAIN_ROUND_TIMEOUT_S", 1800.0)
 """Backstop for one round on the driver, on top of the collective timeout."""
 ROUND_TARGET_S = ("MIXTRAIN_ROUND_TARGET_S", 1.5)
 """Wanted length of one round of steps when steps_per_round is not set."""
+REBALANCE_THRESHOLD = ("MIXTRAIN_REBALANCE_THRESHOLD", 0.10)
+"""Re-plan shares when the slowest worker's compute exceeds the mean by more than this fraction."""
 BUCKET_MB = ("MIXTRAIN_BUCKET_MB", 25.0)
 """Size of one gradient bucket (one all-reduce call)."""
 

@@ -2,10 +2,26 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import os
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 _PLACEMENT_STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
+SLOWDOWN_ENV = "MIXTRAIN_EMULATE_SLOWDOWN"
+
+
+def parse_slowdown(text: str) -> dict[int, float]:
+    """'1:3,2:1.5' -> {1: 3.0, 2: 1.5}."""
+    out: dict[int, float] = {}
+    for item in filter(None, (t.strip() for t in text.split(","))):
+        rank, sep, factor = item.partition(":")
+        try:
+            if not sep:
+                raise ValueError
+            out[int(rank)] = float(factor)
+        except ValueError:
+            raise ValueError(f"{SLOWDOWN_ENV} item {item!r}: use RANK:FACTOR[,RANK:FACTOR], e.g. 1:3") from None
+    return out
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -18,8 +34,13 @@ class ScalingConfig:
     """Ray CPU resource reserved per worker (fractions allowed, as in Ray Train)."""
     threads_per_worker: int | None = None
     """torch intra-op threads per worker; None means max(1, int(cpus_per_worker))."""
-    shares: Sequence[int] | None = None
-    """Fixed samples per worker per step, summing to the global batch; None splits equally."""
+    shares: Sequence[int] | str = "auto"
+    """"auto": start equal, then follow measured speed; "equal": fixed equal split; or fixed samples per worker."""
+    max_micro_batch: Sequence[int | None] | None = None
+    """Per worker, the largest micro-batch that fits in memory; a larger share is split (gradient accumulation)."""
+    emulate_slowdown: Mapping[int, float] | None = None
+    """EMULATION for tests and benchmarks: rank -> factor, that worker computes `factor` times slower.
+    Also read from MIXTRAIN_EMULATE_SLOWDOWN=RANK:FACTOR[,RANK:FACTOR]. Off by default."""
     placement_strategy: str = "PACK"
     """Ray placement group strategy for the workers' bundles."""
     address: str | None = None
@@ -40,7 +61,12 @@ class ScalingConfig:
                 f"ScalingConfig.placement_strategy={self.placement_strategy!r}: "
                 f"use one of {', '.join(_PLACEMENT_STRATEGIES)}"
             )
-        if self.shares is not None:
+        if isinstance(self.shares, str):
+            if self.shares not in ("auto", "equal"):
+                raise ValueError(
+                    f"ScalingConfig.shares={self.shares!r}: use 'auto', 'equal' or a list of integers, one per worker"
+                )
+        else:
             shares = list(self.shares)
             if len(shares) != self.num_workers:
                 raise ValueError(
@@ -50,9 +76,32 @@ class ScalingConfig:
             if any(not isinstance(s, int) or s < 1 for s in shares):
                 raise ValueError(f"ScalingConfig.shares={shares}: every share must be an integer >= 1")
 
+        if self.max_micro_batch is not None and (
+            len(self.max_micro_batch) != self.num_workers or any(c is not None and c < 1 for c in self.max_micro_batch)
+        ):
+            raise ValueError(
+                f"ScalingConfig.max_micro_batch={list(self.max_micro_batch)}: give one value >= 1 (or None) per worker"
+            )
+        for rank, factor in self.slowdown().items():
+            if not 0 <= rank < self.num_workers or not factor >= 1:
+                raise ValueError(
+                    f"emulated slowdown {rank}:{factor} (ScalingConfig.emulate_slowdown or MIXTRAIN_EMULATE_SLOWDOWN): "
+                    f"use RANK:FACTOR with 0 <= RANK < {self.num_workers} and FACTOR >= 1, e.g. 1:3"
+                )
+
     @property
     def num_threads(self) -> int:
         return self.threads_per_worker or max(1, int(self.cpus_per_worker))
+
+    @property
+    def balanced(self) -> bool:
+        return self.shares == "auto"
+
+    def slowdown(self) -> dict[int, float]:
+        """The emulated slowdown per rank: the API value, else MIXTRAIN_EMULATE_SLOWDOWN."""
+        if self.emulate_slowdown is not None:
+            return dict(self.emulate_slowdown)
+        return parse_slowdown(os.environ.get(SLOWDOWN_ENV, ""))
 
 
 @dataclass(frozen=True, kw_only=True)

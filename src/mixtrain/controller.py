@@ -6,9 +6,15 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from mixtrain._constants import COLLECTIVE_TIMEOUT_S, ROUND_TARGET_S, ROUND_TIMEOUT_S, env_float
+from mixtrain._constants import (
+    COLLECTIVE_TIMEOUT_S,
+    REBALANCE_THRESHOLD,
+    ROUND_TARGET_S,
+    ROUND_TIMEOUT_S,
+    env_float,
+)
 from mixtrain.data import steps_per_epoch
-from mixtrain.planner import equal_shares
+from mixtrain.planner import Plan, equal_shares, make_plan, needs_rebalance
 from mixtrain.progress import ProgressView
 from mixtrain.rounds import RoundPlan, next_round_steps, summarize_round
 from mixtrain.runlog import RunLog
@@ -23,6 +29,10 @@ class EpochPlan:
     steps_per_round: int | None
     drift_tolerance: float
     num_eval: int
+    balanced: bool = False
+    """Follow measured speed (shares='auto'); otherwise the shares stay fixed."""
+    max_micro_batch: list[int | None] | None = None
+    slowdown: tuple[float, ...] = ()
 
 
 class Controller:
@@ -33,6 +43,9 @@ class Controller:
         self.view = view
         self.history: list[dict[str, Any]] = []
         self.evals: list[dict[str, Any]] = []
+        self.shares = list(plan.shares)
+        self.speeds: list[float] | None = None  # samples/s of compute per worker, smoothed over rounds
+        self._reported_exclusions: set[int] = set()
 
     def run(self, epochs: int) -> None:
         p = self.plan
@@ -43,7 +56,16 @@ class Controller:
             step = 0
             while step < num_steps:
                 k = min(round_steps, num_steps - step)
-                rplan = RoundPlan(epoch, step, k, tuple(p.shares), p.global_batch, p.drift_tolerance)
+                rplan = RoundPlan(
+                    epoch,
+                    step,
+                    k,
+                    tuple(self.shares),
+                    p.global_batch,
+                    p.drift_tolerance,
+                    self._micro_batches(),
+                    p.slowdown,
+                )
                 t0 = time.perf_counter()
                 reports = self.group.call("run_round", rplan, timeout_s=round_timeout)
                 record = summarize_round(rplan, reports, time.perf_counter() - t0)
@@ -53,8 +75,43 @@ class Controller:
                 if record["rebroadcast"]:
                     self.view.log(f"replicas drifted by {record['drift']:.2e}: rank 0's weights re-broadcast")
                 step += k
+                self._measure(record)
+                if p.balanced:
+                    self._rebalance(record)
                 round_steps = next_round_steps(record["wall_s"] / k, env_float(ROUND_TARGET_S), p.steps_per_round)
             self._end_epoch(epoch)
+
+    def _micro_batches(self) -> tuple[int, ...]:
+        caps = self.plan.max_micro_batch or [None] * len(self.shares)
+        return tuple(min(s, c) if c else s for s, c in zip(self.shares, caps))
+
+    def _measure(self, record: dict[str, Any]) -> None:
+        """Smooth each worker's compute speed (samples per compute-second) over rounds."""
+        new = [w["samples"] / w["compute_s"] if w["compute_s"] > 0 else 0.0 for w in record["workers"]]
+        if self.speeds is None:
+            self.speeds = new
+        else:
+            self.speeds = [0.5 * old + 0.5 * cur for old, cur in zip(self.speeds, new)]
+
+    def _rebalance(self, record: dict[str, Any]) -> None:
+        """Re-plan when the measured imbalance passes the threshold (hysteresis against flapping)."""
+        assert self.speeds is not None
+        per_step = [w["compute_s"] / record["num_steps"] for w in record["workers"]]
+        if not needs_rebalance(per_step, env_float(REBALANCE_THRESHOLD)):
+            return
+        plan = make_plan(self.speeds, self.plan.global_batch, memory_caps=self.plan.max_micro_batch)
+        if plan.shares == self.shares:
+            return
+        self.shares = plan.shares
+        self.log.write(
+            "plan",
+            {"after_round": len(self.history), "shares": plan.shares, "speeds": self.speeds, "excluded": plan.excluded},
+        )
+        self.view.log(plan_table(plan, self.speeds, f"re-planned after round {len(self.history)}"))
+        for rank, reason in plan.excluded.items():
+            if rank not in self._reported_exclusions:
+                self._reported_exclusions.add(rank)
+                self.view.log(f"note: worker {rank} slows this job down ({reason}); consider running without it")
 
     def _end_epoch(self, epoch: int) -> None:
         rounds = [r for r in self.history if r["epoch"] == epoch]
@@ -81,3 +138,16 @@ class Controller:
         if total["targets"]:
             out["accuracy"] = total["correct"] / total["targets"]
         return out
+
+
+def plan_table(plan: Plan, speeds: list[float], title: str) -> str:
+    """The plan as a small text table: one row per worker."""
+    lines = [
+        f"{title}: predicted {plan.predicted_samples_per_s:,.0f} samples/s",
+        "  worker  share  micro x accum  measured samples/s",
+    ]
+    for i, share in enumerate(plan.shares):
+        lines.append(
+            f"  {i:>6}  {share:>5}  {plan.micro_batches[i]:>5} x {plan.accumulation[i]:<5}  {speeds[i]:>18,.0f}"
+        )
+    return "\n".join(lines)

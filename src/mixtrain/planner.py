@@ -1,11 +1,14 @@
-"""Pure functions that turn weights into integer shares of a global batch.
+"""Pure functions that turn speeds and limits into integer shares of a global batch.
 
-Fixed shares for now; speed-aware balancing plugs in here by producing the weights.
+The controller measures, this module decides, the workers carry it out. The global batch,
+and so the training math, never changes; only its split does.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 
 
 def largest_remainder(weights: Sequence[float], total: int) -> list[int]:
@@ -32,14 +35,14 @@ def equal_shares(global_batch: int, num_workers: int) -> list[int]:
     return largest_remainder([1.0] * num_workers, global_batch)
 
 
-def resolve_shares(shares: Sequence[int] | None, global_batch: int, num_workers: int) -> list[int]:
-    """Check user shares against the global batch, or split it equally when none are given."""
+def resolve_shares(shares: Sequence[int] | str | None, global_batch: int, num_workers: int) -> list[int]:
+    """The starting shares: the user's fixed ones (checked against the global batch), or equal."""
     if global_batch < num_workers:
         raise ValueError(
             f"global_batch={global_batch} is smaller than num_workers={num_workers}: every worker needs at least "
             f"one sample per step; raise global_batch to >= {num_workers} or use fewer workers"
         )
-    if shares is None:
+    if shares is None or isinstance(shares, str):
         return equal_shares(global_batch, num_workers)
     if sum(shares) != global_batch:
         raise ValueError(
@@ -54,3 +57,70 @@ def shares_for_step(shares: Sequence[int], step_size: int) -> list[int]:
     if step_size == sum(shares):
         return list(shares)
     return largest_remainder([float(s) for s in shares], step_size)
+
+
+@dataclass(frozen=True)
+class Plan:
+    """How the global batch is split, and what that split is expected to do."""
+
+    shares: list[int]
+    """Samples per worker per step; sums to the global batch."""
+    micro_batches: list[int]
+    """Largest micro-batch per worker (its share, or its memory cap when the share is larger)."""
+    accumulation: list[int]
+    """Micro-batches per step per worker (gradient accumulation when > 1)."""
+    predicted_step_s: float
+    """Compute of the slowest worker plus the communication estimate."""
+    predicted_samples_per_s: float
+    excluded: dict[int, str] = field(default_factory=dict)
+    """Workers the planner would leave out, with the reason (informational)."""
+
+
+def balanced_shares(samples_per_s: Sequence[float], global_batch: int) -> list[int]:
+    """Shares proportional to measured speed, every worker keeping at least one sample."""
+    num = len(samples_per_s)
+    if global_batch < num:
+        raise ValueError(f"global_batch={global_batch} is smaller than the {num} workers")
+    speeds = [max(s, 1e-9) for s in samples_per_s]
+    # one sample each first, the rest by speed, so no worker drops to 0 and stops being measured
+    rest = largest_remainder(speeds, global_batch - num)
+    return [r + 1 for r in rest]
+
+
+def make_plan(
+    samples_per_s: Sequence[float],
+    global_batch: int,
+    *,
+    shares: Sequence[int] | None = None,
+    memory_caps: Sequence[int | None] | None = None,
+    comm_s: float = 0.0,
+) -> Plan:
+    """Turn speeds (and optional fixed shares, memory caps, a communication estimate) into a Plan.
+
+    A worker is marked for exclusion when the others alone would finish a step sooner,
+    communication included (one worker alone needs none).
+    """
+    num = len(samples_per_s)
+    shares = list(shares) if shares is not None else balanced_shares(samples_per_s, global_batch)
+    caps = list(memory_caps) if memory_caps is not None else [None] * num
+    micro = [min(s, c) if c else s for s, c in zip(shares, caps)]
+    accumulation = [math.ceil(s / m) if m else 1 for s, m in zip(shares, micro)]
+    step_s = max(s / max(v, 1e-9) for s, v in zip(shares, samples_per_s)) + comm_s
+    excluded = {}
+    if num > 1:
+        total = sum(samples_per_s)
+        for i, speed in enumerate(samples_per_s):
+            others = total - speed
+            without = global_batch / others + (comm_s if num > 2 else 0.0) if others > 0 else math.inf
+            if without < step_s:
+                excluded[i] = (
+                    f"the other workers alone would take {without * 1e3:.1f} ms per step instead of "
+                    f"{step_s * 1e3:.1f} ms: this worker adds {speed:,.0f} samples/s but communication costs more"
+                )
+    return Plan(shares, micro, accumulation, step_s, global_batch / step_s if step_s > 0 else 0.0, excluded)
+
+
+def needs_rebalance(step_compute_s: Sequence[float], threshold: float) -> bool:
+    """Hysteresis: re-plan only when the slowest worker's compute exceeds the mean by more than `threshold`."""
+    mean = sum(step_compute_s) / len(step_compute_s)
+    return mean > 0 and (max(step_compute_s) - mean) / mean > threshold

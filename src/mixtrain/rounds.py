@@ -16,6 +16,10 @@ class RoundPlan:
     shares: tuple[int, ...]
     global_batch: int
     drift_tolerance: float
+    micro_batches: tuple[int, ...] = ()
+    """Per worker, the largest micro-batch (empty: the whole share at once)."""
+    slowdown: tuple[float, ...] = ()
+    """EMULATION: per worker, compute this many times slower (empty: none)."""
 
 
 @dataclass

@@ -94,6 +94,9 @@ class Trainer:
                 f"mixtrain: {len(workers)} workers, global batch {self.global_batch} split {self.shares}, "
                 f"{num_samples} samples x {epochs} epochs; run folder {run_dir}"
             )
+            slowdown = self.scaling.slowdown()
+            if slowdown:
+                view.log(f"EMULATION: workers {slowdown} compute that many times slower (MIXTRAIN_EMULATE_SLOWDOWN)")
             plan = EpochPlan(
                 num_samples,
                 self.global_batch,
@@ -101,6 +104,9 @@ class Trainer:
                 self.run.steps_per_round,
                 self.run.drift_tolerance,
                 len(self.eval_arrays[0]) if self.eval_arrays else 0,
+                balanced=self.scaling.balanced,
+                max_micro_batch=list(self.scaling.max_micro_batch) if self.scaling.max_micro_batch else None,
+                slowdown=tuple(slowdown.get(r, 1.0) for r in range(self.scaling.num_workers)) if slowdown else (),
             )
             controller = Controller(group, plan, log, view)
             to_first_step = time.perf_counter() - t_start

@@ -96,7 +96,12 @@ class TrainWorker:
             indices = worker_indices(perm, plan.global_batch, step, plan.shares, self.rank)
             t0 = time.perf_counter()
             self.strategy.zero_grad(self.task)
-            local_loss = self._forward_backward(indices, step_size(len(perm), plan.global_batch, step))
+            local_loss = self._forward_backward(
+                indices,
+                step_size(len(perm), plan.global_batch, step),
+                plan.micro_batches[self.rank] if plan.micro_batches else len(indices),
+                plan.slowdown[self.rank] if plan.slowdown else 1.0,
+            )
             outcome = self.strategy.step(self.task, torch.tensor([local_loss], dtype=torch.float32))
             report.compute_s.append(time.perf_counter() - t0 - outcome.comm_s)
             report.comm_s.append(outcome.comm_s)
@@ -110,17 +115,27 @@ class TrainWorker:
         report.wall_s = time.perf_counter() - t_round
         return report
 
-    def _forward_backward(self, indices: np.ndarray, step_total: int) -> float:
-        """Backward of this rank's samples, loss scaled by b_i/B so the sum over ranks is the global mean.
-        Returns this rank's term of the global mean loss."""
+    def _forward_backward(self, indices: np.ndarray, step_total: int, micro_batch: int, slowdown: float) -> float:
+        """Backward of this rank's samples in micro-batches of at most `micro_batch`, each loss scaled by
+        its size / B so the sum over micro-batches and ranks is the global mean. Returns this rank's
+        term of the global mean loss."""
         if len(indices) == 0:
             return 0.0
-        index = torch.from_numpy(indices)
-        *inputs, target = (field[index].to(self.device, non_blocking=True) for field in self.train)
-        loss = self.task.loss_fn(self.task.model(*inputs), target)
-        weight = len(indices) / step_total
-        (loss * weight).backward()
-        return float(loss.detach()) * weight
+        t0 = time.perf_counter()
+        starts = range(0, len(indices), max(1, micro_batch))
+        total = 0.0
+        for n, lo in enumerate(starts):
+            index = torch.from_numpy(indices[lo : lo + micro_batch])
+            *inputs, target = (field[index].to(self.device, non_blocking=True) for field in self.train)
+            loss = self.task.loss_fn(self.task.model(*inputs), target)
+            weight = len(index) / step_total
+            if n == len(starts) - 1:
+                self.strategy.before_last_backward(self.task)
+            (loss * weight).backward()
+            total += float(loss.detach()) * weight
+        if slowdown > 1.0:  # EMULATION of a slower device (MIXTRAIN_EMULATE_SLOWDOWN), off by default
+            time.sleep((slowdown - 1.0) * (time.perf_counter() - t0))
+        return total
 
     def _permutation(self, epoch: int) -> np.ndarray:
         if epoch != self._perm_epoch:

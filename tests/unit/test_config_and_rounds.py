@@ -58,3 +58,27 @@ def test_round_length_follows_target():
     assert next_round_steps(0.01, 1.5, None) == 150
     assert next_round_steps(10.0, 1.5, None) == 1
     assert next_round_steps(0.01, 1.5, 7) == 7
+
+
+def test_emulated_slowdown_from_env_and_api(monkeypatch):
+    from mixtrain.config import parse_slowdown
+
+    assert parse_slowdown("1:3, 2:1.5") == {1: 3.0, 2: 1.5}
+    assert parse_slowdown("") == {}
+    with pytest.raises(ValueError, match=r"MIXTRAIN_EMULATE_SLOWDOWN item '1-3': use RANK:FACTOR"):
+        parse_slowdown("1-3")
+    monkeypatch.setenv("MIXTRAIN_EMULATE_SLOWDOWN", "1:3")
+    assert ScalingConfig(num_workers=2).slowdown() == {1: 3.0}
+    assert ScalingConfig(num_workers=2, emulate_slowdown={0: 2.0}).slowdown() == {0: 2.0}
+    with pytest.raises(ValueError, match=r"emulated slowdown 5:3.0"):
+        ScalingConfig(num_workers=2, emulate_slowdown={5: 3.0})
+    monkeypatch.delenv("MIXTRAIN_EMULATE_SLOWDOWN")
+    assert ScalingConfig(num_workers=2).slowdown() == {}
+
+
+def test_shares_modes():
+    assert ScalingConfig().balanced and not ScalingConfig(shares="equal").balanced
+    with pytest.raises(ValueError, match=r"shares='fast': use 'auto', 'equal' or a list"):
+        ScalingConfig(shares="fast")
+    with pytest.raises(ValueError, match=r"max_micro_batch=\[0, 4\]"):
+        ScalingConfig(num_workers=2, max_micro_batch=[0, 4])

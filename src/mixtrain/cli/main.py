@@ -12,11 +12,15 @@ import sys
 from collections.abc import Sequence
 
 
-def _shares(text: str) -> list[int]:
+def _shares(text: str) -> list[int] | str:
+    if text in ("auto", "equal"):
+        return text
     try:
         return [int(s) for s in text.split(",")]
     except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of integers, e.g. 40,24") from None
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not auto, equal, or a comma-separated list of integers, e.g. 40,24"
+        ) from None
 
 
 def _positive_int(text: str) -> int:
@@ -37,7 +41,12 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--workers", type=_positive_int, default=2, help="number of workers (default 2)")
     train.add_argument("--cpus-per-worker", type=float, default=1.0, help="Ray CPUs reserved per worker (default 1)")
     train.add_argument("--global-batch", type=_positive_int, help="samples per step over all workers")
-    train.add_argument("--shares", type=_shares, help="fixed samples per worker per step, e.g. 40,24 (default: equal)")
+    train.add_argument(
+        "--shares",
+        type=_shares,
+        default="auto",
+        help="auto (default: follow measured speed), equal (fixed equal split), or samples per worker, e.g. 40,24",
+    )
     train.add_argument("--epochs", type=_positive_int, help="passes over the training data")
     train.add_argument("--lr", type=float, help="learning rate")
     train.add_argument("--seed", type=int, default=0, help="seed for initialisation and sample order")

@@ -112,8 +112,12 @@ class GradBuckets:
             self.buckets[self._next].launch()
             self._next += 1
 
+    def arm(self) -> None:
+        """Let the hooks of the next backward start all-reduces (call before a step's last backward)."""
+        self._armed = True
+
     def zero_(self) -> None:
-        """Zero the gradients and arm the hooks for the next backward."""
+        """Zero the gradients; hooks stay quiet until arm()."""
         for b in self.buckets:
             b.bind_grads()
             b.host.zero_()
@@ -121,7 +125,7 @@ class GradBuckets:
                 b.flat.zero_()
             b.pending = len(b.params)
         self._next = 0
-        self._armed = True
+        self._armed = False
 
     def all_reduce_(self, extras: torch.Tensor | None = None) -> None:
         """Sum the gradients and `extras` (a small CPU tensor of num_extras values) over all ranks, in place.

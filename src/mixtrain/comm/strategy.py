@@ -46,6 +46,9 @@ class SyncStrategy(ABC):
     @abstractmethod
     def zero_grad(self, task: Task) -> None: ...
 
+    def before_last_backward(self, task: Task) -> None:  # noqa: B027 - optional hook, a no-op by default
+        """Called before the backward of a step's last micro-batch (when gradients become final)."""
+
     @abstractmethod
     def step(self, task: Task, local_stats: torch.Tensor) -> StepOutcome:
         """After backward on this rank's samples: agree on the update and apply it."""
@@ -67,6 +70,9 @@ class AllReduceStrategy(SyncStrategy):
 
     def zero_grad(self, task: Task) -> None:
         self.buckets.zero_()
+
+    def before_last_backward(self, task: Task) -> None:
+        self.buckets.arm()  # earlier micro-batches only accumulate; this one may start the all-reduce
 
     def step(self, task: Task, local_stats: torch.Tensor) -> StepOutcome:
         t0 = time.perf_counter()
