@@ -4,6 +4,9 @@ Command lines:
     make bench                                             # everything, medians of 3
     python benchmarks/compare.py --repeats 1 --workloads cnn
     python benchmarks/compare.py --runner mixtrain --workload mlp   # one runner, prints one JSON line
+    python benchmarks/compare.py --emulate 1:3 --runners single1,ddp,mixtrain,mixtrain-equal
+        # EMULATION: worker 1 computes 3x slower in DDP and mixtrain (balancing on / off);
+        # "ideal" = one worker alone + the slow worker alone = single1 x (1 + 1/3)
 
 Every runner is its own subprocess, started the way a user would start it, so "first step"
 is the wall time from the command starting to the first training step. Workloads use
@@ -32,6 +35,7 @@ WORKLOADS = {
     "cnn": (128 * 30, 2, 6),
 }
 RUNNERS = ("single", "ddp", "raytrain", "mixtrain")
+EMULATE_ENV = "MIXTRAIN_EMULATE_SLOWDOWN"  # the same variable mixtrain's workers read
 
 
 def t0() -> float:
@@ -71,13 +75,37 @@ def make_optimizer(model):
     return torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
 
 
+def slowdown_for(rank: int) -> float:
+    from mixtrain.config import parse_slowdown
+
+    return parse_slowdown(os.environ.get(EMULATE_ENV, "")).get(rank, 1.0)
+
+
+def calibrate_step_s(workload: str, local: int) -> float:
+    """Median plain forward+backward time of `local` samples: what an emulated slow rank sleeps on."""
+    import torch
+
+    torch.manual_seed(0)
+    model = make_model(workload)
+    x, y = make_data(workload)
+    times = []
+    for _ in range(7):
+        t = time.perf_counter()
+        torch.nn.functional.cross_entropy(model(x[:local]), y[:local]).backward()
+        times.append(time.perf_counter() - t)
+    return statistics.median(times[2:])
+
+
 def timed_loop(model, opt, x, y, workload: str, rank: int, world: int) -> dict:
-    """A plain step loop (used by single, DDP and Ray Train): this rank's slice of each global batch."""
+    """A plain step loop (used by single, DDP and Ray Train): this rank's slice of each global batch.
+    Under EMULATION a slow rank sleeps (factor - 1) x its calibrated compute before each step."""
     import torch
 
     n, epochs, warmup = WORKLOADS[workload]
     local = GLOBAL_BATCH // world
     loss_fn = torch.nn.functional.cross_entropy
+    factor = slowdown_for(rank) if world > 1 else 1.0
+    sleep_s = (factor - 1.0) * calibrate_step_s(workload, local) if factor > 1 else 0.0
     first_step = time.time() - t0()
     steps, t_measure = 0, 0.0
     for _ in range(epochs):
@@ -85,6 +113,8 @@ def timed_loop(model, opt, x, y, workload: str, rank: int, world: int) -> dict:
             if steps == warmup:
                 t_measure = time.perf_counter()
             lo = start + rank * local
+            if sleep_s:
+                time.sleep(sleep_s)
             opt.zero_grad()
             loss_fn(model(x[lo : lo + local]), y[lo : lo + local]).backward()
             opt.step()
@@ -94,10 +124,10 @@ def timed_loop(model, opt, x, y, workload: str, rank: int, world: int) -> dict:
 
 
 # ---- runners (each in its own process) ---------------------------------------------------------
-def run_single(workload: str) -> dict:
+def run_single(workload: str, threads: int = NUM_WORKERS) -> dict:
     import torch
 
-    torch.set_num_threads(NUM_WORKERS)
+    torch.set_num_threads(threads)
     torch.manual_seed(0)
     model = make_model(workload)
     x, y = make_data(workload)
@@ -123,7 +153,9 @@ def run_ddp(workload: str) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         out_file = Path(tmp) / "out.json"
         cmd = [
-            "torchrun",
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
             "--standalone",
             f"--nproc_per_node={NUM_WORKERS}",
             __file__,
@@ -173,10 +205,10 @@ def run_raytrain(workload: str) -> dict:
         return json.loads(out_file.read_text())
 
 
-def run_mixtrain(workload: str) -> dict:
+def run_mixtrain(workload: str, shares: str = "auto") -> dict:
     import functools
 
-    from mixtrain import RunConfig, ScalingConfig, Task, Trainer
+    from mixtrain import RunConfig, ScalingConfig, Trainer
 
     x, y = make_data(workload)
     n, epochs, warmup = WORKLOADS[workload]
@@ -186,10 +218,9 @@ def run_mixtrain(workload: str) -> dict:
             functools.partial(_mixtrain_task, workload),
             (x, y),
             global_batch=GLOBAL_BATCH,
-            scaling=ScalingConfig(num_workers=NUM_WORKERS),
+            scaling=ScalingConfig(num_workers=NUM_WORKERS, shares=shares),
             run=RunConfig(run_dir=tmp, progress=False),
         ).fit(epochs=epochs)
-    del Task
     steps_per_epoch = n // GLOBAL_BATCH
     measured = [r for r in result.history if r["epoch"] * steps_per_epoch + r["first_step"] >= warmup]
     samples = sum(r["samples"] for r in measured)
@@ -200,6 +231,7 @@ def run_mixtrain(workload: str) -> dict:
         "first_step_s": t_fit + result.seconds_to_first_step - t0(),
         "steps": sum(r["num_steps"] for r in result.history),
         "compute_share": sum(w["compute_s"] for w in workers) / (len(workers) * measured[-1]["wall_s"]),
+        "final_shares": result.history[-1]["shares"],
     }
 
 
@@ -260,29 +292,62 @@ def table(results: dict) -> str:
     return "\n".join(lines)
 
 
+def emulation_table(results: dict, emulate: str) -> str:
+    """Against the ideal (normal worker alone + slow worker alone) and equal-split DDP."""
+    from mixtrain.config import parse_slowdown
+
+    factor = max(parse_slowdown(emulate).values())
+    lines = [
+        f"EMULATION {emulate}: ideal = single1 x (1 + 1/{factor:g})",
+        "| workload | runner | samples/s | vs ideal | vs equal-split DDP | final shares |",
+        "|---|---|---:|---:|---:|---|",
+    ]
+    for workload, by_runner in results.items():
+        med = {r: statistics.median(o["samples_per_s"] for o in outs) for r, outs in by_runner.items()}
+        ideal = med.get("single1", 0.0) * (1 + 1 / factor)
+        for runner, outs in by_runner.items():
+            vs_ideal = f"{med[runner] / ideal:.2f}" if ideal else "-"
+            vs_ddp = f"{med[runner] / med['ddp']:.2f}x" if "ddp" in med else "-"
+            shares = outs[-1].get("final_shares", "")
+            lines.append(f"| {workload} | {runner} | {med[runner]:,.0f} | {vs_ideal} | {vs_ddp} | {shares} |")
+    return "\n".join(lines)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--runner", choices=[*RUNNERS, "ddp-rank"])
+    parser.add_argument("--runner", choices=[*RUNNERS, "single1", "mixtrain-equal", "ddp-rank"])
     parser.add_argument("--workload", choices=list(WORKLOADS))
     parser.add_argument("--out", help="(ddp-rank) where rank 0 writes its result")
     parser.add_argument("--workloads", default="mlp,cnn")
     parser.add_argument("--runners", default=",".join(RUNNERS))
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--json", default="bench_results/compare.json", help="where the raw results go")
+    parser.add_argument("--emulate", help="EMULATION: RANK:FACTOR, e.g. 1:3 (sets MIXTRAIN_EMULATE_SLOWDOWN)")
     args = parser.parse_args()
+    if args.emulate:
+        os.environ[EMULATE_ENV] = args.emulate
     if args.runner == "ddp-rank":
         out = run_ddp_rank(args.workload)
         if int(os.environ.get("RANK", "0")) == 0:
             Path(args.out).write_text(json.dumps(out))
         return
     if args.runner:
-        runner = {"single": run_single, "ddp": run_ddp, "raytrain": run_raytrain, "mixtrain": run_mixtrain}
+        runner = {
+            "single": run_single,
+            "ddp": run_ddp,
+            "raytrain": run_raytrain,
+            "mixtrain": run_mixtrain,
+            "single1": lambda w: run_single(w, threads=1),
+            "mixtrain-equal": lambda w: run_mixtrain(w, shares="equal"),
+        }
         print(json.dumps(runner[args.runner](args.workload)))
         return
     results = compare(args.workloads.split(","), args.runners.split(","), args.repeats)
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
     Path(args.json).write_text(json.dumps(results, indent=1))
     print(table(results))
+    if args.emulate:
+        print(emulation_table(results, args.emulate))
 
 
 if __name__ == "__main__":

@@ -32,7 +32,7 @@ def env_float(pair: tuple[str, float]) -> float:
     try:
         value = float(raw)
     except ValueError:
-        raise ValueError(f"{name}={raw!r} is not a number; set it to seconds (default {default})") from None
+        raise ValueError(f"{name}={raw!r} is not a number; set it to a positive number (default {default})") from None
     if value <= 0:
         raise ValueError(f"{name}={raw!r} must be positive (default {default})")
     return value
