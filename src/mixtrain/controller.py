@@ -14,7 +14,7 @@ from mixtrain._constants import (
     env_float,
 )
 from mixtrain.data import steps_per_epoch
-from mixtrain.planner import Plan, equal_shares, make_plan, needs_rebalance
+from mixtrain.planner import Plan, equal_shares, make_plan, micro_batches, needs_rebalance
 from mixtrain.progress import ProgressView
 from mixtrain.rounds import RoundPlan, next_round_steps, summarize_round
 from mixtrain.runlog import RunLog
@@ -63,7 +63,7 @@ class Controller:
                     tuple(self.shares),
                     p.global_batch,
                     p.drift_tolerance,
-                    self._micro_batches(),
+                    tuple(micro_batches(self.shares, p.max_micro_batch)),
                     p.slowdown,
                 )
                 t0 = time.perf_counter()
@@ -80,10 +80,6 @@ class Controller:
                     self._rebalance(record)
                 round_steps = next_round_steps(record["wall_s"] / k, env_float(ROUND_TARGET_S), p.steps_per_round)
             self._end_epoch(epoch)
-
-    def _micro_batches(self) -> tuple[int, ...]:
-        caps = self.plan.max_micro_batch or [None] * len(self.shares)
-        return tuple(min(s, c) if c else s for s, c in zip(self.shares, caps))
 
     def _measure(self, record: dict[str, Any]) -> None:
         """Smooth each worker's compute speed (samples per compute-second) over rounds."""

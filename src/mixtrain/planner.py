@@ -87,6 +87,12 @@ def balanced_shares(samples_per_s: Sequence[float], global_batch: int) -> list[i
     return [r + 1 for r in rest]
 
 
+def micro_batches(shares: Sequence[int], memory_caps: Sequence[int | None] | None) -> list[int]:
+    """Per worker, the largest micro-batch: its share, or its memory cap when the share is larger."""
+    caps = list(memory_caps) if memory_caps is not None else [None] * len(shares)
+    return [min(s, c) if c else s for s, c in zip(shares, caps)]
+
+
 def make_plan(
     samples_per_s: Sequence[float],
     global_batch: int,
@@ -102,8 +108,7 @@ def make_plan(
     """
     num = len(samples_per_s)
     shares = list(shares) if shares is not None else balanced_shares(samples_per_s, global_batch)
-    caps = list(memory_caps) if memory_caps is not None else [None] * num
-    micro = [min(s, c) if c else s for s, c in zip(shares, caps)]
+    micro = micro_batches(shares, memory_caps)
     accumulation = [math.ceil(s / m) if m else 1 for s, m in zip(shares, micro)]
     step_s = max(s / max(v, 1e-9) for s, v in zip(shares, samples_per_s)) + comm_s
     excluded = {}
