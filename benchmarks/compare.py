@@ -78,7 +78,7 @@ def make_optimizer(model):
 def slowdown_for(rank: int) -> float:
     from mixtrain.config import parse_slowdown
 
-    return parse_slowdown(os.environ.get(EMULATE_ENV, "")).get(rank, 1.0)
+    return parse_slowdown(os.environ.get(EMULATE_ENV, "")).get(rank, (1.0, 0))[0]
 
 
 def calibrate_step_s(workload: str, local: int) -> float:
@@ -296,7 +296,7 @@ def emulation_table(results: dict, emulate: str) -> str:
     """Against the ideal (normal worker alone + slow worker alone) and equal-split DDP."""
     from mixtrain.config import parse_slowdown
 
-    factor = max(parse_slowdown(emulate).values())
+    factor = max(f for f, _ in parse_slowdown(emulate).values())
     lines = [
         f"EMULATION {emulate}: ideal = single1 x (1 + 1/{factor:g})",
         "| workload | runner | samples/s | vs ideal | vs equal-split DDP | final shares |",

@@ -10,17 +10,24 @@ _PLACEMENT_STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
 SLOWDOWN_ENV = "MIXTRAIN_EMULATE_SLOWDOWN"
 
 
-def parse_slowdown(text: str) -> dict[int, float]:
-    """'1:3,2:1.5' -> {1: 3.0, 2: 1.5}."""
-    out: dict[int, float] = {}
+Slowdown = dict[int, tuple[float, int]]
+"""rank -> (factor, first round it applies to)."""
+
+
+def parse_slowdown(text: str) -> Slowdown:
+    """'1:3,2:1.5@4' -> {1: (3.0, 0), 2: (1.5, 4)}: worker 2 turns slow from round 4 on."""
+    out: Slowdown = {}
     for item in filter(None, (t.strip() for t in text.split(","))):
-        rank, sep, factor = item.partition(":")
+        rank, sep, rest = item.partition(":")
+        factor, _, start = rest.partition("@")
         try:
             if not sep:
                 raise ValueError
-            out[int(rank)] = float(factor)
+            out[int(rank)] = (float(factor), int(start or 0))
         except ValueError:
-            raise ValueError(f"{SLOWDOWN_ENV} item {item!r}: use RANK:FACTOR[,RANK:FACTOR], e.g. 1:3") from None
+            raise ValueError(
+                f"{SLOWDOWN_ENV} item {item!r}: use RANK:FACTOR[@ROUND][,...], e.g. 1:3 or 1:3@5"
+            ) from None
     return out
 
 
@@ -38,9 +45,9 @@ class ScalingConfig:
     """"auto": start equal, then follow measured speed; "equal": fixed equal split; or fixed samples per worker."""
     max_micro_batch: Sequence[int | None] | None = None
     """Per worker, the largest micro-batch that fits in memory; a larger share is split (gradient accumulation)."""
-    emulate_slowdown: Mapping[int, float] | None = None
-    """EMULATION for tests and benchmarks: rank -> factor, that worker computes `factor` times slower.
-    Also read from MIXTRAIN_EMULATE_SLOWDOWN=RANK:FACTOR[,RANK:FACTOR]. Off by default."""
+    emulate_slowdown: Mapping[int, float | tuple[float, int]] | None = None
+    """EMULATION for tests and benchmarks: rank -> factor (or (factor, from_round)), that worker computes
+    `factor` times slower. Also read from MIXTRAIN_EMULATE_SLOWDOWN=RANK:FACTOR[@ROUND][,...]. Off by default."""
     placement_strategy: str = "PACK"
     """Ray placement group strategy for the workers' bundles."""
     address: str | None = None
@@ -82,8 +89,8 @@ class ScalingConfig:
             raise ValueError(
                 f"ScalingConfig.max_micro_batch={list(self.max_micro_batch)}: give one value >= 1 (or None) per worker"
             )
-        for rank, factor in self.slowdown().items():
-            if not 0 <= rank < self.num_workers or not factor >= 1:
+        for rank, (factor, start) in self.slowdown().items():
+            if not 0 <= rank < self.num_workers or not factor >= 1 or start < 0:
                 raise ValueError(
                     f"emulated slowdown {rank}:{factor} (ScalingConfig.emulate_slowdown or MIXTRAIN_EMULATE_SLOWDOWN): "
                     f"use RANK:FACTOR with 0 <= RANK < {self.num_workers} and FACTOR >= 1, e.g. 1:3"
@@ -97,10 +104,10 @@ class ScalingConfig:
     def balanced(self) -> bool:
         return self.shares == "auto"
 
-    def slowdown(self) -> dict[int, float]:
+    def slowdown(self) -> Slowdown:
         """The emulated slowdown per rank: the API value, else MIXTRAIN_EMULATE_SLOWDOWN."""
         if self.emulate_slowdown is not None:
-            return dict(self.emulate_slowdown)
+            return {r: v if isinstance(v, tuple) else (float(v), 0) for r, v in self.emulate_slowdown.items()}
         return parse_slowdown(os.environ.get(SLOWDOWN_ENV, ""))
 
 

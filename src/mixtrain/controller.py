@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from mixtrain._constants import (
@@ -13,12 +13,17 @@ from mixtrain._constants import (
     ROUND_TIMEOUT_S,
     env_float,
 )
+from mixtrain.config import Slowdown
 from mixtrain.data import steps_per_epoch
 from mixtrain.planner import Plan, equal_shares, make_plan, micro_batches, needs_rebalance
 from mixtrain.progress import ProgressView
 from mixtrain.rounds import RoundPlan, next_round_steps, summarize_round
 from mixtrain.runlog import RunLog
 from mixtrain.worker_group import WorkerGroup
+
+STEP_CHANGE = 0.5
+"""A measured speed this far (relative) from the smoothed one replaces it instead of being averaged in:
+far above round-to-round noise (about 30% for short rounds on a busy machine), far below a 3x throttle."""
 
 
 @dataclass
@@ -32,7 +37,8 @@ class EpochPlan:
     balanced: bool = False
     """Follow measured speed (shares='auto'); otherwise the shares stay fixed."""
     max_micro_batch: list[int | None] | None = None
-    slowdown: tuple[float, ...] = ()
+    slowdown: Slowdown = field(default_factory=dict)
+    """EMULATION: rank -> (factor, first round)."""
 
 
 class Controller:
@@ -64,7 +70,7 @@ class Controller:
                     p.global_batch,
                     p.drift_tolerance,
                     tuple(micro_batches(self.shares, p.max_micro_batch)),
-                    p.slowdown,
+                    self._slowdown(len(self.history)),
                 )
                 t0 = time.perf_counter()
                 reports = self.group.call("run_round", rplan, timeout_s=round_timeout)
@@ -75,19 +81,30 @@ class Controller:
                 if record["rebroadcast"]:
                     self.view.log(f"replicas drifted by {record['drift']:.2e}: rank 0's weights re-broadcast")
                 step += k
-                self._measure(record)
-                if p.balanced:
-                    self._rebalance(record)
+                if len(self.history) > 1:  # the first round is warm-up (allocations, caches), not a measurement
+                    self._measure(record)
+                    if p.balanced:
+                        self._rebalance(record)
                 round_steps = next_round_steps(record["wall_s"] / k, env_float(ROUND_TARGET_S), p.steps_per_round)
             self._end_epoch(epoch)
 
+    def _slowdown(self, round_index: int) -> tuple[float, ...]:
+        if not self.plan.slowdown:
+            return ()
+        table = self.plan.slowdown
+        return tuple(table[r][0] if r in table and round_index >= table[r][1] else 1.0 for r in range(len(self.shares)))
+
     def _measure(self, record: dict[str, Any]) -> None:
-        """Smooth each worker's compute speed (samples per compute-second) over rounds."""
+        """Each worker's compute speed (samples per compute-second), smoothed over rounds; a step
+        change (a laptop starting to throttle) is taken at once instead of being averaged in slowly."""
         new = [w["samples"] / w["compute_s"] if w["compute_s"] > 0 else 0.0 for w in record["workers"]]
         if self.speeds is None:
             self.speeds = new
         else:
-            self.speeds = [0.5 * old + 0.5 * cur for old, cur in zip(self.speeds, new)]
+            self.speeds = [
+                cur if old <= 0 or abs(cur - old) / old > STEP_CHANGE else 0.5 * old + 0.5 * cur
+                for old, cur in zip(self.speeds, new)
+            ]
 
     def _rebalance(self, record: dict[str, Any]) -> None:
         """Re-plan when the measured imbalance passes the threshold (hysteresis against flapping)."""

@@ -96,7 +96,7 @@ class Trainer:
             )
             slowdown = self.scaling.slowdown()
             if slowdown:
-                view.log(f"EMULATION: workers {slowdown} compute that many times slower (MIXTRAIN_EMULATE_SLOWDOWN)")
+                view.log(f"EMULATION: rank -> (times slower, from round) {slowdown} (MIXTRAIN_EMULATE_SLOWDOWN)")
             plan = EpochPlan(
                 num_samples,
                 self.global_batch,
@@ -106,7 +106,7 @@ class Trainer:
                 len(self.eval_arrays[0]) if self.eval_arrays else 0,
                 balanced=self.scaling.balanced,
                 max_micro_batch=list(self.scaling.max_micro_batch) if self.scaling.max_micro_batch else None,
-                slowdown=tuple(slowdown.get(r, 1.0) for r in range(self.scaling.num_workers)) if slowdown else (),
+                slowdown=slowdown,
             )
             controller = Controller(group, plan, log, view)
             to_first_step = time.perf_counter() - t_start

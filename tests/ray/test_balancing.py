@@ -54,6 +54,23 @@ def test_a_three_times_slower_worker_settles_near_a_quarter(tmp_path):
     assert result.history[0]["shares"] == [32, 32] and result.history[2]["shares"] != [32, 32]
 
 
+def test_a_slowdown_switched_on_mid_run_is_rebalanced_within_two_rounds(tmp_path):
+    from benchmarks.compare import make_data
+
+    x, y = make_data("cnn")
+    trainer = Trainer(
+        _cnn_task,
+        (x[:1536], y[:1536]),
+        global_batch=64,
+        scaling=ScalingConfig(num_workers=2, emulate_slowdown={1: (3.0, 4)}),  # slow from round 4 on
+        run=RunConfig(run_dir=str(tmp_path), steps_per_round=3, progress=False),
+    )
+    shares = [r["shares"][1] for r in trainer.fit(epochs=1).history]
+    print("slow worker's share per round:", shares)
+    assert all(s >= 26 for s in shares[:5]), shares  # equal speeds: about half, until round 4 is measured
+    assert shares[5] <= 20 and shares[-1] <= 20, shares  # round 4 measured slow -> round 5 re-planned
+
+
 def _cnn_task():
     from benchmarks.compare import _mixtrain_task
 

@@ -63,13 +63,14 @@ def test_round_length_follows_target():
 def test_emulated_slowdown_from_env_and_api(monkeypatch):
     from mixtrain.config import parse_slowdown
 
-    assert parse_slowdown("1:3, 2:1.5") == {1: 3.0, 2: 1.5}
+    assert parse_slowdown("1:3, 2:1.5@4") == {1: (3.0, 0), 2: (1.5, 4)}
     assert parse_slowdown("") == {}
-    with pytest.raises(ValueError, match=r"MIXTRAIN_EMULATE_SLOWDOWN item '1-3': use RANK:FACTOR"):
+    with pytest.raises(ValueError, match=r"MIXTRAIN_EMULATE_SLOWDOWN item '1-3': use RANK:FACTOR\[@ROUND\]"):
         parse_slowdown("1-3")
     monkeypatch.setenv("MIXTRAIN_EMULATE_SLOWDOWN", "1:3")
-    assert ScalingConfig(num_workers=2).slowdown() == {1: 3.0}
-    assert ScalingConfig(num_workers=2, emulate_slowdown={0: 2.0}).slowdown() == {0: 2.0}
+    assert ScalingConfig(num_workers=2).slowdown() == {1: (3.0, 0)}
+    assert ScalingConfig(num_workers=2, emulate_slowdown={0: 2.0}).slowdown() == {0: (2.0, 0)}
+    assert ScalingConfig(num_workers=2, emulate_slowdown={0: (2.0, 3)}).slowdown() == {0: (2.0, 3)}
     with pytest.raises(ValueError, match=r"emulated slowdown 5:3.0"):
         ScalingConfig(num_workers=2, emulate_slowdown={5: 3.0})
     monkeypatch.delenv("MIXTRAIN_EMULATE_SLOWDOWN")
