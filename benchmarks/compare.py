@@ -171,19 +171,17 @@ def run_ddp(workload: str) -> dict:
 
 
 def run_raytrain(workload: str) -> dict:
+    import ray
     from ray.train import RunConfig, ScalingConfig
     from ray.train.torch import TorchTrainer
-
-    import ray
 
     with tempfile.TemporaryDirectory() as tmp:
         out_file = Path(tmp) / "out.json"
 
         def loop(config: dict) -> None:
             import torch
-            from ray.train.torch import prepare_model
-
             from ray import train
+            from ray.train.torch import prepare_model
 
             torch.set_num_threads(1)
             torch.manual_seed(0)

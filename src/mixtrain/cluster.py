@@ -10,6 +10,7 @@ import time
 from typing import Any
 
 import ray
+
 from mixtrain._constants import CONNECT_TIMEOUT_S, env_float
 
 

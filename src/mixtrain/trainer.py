@@ -7,6 +7,7 @@ from collections.abc import Callable
 from typing import Any
 
 import ray
+
 from mixtrain import cluster
 from mixtrain._constants import BUCKET_MB, COLLECTIVE_TIMEOUT_S, RENDEZVOUS_TIMEOUT_S, env_float
 from mixtrain.checkpoint import atomic_save

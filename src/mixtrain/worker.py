@@ -121,8 +121,9 @@ class TrainWorker:
         term of the global mean loss."""
         if len(indices) == 0:
             return 0.0
+        assert micro_batch >= 1, "the plan gives every worker with samples a micro-batch >= 1"
         t0 = time.perf_counter()
-        starts = range(0, len(indices), max(1, micro_batch))
+        starts = range(0, len(indices), micro_batch)
         total = 0.0
         for n, lo in enumerate(starts):
             index = torch.from_numpy(indices[lo : lo + micro_batch])

@@ -7,10 +7,10 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
+import ray
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-import ray
 from mixtrain import cluster
 from mixtrain._constants import PLACEMENT_TIMEOUT_S, env_float
 from mixtrain.config import ScalingConfig

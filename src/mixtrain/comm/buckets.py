@@ -66,11 +66,8 @@ class GradBuckets:
     much as a whole bucket on a small model.
     """
 
-    def __init__(
-        self, params: list[torch.nn.Parameter], bucket_bytes: int, num_extras: int = 0, overlap: bool = True
-    ) -> None:
+    def __init__(self, params: list[torch.nn.Parameter], bucket_bytes: int, num_extras: int = 0) -> None:
         self.buckets: list[_Bucket] = []
-        self.overlap = overlap
         self._armed = False
         self._next = 0  # buckets start strictly in order, so every rank issues the same collectives
         groups: list[list[torch.nn.Parameter]] = [[]]
@@ -103,8 +100,7 @@ class GradBuckets:
         if not self._armed:
             return
         bucket.pending -= 1
-        if self.overlap:
-            self._launch_ready()
+        self._launch_ready()
 
     def _launch_ready(self) -> None:
         # The last bucket waits for all_reduce_, which writes the extras into it first.
