@@ -32,7 +32,25 @@ def ensure_ray(address: str | None, num_cpus_needed: float) -> None:
         logging.getLogger("mixtrain").warning(
             "the workers reserve %.1f CPUs but this machine has %d: they will share cores", num_cpus_needed, cpus
         )
-    ray.init(num_cpus=max(cpus, math.ceil(num_cpus_needed)), include_dashboard=False, **quiet)
+    ray.init(
+        num_cpus=max(cpus, math.ceil(num_cpus_needed)),
+        resources=device_resources(),
+        include_dashboard=False,
+        **quiet,
+    )
+
+
+def device_resources() -> dict[str, float]:
+    """Custom resources that tell CUDA and Apple GPUs apart ("cuda": count, "mps": 1), which
+    Ray's "GPU" does not; registered by the embedded Ray and by `mixtrain cluster up/join`."""
+    from mixtrain import devices
+
+    out = {}
+    for kind in ("cuda", "mps"):
+        n = devices.get(kind).count()
+        if n:
+            out[kind] = float(n)
+    return out
 
 
 def inventory() -> str:

@@ -7,6 +7,9 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 _PLACEMENT_STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
+_DEVICE_KINDS = ("cpu", "gpu", "cuda", "mps")
+_BACKENDS = ("auto", "gloo", "nccl")
+_NUMERICS = ("warn", "strict", "off")
 SLOWDOWN_ENV = "MIXTRAIN_EMULATE_SLOWDOWN"
 
 
@@ -32,13 +35,97 @@ def parse_slowdown(text: str) -> Slowdown:
 
 
 @dataclass(frozen=True, kw_only=True)
+class DeviceGroup:
+    """Workers of one kind, with Ray Train's per-worker knobs and their meaning.
+
+    DeviceGroup(device="cuda", num_workers=1), DeviceGroup(device="mps"),
+    DeviceGroup(device="cpu", num_workers=2, resources_per_worker={"CPU": 4}).
+    """
+
+    device: str = "cpu"
+    """"cpu", "cuda", "mps", or "gpu" (any GPU: CUDA or Apple, resolved on the node it lands on)."""
+    num_workers: int = 1
+    resources_per_worker: Mapping[str, float] | None = None
+    """Ray resources per worker, e.g. {"CPU": 2, "GPU": 0.5} (fractional GPUs share one card).
+    Defaults: {"CPU": 1} and, for GPU kinds, {"GPU": 1}."""
+    accelerator_type: str | None = None
+    """Only nodes with this Ray accelerator type, e.g. "A100", "H100", "M2"."""
+    node: str | None = None
+    """Only this node (its Ray node id); `auto` fills it in."""
+
+    def __post_init__(self) -> None:
+        if self.device not in _DEVICE_KINDS:
+            raise ValueError(f"DeviceGroup.device={self.device!r}: use one of {', '.join(_DEVICE_KINDS)}")
+        if not isinstance(self.num_workers, int) or self.num_workers < 1:
+            raise ValueError(f"DeviceGroup.num_workers={self.num_workers!r}: must be an integer >= 1")
+        res = dict(self.resources_per_worker or {})
+        if any(not v >= 0 for v in res.values()):
+            raise ValueError(f"DeviceGroup.resources_per_worker={res}: amounts must be >= 0")
+        if self.device == "cpu" and res.get("GPU", 0) > 0:
+            raise ValueError(
+                f"DeviceGroup(device='cpu').resources_per_worker={res}: a CPU worker cannot hold a GPU; "
+                "use device='gpu' (or 'cuda'/'mps')"
+            )
+
+    @property
+    def uses_gpu(self) -> bool:
+        return self.device != "cpu"
+
+    def resources(self) -> dict[str, float]:
+        """The Ray resources one worker of this group reserves."""
+        res = {"CPU": 1.0, **({"GPU": 1.0} if self.uses_gpu else {})}
+        res.update({k: float(v) for k, v in (self.resources_per_worker or {}).items()})
+        return res
+
+
+def parse_workers(text: str) -> int | str | list[DeviceGroup]:
+    """CLI --workers: "2" (CPU workers), "auto", or groups such as "cuda:1,mps:1,cpu:2"."""
+    text = text.strip()
+    if text == "auto":
+        return "auto"
+    if text.isdigit() and int(text) >= 1:
+        return int(text)
+    groups = []
+    for item in filter(None, (t.strip() for t in text.split(","))):
+        kind, _, count = item.partition(":")
+        if kind not in _DEVICE_KINDS or not (count or "1").isdigit() or int(count or "1") < 1:
+            raise ValueError(
+                f"--workers {text!r}: item {item!r} is not KIND[:COUNT]; use a number, auto, or groups such as "
+                f"cuda:1,mps:1,cpu:2 (kinds: {', '.join(_DEVICE_KINDS)})"
+            )
+        groups.append(DeviceGroup(device=kind, num_workers=int(count or "1")))
+    if not groups:
+        raise ValueError(f"--workers {text!r}: use a number, auto, or groups such as cuda:1,mps:1,cpu:2")
+    return groups
+
+
+@dataclass(frozen=True, kw_only=True)
 class ScalingConfig:
     """Where the workers run and how the global batch is split between them."""
 
     num_workers: int = 2
-    """Number of workers; each holds one replica of the model."""
+    """Number of workers; each holds one replica of the model. Ignored when `groups` is given."""
     cpus_per_worker: float = 1.0
     """Ray CPU resource reserved per worker (fractions allowed, as in Ray Train)."""
+    use_gpu: bool = False
+    """As in Ray Train: each worker takes one GPU (CUDA or Apple, resolved where it lands)."""
+    resources_per_worker: Mapping[str, float] | None = None
+    """As in Ray Train, e.g. {"CPU": 2, "GPU": 0.5}; overrides cpus_per_worker."""
+    accelerator_type: str | None = None
+    """As in Ray Train: only nodes with this accelerator type (e.g. "A100", "M2")."""
+    groups: Sequence[DeviceGroup] | str | None = None
+    """Mixed devices: a list of DeviceGroup, or "auto" (one worker per GPU in the cluster, one CPU worker
+    per node without a GPU). None: one group from num_workers/use_gpu/resources_per_worker."""
+    precision: str = "fp32"
+    """"fp32" (default, exact), "auto" (bf16/fp16 autocast on GPUs, fp32 on CPUs), "bf16" or "fp16"."""
+    backend: str = "auto"
+    """Collectives: "auto" (NCCL when every worker is CUDA, else gloo through CPU buffers), "gloo" or "nccl"."""
+    network_interface: str | None = None
+    """Interface the collectives use on every node (sets GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME);
+    None: the interface that holds each node's Ray address."""
+    numerics_check: str = "warn"
+    """At start, each device's gradient on a small batch is compared with the CPU's: "warn" reports
+    devices that disagree, "strict" also leaves them out, "off" skips the check."""
     threads_per_worker: int | None = None
     """torch intra-op threads per worker; None means max(1, int(cpus_per_worker))."""
     shares: Sequence[int] | str = "auto"
@@ -54,8 +141,24 @@ class ScalingConfig:
     """Ray cluster to connect to ("auto", "ray://...", "host:port"); None starts an embedded local Ray."""
 
     def __post_init__(self) -> None:
+        if isinstance(self.groups, str) and self.groups != "auto":
+            raise ValueError(f"ScalingConfig.groups={self.groups!r}: use 'auto' or a list of DeviceGroup")
+        if self.groups is not None and not isinstance(self.groups, str):
+            groups = list(self.groups)
+            if not groups or not all(isinstance(g, DeviceGroup) for g in groups):
+                raise ValueError(f"ScalingConfig.groups={groups!r}: give a non-empty list of mixtrain.DeviceGroup")
+            object.__setattr__(self, "num_workers", sum(g.num_workers for g in groups))
+        for name, value, allowed in (
+            ("backend", self.backend, _BACKENDS),
+            ("numerics_check", self.numerics_check, _NUMERICS),
+            ("precision", self.precision, ("fp32", "auto", "bf16", "fp16")),
+        ):
+            if value not in allowed:
+                raise ValueError(f"ScalingConfig.{name}={value!r}: use one of {', '.join(allowed)}")
         if not isinstance(self.num_workers, int) or self.num_workers < 1:
             raise ValueError(f"ScalingConfig.num_workers={self.num_workers!r}: must be an integer >= 1")
+        if self.is_auto:
+            return  # the worker count comes from the cluster; resolved() checks the rest
         if not self.cpus_per_worker > 0:
             raise ValueError(
                 f"ScalingConfig.cpus_per_worker={self.cpus_per_worker!r}: must be > 0 "
@@ -97,8 +200,31 @@ class ScalingConfig:
                 )
 
     @property
+    def is_auto(self) -> bool:
+        return self.groups == "auto"
+
+    def device_groups(self) -> list[DeviceGroup]:
+        """The groups of a resolved config (not "auto")."""
+        assert not self.is_auto, "resolve groups='auto' against the cluster first (placement.resolve_scaling)"
+        if self.groups is not None:
+            return list(self.groups)  # type: ignore[arg-type]
+        res = {"CPU": self.cpus_per_worker, **(self.resources_per_worker or {})}
+        return [
+            DeviceGroup(
+                device="gpu" if self.use_gpu else "cpu",
+                num_workers=self.num_workers,
+                resources_per_worker=res,
+                accelerator_type=self.accelerator_type,
+            )
+        ]
+
+    def threads_for(self, cpus: float) -> int:
+        """torch intra-op threads for a worker that reserved `cpus` CPUs."""
+        return self.threads_per_worker or max(1, int(cpus))
+
+    @property
     def num_threads(self) -> int:
-        return self.threads_per_worker or max(1, int(self.cpus_per_worker))
+        return self.threads_for(self.cpus_per_worker)
 
     @property
     def balanced(self) -> bool:

@@ -30,7 +30,7 @@ class ProgressView:
 
     def log(self, message: str) -> None:
         if self.enabled:
-            self.console.print(message)
+            self.console.print(message, soft_wrap=True, markup=False, highlight=False)
 
     def round_done(self, record: dict[str, Any]) -> None:
         if self._bar is not None:

@@ -10,11 +10,15 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
-from mixtrain.comm import process_group
+from mixtrain import devices, envinfo, precision
+from mixtrain.comm import netif, process_group
 from mixtrain.comm.strategy import STRATEGIES, SyncStrategy
 from mixtrain.data import Arrays, as_tensors, epoch_permutation, step_size, worker_indices
 from mixtrain.rounds import RoundPlan, WorkerReport
 from mixtrain.task import Task, build_task
+
+NUMERICS_TOLERANCE = {"fp32": 1e-3, "fp16": 2e-2, "bf16": 6e-2}
+"""Relative L2 difference of a device's gradient from the CPU's above which the device is reported."""
 
 
 def _node_ip() -> str:
@@ -27,13 +31,16 @@ class TrainWorker:
     """One replica of the model on one device. Every method is called by the driver for all
     ranks at once (SPMD); between calls the worker holds its state."""
 
-    def __init__(self, rank: int, world_size: int, num_threads: int, seed: int) -> None:
+    def __init__(self, rank: int, world_size: int, num_threads: int, seed: int, device_request: str = "cpu") -> None:
         torch.set_num_threads(num_threads)
         self.rank = rank
         self.world_size = world_size
         self.seed = seed
         self.host = _node_ip()
+        self.device_request = device_request
+        self.kind: devices.DeviceKind = devices.get("cpu")
         self.device = torch.device("cpu")
+        self.precision = "fp32"
         self._perm_epoch = -1
         self._perm: np.ndarray = np.empty(0, dtype=np.int64)
 
@@ -44,16 +51,77 @@ class TrainWorker:
             "hostname": socket.gethostname(),
             "pid": os.getpid(),
             "device": str(self.device),
+            "device_name": self.kind.name(),
+            "precision": self.precision,
             "threads": torch.get_num_threads(),
         }
 
+    def set_rank(self, rank: int, world_size: int) -> None:
+        """New numbering after the driver left some workers out (before the group forms)."""
+        self.rank, self.world_size = rank, world_size
+
     # ---- set-up, in the order the driver calls it -------------------------------------------
-    def build(self, factory: Callable[[], Task]) -> dict:
+    def build(self, factory: Callable[[], Task], precision_request: str = "fp32") -> dict:
+        """Resolve the device where this actor landed, build the replica on it, and report what the
+        preflight compares across workers. A missing device is reported, not raised, so the driver
+        can show every worker's problem in one table."""
+        report: dict = {
+            "rank": self.rank,
+            "host": self.host,
+            "requested": self.device_request,
+            "versions": envinfo.versions(),
+        }
+        try:
+            self.kind = devices.resolve(self.device_request)
+        except devices.DeviceUnavailableError as exc:
+            return {**report, "problem": str(exc)}
+        self.device = self.kind.torch_device(0)
+        info = self.kind.info(0)
+        self.precision = precision.choose(precision_request, self.kind.kind, info.bf16, info.fp16)
         torch.manual_seed(self.seed)
         self.task = build_task(factory)
-        self.task.model.to(self.device)
-        num_params = sum(p.numel() for p in self.task.model.parameters())
-        return {"num_params": num_params}
+        model = self.task.model
+        if self.device.type == "mps":
+            wide = [n for n, t in (*model.named_parameters(), *model.named_buffers()) if t.dtype == torch.float64]
+            if wide:
+                return {**report, "problem": f"float64 tensors {wide[:3]} cannot go to MPS; build the model in float32"}
+        model.to(self.device)
+        return {
+            **report,
+            "device": info.as_dict(),
+            "precision": self.precision,
+            "signature": envinfo.model_signature(model),
+            "num_params": sum(p.numel() for p in model.parameters()),
+            "nccl": torch.distributed.is_nccl_available(),
+        }
+
+    def check_numerics(self, count: int = 8) -> dict:
+        """The gradient of the first `count` training samples on this device (at its precision)
+        against the same gradient computed on the CPU in fp32: the relative L2 difference."""
+        tolerance = NUMERICS_TOLERANCE[self.precision]
+        if self.device.type == "cpu" and self.precision == "fp32":
+            return {"rank": self.rank, "error": 0.0, "tolerance": tolerance}  # the reference itself
+        import copy
+
+        *inputs, target = (f[:count] for f in self.train)
+        model = self.task.model
+        reference = copy.deepcopy(model).to("cpu")
+        grads = []
+        for m, device, prec in ((reference, torch.device("cpu"), "fp32"), (model, self.device, self.precision)):
+            was_training = m.training
+            m.eval()  # no dropout, no running-statistics update: the same function on both devices
+            m.zero_grad(set_to_none=True)
+            with precision.autocast(device, prec):
+                loss = self.task.loss_fn(m(*(x.to(device) for x in inputs)), target.to(device))
+            loss.float().backward()
+            grads.append(
+                torch.cat([p.grad.detach().to("cpu").float().reshape(-1) for p in m.parameters() if p.grad is not None])
+            )
+            m.zero_grad(set_to_none=True)
+            m.train(was_training)
+        ref, mine = grads
+        error = float((mine - ref).norm() / ref.norm().clamp_min(1e-12))
+        return {"rank": self.rank, "error": error, "tolerance": tolerance}
 
     def open_rendezvous(self, timeout_s: float) -> tuple[str, int]:
         self._rendezvous = process_group.Rendezvous(self.host, timeout_s)
@@ -67,9 +135,15 @@ class TrainWorker:
         collective_timeout_s: float,
         strategy: str,
         bucket_bytes: int,
+        backend: str = "gloo",
+        loss_scaling: bool = False,
     ) -> None:
         store = self._rendezvous.store if self.rank == 0 else None
+        netif.pin_interface(self.host, backend)
+        if backend == "nccl":
+            torch.cuda.set_device(self.device)
         process_group.join_group(
+            backend=backend,
             rank=self.rank,
             world_size=self.world_size,
             host=host,
@@ -79,12 +153,18 @@ class TrainWorker:
             store=store,
         )
         self.strategy: SyncStrategy = STRATEGIES[strategy]()
-        self.strategy.setup(self.task, bucket_bytes)
+        self.strategy.setup(self.task, bucket_bytes, loss_scaling)
 
     def load_data(self, train: Arrays, evaluation: Arrays | None) -> int:
-        self.train = as_tensors(train)
-        self.eval = as_tensors(evaluation) if evaluation is not None else None
+        self.train = self._narrow(as_tensors(train))
+        self.eval = self._narrow(as_tensors(evaluation)) if evaluation is not None else None
         return len(self.train[0])
+
+    def _narrow(self, fields: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+        """MPS has no float64: such fields become float32 here, on the CPU, once."""
+        if self.device.type != "mps":
+            return fields
+        return tuple(f.float() if f.dtype == torch.float64 else f for f in fields)
 
     # ---- training ---------------------------------------------------------------------------
     def run_round(self, plan: RoundPlan) -> WorkerReport:
@@ -128,11 +208,12 @@ class TrainWorker:
         for n, lo in enumerate(starts):
             index = torch.from_numpy(indices[lo : lo + micro_batch])
             *inputs, target = (field[index].to(self.device, non_blocking=True) for field in self.train)
-            loss = self.task.loss_fn(self.task.model(*inputs), target)
+            with precision.autocast(self.device, self.precision):
+                loss = self.task.loss_fn(self.task.model(*inputs), target).float()
             weight = len(index) / step_total
             if n == len(starts) - 1:
                 self.strategy.before_last_backward(self.task)
-            (loss * weight).backward()
+            (loss * (weight * self.strategy.loss_scale.scale)).backward()
             total += float(loss.detach()) * weight
         if slowdown > 1.0:  # EMULATION of a slower device (MIXTRAIN_EMULATE_SLOWDOWN), off by default
             time.sleep((slowdown - 1.0) * (time.perf_counter() - t0))
@@ -153,7 +234,10 @@ class TrainWorker:
         sums = {"loss_sum": 0.0, "samples": 0.0, "correct": 0.0, "targets": 0.0}
         for lo in range(start, stop, batch):
             *inputs, target = (f[lo : min(lo + batch, stop)].to(self.device) for f in self.eval)
-            out = self.task.model(*inputs)
+            with precision.autocast(self.device, self.precision):
+                out = self.task.model(*inputs)
+            if isinstance(out, torch.Tensor):
+                out = out.float()
             n = len(target)
             sums["loss_sum"] += float(self.task.loss_fn(out, target)) * n
             sums["samples"] += n

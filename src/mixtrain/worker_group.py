@@ -11,7 +11,7 @@ import ray
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from mixtrain import cluster
+from mixtrain import cluster, placement
 from mixtrain._constants import PLACEMENT_TIMEOUT_S, env_float
 from mixtrain.config import ScalingConfig
 from mixtrain.worker import TrainWorker
@@ -45,39 +45,65 @@ class WorkerGroup:
         self.scaling = scaling
         self.seed = seed
         self.actors: list[Any] = []
+        self.specs: list[placement.WorkerSpec] = []
         self.pg: Any = None
 
     @property
     def num_workers(self) -> int:
-        return self.scaling.num_workers
+        return len(self.actors) if self.actors else self.scaling.num_workers
 
     def start(self) -> None:
-        n, cpus = self.scaling.num_workers, self.scaling.cpus_per_worker
-        total = ray.cluster_resources().get("CPU", 0.0)
-        if n * cpus > total:
+        """Reserve one bundle per worker (gang-scheduled), then start the actors in them."""
+        nodes = placement.nodes_from_ray(ray.nodes())
+        self.specs = placement.worker_specs(self.scaling, nodes)
+        why = placement.infeasible(self.specs, nodes)
+        if why is not None:
             raise RuntimeError(
-                f"ScalingConfig asks for {n} workers x {cpus:g} CPU = {n * cpus:g} CPUs, but the Ray cluster has "
-                f"{total:g}. Cluster: {cluster.inventory()}. Use fewer workers or a smaller cpus_per_worker "
-                "(fractions such as 0.5 are allowed)."
+                f"the Ray cluster cannot hold these workers: {why}. Cluster: {placement.describe(nodes)}. "
+                "Use fewer workers or smaller resources_per_worker / cpus_per_worker (fractions such as 0.5 are "
+                "allowed), or add a node with `mixtrain cluster join`."
             )
         timeout = env_float(PLACEMENT_TIMEOUT_S)
-        self.pg = placement_group([{"CPU": cpus}] * n, strategy=self.scaling.placement_strategy)
+        selectors = [s.label_selector for s in self.specs]
+        self.pg = placement_group(
+            [s.bundle for s in self.specs],
+            strategy=self.scaling.placement_strategy,
+            bundle_label_selector=selectors if any(selectors) else None,
+        )
         if not self.pg.wait(timeout_seconds=timeout):
             remove_placement_group(self.pg)
             self.pg = None
             raise RuntimeError(
-                f"Ray could not reserve {n} workers x {cpus:g} CPU ({self.scaling.placement_strategy}) within "
+                f"Ray could not reserve {len(self.specs)} workers ({self.scaling.placement_strategy}) within "
                 f"{timeout:g} s (MIXTRAIN_PLACEMENT_TIMEOUT_S). Cluster: {cluster.inventory()}. Free resources "
                 "held by other jobs, use fewer workers, or relax the placement strategy."
             )
+        env = {}
+        if self.scaling.network_interface:
+            env = {
+                "GLOO_SOCKET_IFNAME": self.scaling.network_interface,
+                "NCCL_SOCKET_IFNAME": self.scaling.network_interface,
+            }
         remote: Any = ray.remote(self.worker_cls)
+        n = len(self.specs)
         self.actors = [
             remote.options(
-                num_cpus=cpus,
-                scheduling_strategy=PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=i),
-            ).remote(i, n, self.scaling.num_threads, self.seed)
-            for i in range(n)
+                num_cpus=spec.bundle.get("CPU", 0.0),
+                num_gpus=spec.bundle.get("GPU", 0.0),
+                runtime_env={"env_vars": env} if env else None,
+                scheduling_strategy=PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=spec.rank),
+            ).remote(spec.rank, n, spec.threads, self.seed, spec.device)
+            for spec in self.specs
         ]
+
+    def drop(self, ranks: Sequence[int]) -> None:
+        """Leave workers out before the process group forms; the rest are renumbered 0..n-1."""
+        gone = set(ranks)
+        for r in gone:
+            ray.kill(self.actors[r])
+        self.actors = [a for r, a in enumerate(self.actors) if r not in gone]
+        self.specs = [s for s in self.specs if s.rank not in gone]
+        self.call_each("set_rank", [(i, len(self.actors)) for i in range(len(self.actors))], timeout_s=30.0)
 
     def call(self, method: str, *args: Any, timeout_s: float, ranks: Sequence[int] | None = None) -> list[Any]:
         """Call `method(*args)` on the given ranks (all by default) and return results in rank order."""

@@ -66,7 +66,14 @@ class GradBuckets:
     much as a whole bucket on a small model.
     """
 
-    def __init__(self, params: list[torch.nn.Parameter], bucket_bytes: int, num_extras: int = 0) -> None:
+    def __init__(
+        self,
+        params: list[torch.nn.Parameter],
+        bucket_bytes: int,
+        num_extras: int = 0,
+        comm_device: torch.device | None = None,
+    ) -> None:
+        self.comm_device = comm_device or torch.device("cpu")  # gloo: CPU; NCCL: the GPU itself
         self.buckets: list[_Bucket] = []
         self._armed = False
         self._next = 0  # buckets start strictly in order, so every rank issues the same collectives
@@ -87,8 +94,8 @@ class GradBuckets:
     def _add(self, params: list[torch.nn.Parameter], num_extras: int) -> None:
         numel = sum(p.numel() for p in params)
         device, dtype = params[0].device, params[0].dtype
-        host = torch.zeros(numel + num_extras, dtype=dtype)
-        staged = device.type != "cpu"
+        host = torch.zeros(numel + num_extras, dtype=dtype, device=self.comm_device)
+        staged = device != self.comm_device
         flat = torch.zeros(numel, dtype=dtype, device=device) if staged else host[:numel]
         bucket = _Bucket(params, flat, host, staged)
         bucket.bind_grads()
@@ -130,14 +137,19 @@ class GradBuckets:
         last = self.buckets[-1]
         if self.num_extras:
             assert extras is not None and extras.numel() == self.num_extras, "extras must match num_extras"
-            last.host[last.flat.numel() :].copy_(extras)
+            last.host[last.flat.numel() :].copy_(extras.to(last.host.device))
         for b in self.buckets[self._next :]:
             b.launch()
         self._next = len(self.buckets)
         for b in self.buckets:
             b.finish()
         if self.num_extras:
-            extras.copy_(last.host[last.flat.numel() :])  # type: ignore[union-attr]
+            extras.copy_(last.host[last.flat.numel() :].to("cpu"))  # type: ignore[union-attr]
+
+    def scale_(self, factor: float) -> None:
+        """Multiply every gradient by `factor` (undoing a loss scale)."""
+        for b in self.buckets:
+            b.flat.mul_(factor)
 
     def all_finite(self) -> bool:
         """True when every summed gradient is finite. After the sum a NaN or Inf on any rank

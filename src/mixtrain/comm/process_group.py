@@ -26,6 +26,19 @@ class Rendezvous:
         self.port = self.store.port
 
 
+def choose_backend(requested: str, kinds: list[str], nccl_available: bool) -> str:
+    """gloo through CPU buffers for any mix; NCCL only when every worker is CUDA and has it."""
+    all_cuda = all(k == "cuda" for k in kinds)
+    if requested == "nccl" and not (all_cuda and nccl_available):
+        raise ValueError(
+            f"backend='nccl' needs every worker on CUDA with NCCL available, but the devices are {kinds}"
+            f"{'' if nccl_available else ' and this torch has no NCCL'}; use backend='gloo' or 'auto'"
+        )
+    if requested == "auto":
+        return "nccl" if all_cuda and nccl_available else "gloo"
+    return requested
+
+
 def join_group(
     *,
     rank: int,

@@ -6,17 +6,30 @@ import torch
 import torch.distributed as dist
 
 
+def comm_device() -> torch.device:
+    """Where collective buffers live: CPU for gloo (it takes CPU tensors only), the GPU for NCCL."""
+    if dist.is_initialized() and dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _to_host(t: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """Move to the CPU first, then convert: a float64 conversion never runs on MPS, which has no float64."""
+    return t.detach().to("cpu").to(dtype or t.dtype)
+
+
 def _flatten(tensors: list[torch.Tensor], dtype: torch.dtype | None = None) -> torch.Tensor:
-    """One CPU buffer holding `tensors` back to back (gloo takes CPU tensors only)."""
-    return torch.cat([t.detach().reshape(-1).to("cpu", dtype or t.dtype) for t in tensors])
+    """One buffer on the comm device holding `tensors` back to back."""
+    return torch.cat([_to_host(t, dtype).reshape(-1) for t in tensors]).to(comm_device())
 
 
 def _unflatten_into(flat: torch.Tensor, tensors: list[torch.Tensor]) -> None:
+    flat = flat.to("cpu")
     offset = 0
     for t in tensors:
         n = t.numel()
         with torch.no_grad():
-            t.copy_(flat[offset : offset + n].view_as(t))
+            t.copy_(flat[offset : offset + n].view_as(t).to(t.dtype))
         offset += n
 
 
@@ -66,7 +79,7 @@ def checksum(tensors: list[torch.Tensor]) -> torch.Tensor:
     """A float64 fingerprint of the tensors: sum and sum of absolute values."""
     total = torch.zeros(2, dtype=torch.float64)
     for t in tensors:
-        d = t.detach().to("cpu", torch.float64)
+        d = _to_host(t, torch.float64)
         total[0] += d.sum()
         total[1] += d.abs().sum()
     return total
@@ -74,7 +87,7 @@ def checksum(tensors: list[torch.Tensor]) -> torch.Tensor:
 
 def drift(model: torch.nn.Module) -> float:
     """Largest relative checksum difference of any rank's parameters from rank 0's."""
-    mine = checksum(list(model.parameters()))
+    mine = checksum(list(model.parameters())).to(comm_device())
     gathered = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
     dist.all_gather(gathered, mine)
     ref = gathered[0]

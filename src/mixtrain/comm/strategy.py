@@ -14,6 +14,7 @@ import torch
 
 from mixtrain.comm import replicas
 from mixtrain.comm.buckets import GradBuckets
+from mixtrain.precision import LossScale
 from mixtrain.task import Task
 
 
@@ -38,10 +39,12 @@ class RoundSync:
 
 class SyncStrategy(ABC):
     name: str
+    loss_scale: LossScale = LossScale(enabled=False)
+    """The job-wide loss scale (fp16); the worker multiplies each loss by `loss_scale.scale`."""
 
     @abstractmethod
-    def setup(self, task: Task, bucket_bytes: int) -> None:
-        """Called once when the replica exists and the group is formed."""
+    def setup(self, task: Task, bucket_bytes: int, loss_scaling: bool = False) -> None:
+        """Called once when the replica exists and the group is formed; `loss_scaling` is the same on all ranks."""
 
     @abstractmethod
     def zero_grad(self, task: Task) -> None: ...
@@ -63,10 +66,12 @@ class AllReduceStrategy(SyncStrategy):
 
     name = "allreduce"
 
-    def setup(self, task: Task, bucket_bytes: int) -> None:
+    def setup(self, task: Task, bucket_bytes: int, loss_scaling: bool = False) -> None:
         replicas.broadcast_state(task.model)
         params = [p for p in task.model.parameters() if p.requires_grad]
-        self.buckets = GradBuckets(params, bucket_bytes, num_extras=1)  # the loss rides along
+        # the loss rides along in a spare slot
+        self.buckets = GradBuckets(params, bucket_bytes, num_extras=1, comm_device=replicas.comm_device())
+        self.loss_scale = LossScale(enabled=loss_scaling)
 
     def zero_grad(self, task: Task) -> None:
         self.buckets.zero_()
@@ -79,7 +84,11 @@ class AllReduceStrategy(SyncStrategy):
         self.buckets.all_reduce_(local_stats)
         comm_s = time.perf_counter() - t0
         applied = self.buckets.all_finite() and bool(torch.isfinite(local_stats).all())
+        used = self.loss_scale.scale
+        self.loss_scale.update(applied)  # the same verdict on every rank keeps the scales equal
         if applied:
+            if used != 1.0:
+                self.buckets.scale_(1.0 / used)
             task.optimizer.step()
             if task.scheduler is not None:
                 task.scheduler.step()

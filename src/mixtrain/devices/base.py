@@ -1,0 +1,67 @@
+"""What mixtrain needs to know about one kind of device, in one small interface."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import asdict, dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class DeviceInfo:
+    """One device as a person reads it in `mixtrain devices` and the start-of-run table."""
+
+    kind: str
+    index: int
+    name: str
+    total_memory: int | None
+    """Bytes the device has (None where the platform does not tell)."""
+    free_memory: int | None
+    bf16: bool
+    fp16: bool
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+class DeviceKind(ABC):
+    """A kind of device (cuda, mps, cpu). Instances are stateless; methods ask torch each time,
+    so tests can patch torch's availability functions."""
+
+    kind: str
+
+    @abstractmethod
+    def available(self) -> bool: ...
+
+    def count(self) -> int:
+        return 1 if self.available() else 0
+
+    def torch_device(self, index: int = 0) -> torch.device:
+        return torch.device(self.kind, index)
+
+    @abstractmethod
+    def name(self, index: int = 0) -> str: ...
+
+    @abstractmethod
+    def memory(self, index: int = 0) -> tuple[int | None, int | None]:
+        """(total, free) bytes, None where unknown."""
+
+    @abstractmethod
+    def supports_bf16(self, index: int = 0) -> bool: ...
+
+    @abstractmethod
+    def supports_fp16(self, index: int = 0) -> bool: ...
+
+    def synchronize(self, index: int = 0) -> None:  # noqa: B027 - CPU work is synchronous
+        """Wait for queued kernels (for honest timings)."""
+
+    @abstractmethod
+    def is_oom(self, exc: BaseException) -> bool:
+        """True when `exc` is this device's out-of-memory error."""
+
+    def info(self, index: int = 0) -> DeviceInfo:
+        total, free = self.memory(index)
+        return DeviceInfo(
+            self.kind, index, self.name(index), total, free, self.supports_bf16(index), self.supports_fp16(index)
+        )

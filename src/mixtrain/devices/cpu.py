@@ -1,0 +1,52 @@
+"""The host CPU: always there, fp32 by default."""
+
+from __future__ import annotations
+
+import os
+import platform
+
+import torch
+
+from mixtrain.devices.base import DeviceKind
+
+
+def _cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine() or "CPU"
+
+
+class CpuDevice(DeviceKind):
+    kind = "cpu"
+
+    def available(self) -> bool:
+        return True
+
+    def torch_device(self, index: int = 0) -> torch.device:
+        return torch.device("cpu")
+
+    def name(self, index: int = 0) -> str:
+        return f"{_cpu_name()} ({os.cpu_count()} cores)"
+
+    def memory(self, index: int = 0) -> tuple[int | None, int | None]:
+        try:
+            import psutil  # a dependency of ray[default]
+
+            mem = psutil.virtual_memory()
+            return int(mem.total), int(mem.available)
+        except ImportError:
+            return None, None
+
+    def supports_bf16(self, index: int = 0) -> bool:
+        return True  # autocast on CPU runs bf16 (slowly where the CPU lacks AVX512-BF16/AMX)
+
+    def supports_fp16(self, index: int = 0) -> bool:
+        return False  # fp16 kernels on CPU are slow and patchy: not offered
+
+    def is_oom(self, exc: BaseException) -> bool:
+        return isinstance(exc, MemoryError) or "DefaultCPUAllocator: can't allocate memory" in str(exc)

@@ -1,0 +1,37 @@
+"""NVIDIA GPUs through torch.cuda."""
+
+from __future__ import annotations
+
+import torch
+
+from mixtrain.devices.base import DeviceKind
+
+
+class CudaDevice(DeviceKind):
+    kind = "cuda"
+
+    def available(self) -> bool:
+        return torch.cuda.is_available()
+
+    def count(self) -> int:
+        return torch.cuda.device_count() if self.available() else 0
+
+    def name(self, index: int = 0) -> str:
+        return torch.cuda.get_device_name(index)
+
+    def memory(self, index: int = 0) -> tuple[int | None, int | None]:
+        free, total = torch.cuda.mem_get_info(index)
+        return int(total), int(free)
+
+    def supports_bf16(self, index: int = 0) -> bool:
+        # Ampere (compute capability 8.0) and newer run bf16 natively.
+        return torch.cuda.get_device_capability(index)[0] >= 8
+
+    def supports_fp16(self, index: int = 0) -> bool:
+        return True
+
+    def synchronize(self, index: int = 0) -> None:
+        torch.cuda.synchronize(index)
+
+    def is_oom(self, exc: BaseException) -> bool:
+        return isinstance(exc, torch.cuda.OutOfMemoryError) or "CUDA out of memory" in str(exc)

@@ -1,0 +1,55 @@
+"""Apple Silicon GPUs through torch.mps. Untested on real hardware: no Mac is available to the
+project's CI; the tests patch torch's MPS functions (see the README's hardware table)."""
+
+from __future__ import annotations
+
+import platform
+import subprocess
+
+import torch
+
+from mixtrain.devices.base import DeviceKind
+
+
+def _chip() -> str:
+    """'Apple M2 Pro' from sysctl, or the machine type when sysctl is not there."""
+    try:
+        out = subprocess.run(
+            ["sysctl", "-n", "machdep.cpu.brand_string"], capture_output=True, text=True, timeout=2, check=False
+        )
+        if out.returncode == 0 and out.stdout.strip():
+            return out.stdout.strip()
+    except OSError:
+        pass
+    return platform.machine() or "unknown"
+
+
+class MpsDevice(DeviceKind):
+    kind = "mps"
+
+    def available(self) -> bool:
+        return torch.backends.mps.is_available()
+
+    def name(self, index: int = 0) -> str:
+        return f"{_chip()} GPU (MPS)"
+
+    def memory(self, index: int = 0) -> tuple[int | None, int | None]:
+        # Unified memory: the share Metal recommends for one process, minus what the driver holds.
+        total = int(torch.mps.recommended_max_memory())
+        return total, max(0, total - int(torch.mps.driver_allocated_memory()))
+
+    def supports_bf16(self, index: int = 0) -> bool:
+        try:  # macOS 14+ has bf16 on MPS; older systems raise
+            torch.zeros(1, dtype=torch.bfloat16, device="mps")
+        except (RuntimeError, TypeError):
+            return False
+        return True
+
+    def supports_fp16(self, index: int = 0) -> bool:
+        return True
+
+    def synchronize(self, index: int = 0) -> None:
+        torch.mps.synchronize()
+
+    def is_oom(self, exc: BaseException) -> bool:
+        return isinstance(exc, RuntimeError) and "MPS backend out of memory" in str(exc)

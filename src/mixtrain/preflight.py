@@ -1,0 +1,102 @@
+"""Checks before training: every worker has its device, the same software and the same model,
+and its kernels agree with the CPU's. Pure functions over the workers' build() reports."""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Sequence
+
+
+class PreflightError(RuntimeError):
+    """Workers disagree on versions, model or devices; the message has a table naming node and value."""
+
+
+def _base(version: str) -> str:
+    return version.split("+", 1)[0]  # 2.13.0+cu128 and 2.13.0 are the same release
+
+
+def _minor(version: str) -> str:
+    return ".".join(version.split(".")[:2])
+
+
+# (field, how two values are compared, why it matters)
+_RULES = (
+    ("python", _minor, "Ray and pickled task factories need the same Python major.minor on every node"),
+    ("torch", lambda v: _minor(_base(v)), "the collectives and the model code need the same torch release line"),
+    ("ray", str, "Ray refuses nodes of another Ray version"),
+    ("mixtrain", str, "workers must run the same mixtrain as the driver"),
+)
+
+
+def problems(driver: dict[str, str], reports: Sequence[dict]) -> list[str]:
+    """One line per problem, each naming the worker, its node and the offending value."""
+    out: list[str] = []
+    for r in reports:
+        where = f"worker {r['rank']} on {r['host']}"
+        if "problem" in r:
+            out.append(f"{where}: {r['problem']}")
+        for field, key, why in _RULES:
+            mine, theirs = r["versions"].get(field, "?"), driver.get(field, "?")
+            if key(mine) != key(theirs):
+                out.append(f"{where}: {field} {mine} but the driver has {theirs} ({why})")
+    signatures = Counter(r["signature"] for r in reports if "signature" in r)
+    if len(signatures) > 1:
+        common = signatures.most_common(1)[0][0]
+        for r in reports:
+            if r.get("signature", common) != common:
+                out.append(
+                    f"worker {r['rank']} on {r['host']}: model signature {r['signature']} differs from {common} "
+                    "(parameter names, shapes or dtypes differ: the task factory builds another model there)"
+                )
+    return out
+
+
+def table(driver: dict[str, str], reports: Sequence[dict]) -> str:
+    """Every worker with its node, device and versions (the driver first) as aligned text."""
+    head = ("who", "node", "device", "python", "torch", "ray", "mixtrain", "model")
+    rows = [("driver", "-", "-", driver["python"], driver["torch"], driver["ray"], driver["mixtrain"], "-")]
+    for r in reports:
+        v = r["versions"]
+        device = r["device"]["name"] if "device" in r else f"MISSING {r['requested']}"
+        rows.append(
+            (
+                f"worker {r['rank']}",
+                r["host"],
+                device,
+                v["python"],
+                v["torch"],
+                v["ray"],
+                v["mixtrain"],
+                r.get("signature", "-"),
+            )
+        )
+    widths = [max(len(str(row[i])) for row in (head, *rows)) for i in range(len(head))]
+    return "\n".join("  ".join(str(c).ljust(w) for c, w in zip(row, widths)).rstrip() for row in (head, *rows))
+
+
+def check(driver: dict[str, str], reports: Sequence[dict]) -> None:
+    """Raise PreflightError with the table and every problem, or return when all agree."""
+    found = problems(driver, reports)
+    if found:
+        raise PreflightError(
+            "preflight failed, nothing was trained:\n"
+            + "\n".join(f"  - {p}" for p in found)
+            + "\n"
+            + table(driver, reports)
+            + "\nFix: install the same versions on every node (pip install mixtrain==... torch==...), and "
+            "make the task factory build the same model everywhere."
+        )
+
+
+def numerics_verdict(results: Sequence[dict], reports: Sequence[dict]) -> tuple[list[str], list[int]]:
+    """Lines for the devices whose gradient disagreed with the CPU's, and their ranks."""
+    names = {r["rank"]: r["device"]["name"] for r in reports if "device" in r}
+    lines, bad = [], []
+    for res in results:
+        if res["error"] > res["tolerance"]:
+            bad.append(res["rank"])
+            lines.append(
+                f"worker {res['rank']} ({names.get(res['rank'], '?')}): gradient differs from the CPU's by "
+                f"{res['error']:.2e} (relative L2; tolerance {res['tolerance']:.0e})"
+            )
+    return lines, bad
