@@ -10,6 +10,7 @@ _PLACEMENT_STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
 _DEVICE_KINDS = ("cpu", "gpu", "cuda", "mps")
 _BACKENDS = ("auto", "gloo", "nccl")
 _NUMERICS = ("warn", "strict", "off")
+_PRECISIONS = ("fp32", "auto", "bf16", "fp16")
 SLOWDOWN_ENV = "MIXTRAIN_EMULATE_SLOWDOWN"
 
 
@@ -52,12 +53,16 @@ class DeviceGroup:
     """Only nodes with this Ray accelerator type, e.g. "A100", "H100", "M2"."""
     node: str | None = None
     """Only this node (its Ray node id); `auto` fills it in."""
+    precision: str | None = None
+    """This group's precision; None takes ScalingConfig.precision."""
 
     def __post_init__(self) -> None:
         if self.device not in _DEVICE_KINDS:
             raise ValueError(f"DeviceGroup.device={self.device!r}: use one of {', '.join(_DEVICE_KINDS)}")
         if not isinstance(self.num_workers, int) or self.num_workers < 1:
             raise ValueError(f"DeviceGroup.num_workers={self.num_workers!r}: must be an integer >= 1")
+        if self.precision is not None and self.precision not in _PRECISIONS:
+            raise ValueError(f"DeviceGroup.precision={self.precision!r}: use one of {', '.join(_PRECISIONS)} or None")
         res = dict(self.resources_per_worker or {})
         if any(not v >= 0 for v in res.values()):
             raise ValueError(f"DeviceGroup.resources_per_worker={res}: amounts must be >= 0")
@@ -126,6 +131,8 @@ class ScalingConfig:
     numerics_check: str = "warn"
     """At start, each device's gradient on a small batch is compared with the CPU's: "warn" reports
     devices that disagree, "strict" also leaves them out, "off" skips the check."""
+    numerics_tolerance: float | None = None
+    """Relative L2 difference allowed by the numerics check; None: 1e-3 fp32, 2e-2 fp16, 6e-2 bf16."""
     threads_per_worker: int | None = None
     """torch intra-op threads per worker; None means max(1, int(cpus_per_worker))."""
     shares: Sequence[int] | str = "auto"
@@ -151,12 +158,14 @@ class ScalingConfig:
         for name, value, allowed in (
             ("backend", self.backend, _BACKENDS),
             ("numerics_check", self.numerics_check, _NUMERICS),
-            ("precision", self.precision, ("fp32", "auto", "bf16", "fp16")),
+            ("precision", self.precision, _PRECISIONS),
         ):
             if value not in allowed:
                 raise ValueError(f"ScalingConfig.{name}={value!r}: use one of {', '.join(allowed)}")
         if not isinstance(self.num_workers, int) or self.num_workers < 1:
             raise ValueError(f"ScalingConfig.num_workers={self.num_workers!r}: must be an integer >= 1")
+        if self.numerics_tolerance is not None and not self.numerics_tolerance > 0:
+            raise ValueError(f"ScalingConfig.numerics_tolerance={self.numerics_tolerance!r}: must be > 0 or None")
         if self.is_auto:
             return  # the worker count comes from the cluster; resolved() checks the rest
         if not self.cpus_per_worker > 0:

@@ -51,6 +51,7 @@ class WorkerSpec:
     bundle: dict[str, float]
     label_selector: dict[str, str]
     threads: int
+    precision: str
 
 
 def nodes_from_ray(raw: Sequence[dict[str, Any]]) -> list[NodeInfo]:
@@ -116,12 +117,13 @@ def _narrow(group: DeviceGroup, nodes: Sequence[NodeInfo], bundle: dict[str, flo
         if want_mac and not any(n.is_mac and n.gpus > 0 for n in nodes):
             bundle.pop("GPU", None)  # an older Ray that does not count Apple GPUs as "GPU"
         return
-    others = [n for n in nodes if n.gpus > 0 and n.is_mac != want_mac]
-    if not others:
-        if want_mac:
-            bundle[group.device] = amount  # no Mac at all: the request fails, naming "mps"
+    mine_nodes = [n for n in nodes if n.gpus > 0 and n.is_mac == want_mac]
+    if not mine_nodes:
+        bundle[group.device] = amount  # none of this kind: the request fails at once, naming it
         return
-    mine = {t for n in nodes if n.gpus > 0 and n.is_mac == want_mac for t in n.accelerator_types}
+    if not any(n.gpus > 0 and n.is_mac != want_mac for n in nodes):
+        return  # only this kind of GPU in the cluster: "GPU" is exact
+    mine = {t for n in mine_nodes for t in n.accelerator_types}
     if len(mine) != 1:
         raise ValueError(
             f"DeviceGroup(device={group.device!r}): this cluster has both CUDA and Apple GPUs and nothing tells "
@@ -142,7 +144,14 @@ def worker_specs(scaling: ScalingConfig, nodes: Sequence[NodeInfo]) -> list[Work
         selector = {NODE_ID_LABEL: group.node} if group.node else {}
         for _ in range(group.num_workers):
             specs.append(
-                WorkerSpec(len(specs), group.device, dict(bundle), selector, scaling.threads_for(bundle["CPU"]))
+                WorkerSpec(
+                    len(specs),
+                    group.device,
+                    dict(bundle),
+                    selector,
+                    scaling.threads_for(bundle["CPU"]),
+                    group.precision or scaling.precision,
+                )
             )
     return specs
 

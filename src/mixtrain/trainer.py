@@ -8,7 +8,7 @@ from typing import Any
 
 import ray
 
-from mixtrain import cluster, envinfo, placement, preflight
+from mixtrain import cluster, envinfo, preflight
 from mixtrain._constants import BUCKET_MB, COLLECTIVE_TIMEOUT_S, RENDEZVOUS_TIMEOUT_S, env_float
 from mixtrain.checkpoint import atomic_save
 from mixtrain.comm.process_group import choose_backend
@@ -76,10 +76,10 @@ class Trainer:
         view = ProgressView(False, 0)
         log: RunLog | None = None
         cluster.ensure_ray(self.scaling.address, _cpus_needed(self.scaling))
-        scaling = placement.resolve_scaling(self.scaling, placement.nodes_from_ray(ray.nodes()))
-        group = self.worker_group_cls(scaling, self.run.seed)
+        group = self.worker_group_cls(self.scaling, self.run.seed)
         try:
             group.start()
+            scaling = group.scaling  # resolved: groups="auto" became concrete groups
             workers, notes, backend = self._set_up(group, scaling)
             shares = _shares_after_setup(scaling, self.global_batch, group)
             log = RunLog(
@@ -96,6 +96,7 @@ class Trainer:
                 },
             )
             log.write("workers", {"workers": workers})
+            log.write("preflight", self.preflight)
             view = ProgressView(self.run.progress, num_samples * epochs)
             view.log(
                 f"mixtrain: {len(workers)} workers, global batch {self.global_batch} split {shares}, "
@@ -145,15 +146,19 @@ class Trainer:
         rendezvous_s = env_float(RENDEZVOUS_TIMEOUT_S)
         collective_s = env_float(COLLECTIVE_TIMEOUT_S)
         notes: list[str] = []
+        self.preflight: dict[str, Any] = {"reports": [], "numerics": [], "left_out": []}
         # Build before forming the group, so a factory that raises fails at once instead of
         # leaving its peers waiting out the rendezvous timeout.
-        reports = group.call("build", self.task_factory, scaling.precision, timeout_s=rendezvous_s + 600)
+        reports = group.call("build", self.task_factory, timeout_s=rendezvous_s + 600)
+        self.preflight["reports"] = reports
         preflight.check(envinfo.versions(), reports)
         train_ref = ray.put(self.train_arrays)  # once; workers read it zero-copy from the object store
         eval_ref = ray.put(self.eval_arrays) if self.eval_arrays is not None else None
         group.call("load_data", train_ref, eval_ref, timeout_s=rendezvous_s + 600)
         if scaling.numerics_check != "off":
-            lines, bad = preflight.numerics_verdict(group.call("check_numerics", timeout_s=rendezvous_s + 600), reports)
+            results = group.call("check_numerics", scaling.numerics_tolerance, timeout_s=rendezvous_s + 600)
+            self.preflight["numerics"] = results
+            lines, bad = preflight.numerics_verdict(results, reports)
             notes += [f"numerics check: {line}" for line in lines]
             if bad and scaling.numerics_check == "strict":
                 if len(bad) == len(reports):
@@ -161,6 +166,7 @@ class Trainer:
                         "numerics check (strict): every worker failed it:\n" + "\n".join(lines)
                     )
                 group.drop(bad)
+                self.preflight["left_out"] = bad
                 reports = [r for r in reports if r["rank"] not in bad]
                 notes.append(f"numerics check (strict): left out worker(s) {bad}; the others were renumbered")
         backend = choose_backend(

@@ -27,17 +27,32 @@ def _node_ip() -> str:
     return ray.util.get_node_ip_address()
 
 
+def _node_id() -> str:
+    import ray
+
+    return ray.get_runtime_context().get_node_id()
+
+
 class TrainWorker:
     """One replica of the model on one device. Every method is called by the driver for all
     ranks at once (SPMD); between calls the worker holds its state."""
 
-    def __init__(self, rank: int, world_size: int, num_threads: int, seed: int, device_request: str = "cpu") -> None:
+    def __init__(
+        self,
+        rank: int,
+        world_size: int,
+        num_threads: int,
+        seed: int,
+        device_request: str = "cpu",
+        precision_request: str = "fp32",
+    ) -> None:
         torch.set_num_threads(num_threads)
         self.rank = rank
         self.world_size = world_size
         self.seed = seed
         self.host = _node_ip()
         self.device_request = device_request
+        self.precision_request = precision_request
         self.kind: devices.DeviceKind = devices.get("cpu")
         self.device = torch.device("cpu")
         self.precision = "fp32"
@@ -50,6 +65,7 @@ class TrainWorker:
             "host": self.host,
             "hostname": socket.gethostname(),
             "pid": os.getpid(),
+            "node_id": _node_id(),
             "device": str(self.device),
             "device_name": self.kind.name(),
             "precision": self.precision,
@@ -61,7 +77,7 @@ class TrainWorker:
         self.rank, self.world_size = rank, world_size
 
     # ---- set-up, in the order the driver calls it -------------------------------------------
-    def build(self, factory: Callable[[], Task], precision_request: str = "fp32") -> dict:
+    def build(self, factory: Callable[[], Task]) -> dict:
         """Resolve the device where this actor landed, build the replica on it, and report what the
         preflight compares across workers. A missing device is reported, not raised, so the driver
         can show every worker's problem in one table."""
@@ -77,7 +93,7 @@ class TrainWorker:
             return {**report, "problem": str(exc)}
         self.device = self.kind.torch_device(0)
         info = self.kind.info(0)
-        self.precision = precision.choose(precision_request, self.kind.kind, info.bf16, info.fp16)
+        self.precision = precision.choose(self.precision_request, self.kind.kind, info.bf16, info.fp16)
         torch.manual_seed(self.seed)
         self.task = build_task(factory)
         model = self.task.model
@@ -95,10 +111,10 @@ class TrainWorker:
             "nccl": torch.distributed.is_nccl_available(),
         }
 
-    def check_numerics(self, count: int = 8) -> dict:
+    def check_numerics(self, tolerance: float | None = None, count: int = 8) -> dict:
         """The gradient of the first `count` training samples on this device (at its precision)
         against the same gradient computed on the CPU in fp32: the relative L2 difference."""
-        tolerance = NUMERICS_TOLERANCE[self.precision]
+        tolerance = tolerance or NUMERICS_TOLERANCE[self.precision]
         if self.device.type == "cpu" and self.precision == "fp32":
             return {"rank": self.rank, "error": 0.0, "tolerance": tolerance}  # the reference itself
         import copy

@@ -55,6 +55,7 @@ class WorkerGroup:
     def start(self) -> None:
         """Reserve one bundle per worker (gang-scheduled), then start the actors in them."""
         nodes = placement.nodes_from_ray(ray.nodes())
+        self.scaling = placement.resolve_scaling(self.scaling, nodes)  # groups="auto" -> concrete groups
         self.specs = placement.worker_specs(self.scaling, nodes)
         why = placement.infeasible(self.specs, nodes)
         if why is not None:
@@ -92,7 +93,7 @@ class WorkerGroup:
                 num_gpus=spec.bundle.get("GPU", 0.0),
                 runtime_env={"env_vars": env} if env else None,
                 scheduling_strategy=PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=spec.rank),
-            ).remote(spec.rank, n, spec.threads, self.seed, spec.device)
+            ).remote(spec.rank, n, spec.threads, self.seed, spec.device, spec.precision)
             for spec in self.specs
         ]
 

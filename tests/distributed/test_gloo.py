@@ -115,3 +115,41 @@ def test_missing_peer_is_a_clear_error_not_a_hang():
     status, message = out[0]
     assert status == "error"
     assert "RendezvousError" in message and "MIXTRAIN_RENDEZVOUS_TIMEOUT_S" in message
+
+
+def _loss_scaled_steps(rank, world, scaling):
+    from mixtrain.comm.strategy import AllReduceStrategy
+    from mixtrain.task import Task
+
+    model = _model(0)
+    task = Task(
+        model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.5), loss_fn=torch.nn.functional.cross_entropy
+    )
+    strategy = AllReduceStrategy()
+    strategy.setup(task, bucket_bytes=64, loss_scaling=scaling)
+    torch.manual_seed(100)
+    x, y = torch.randn(8, 6), torch.randint(0, 3, (8,))
+    scales, applied = [], []
+    for step in range(2):
+        strategy.zero_grad(task)
+        xs, ys = x[rank * 4 : rank * 4 + 4], y[rank * 4 : rank * 4 + 4]
+        loss = task.loss_fn(model(xs), ys)
+        strategy.before_last_backward(task)
+        (loss * (0.5 * strategy.loss_scale.scale)).backward()
+        if step == 1 and rank == 1:
+            next(model.parameters()).grad[0, 0] = float("inf")  # overflow on one rank only
+        scales.append(strategy.loss_scale.scale)
+        applied.append(strategy.step(task, torch.tensor([float(loss) * 0.5])).applied)
+    scales.append(strategy.loss_scale.scale)
+    return {"params": [p.detach().clone() for p in model.parameters()], "scales": scales, "applied": applied}
+
+
+def test_one_loss_scale_for_the_job_unscales_exactly_and_halves_on_every_rank_after_an_overflow():
+    scaled = run_ranks(_loss_scaled_steps, 2, True)
+    plain = run_ranks(_loss_scaled_steps, 2, False)
+    assert all(s == "ok" for s, _ in (*scaled.values(), *plain.values())), (scaled, plain)
+    for rank in (0, 1):
+        assert scaled[rank][1]["scales"] == [65536.0, 65536.0, 32768.0]
+        assert scaled[rank][1]["applied"] == [True, False]
+        for a, b in zip(scaled[rank][1]["params"], plain[0][1]["params"]):
+            assert torch.equal(a, b)  # a power-of-two scale and unscale change no bit

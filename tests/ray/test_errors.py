@@ -43,7 +43,9 @@ def test_impossible_placement_fails_fast_with_the_inventory(tmp_path):
         run=RunConfig(run_dir=str(tmp_path), progress=False),
     )
     t0 = time.monotonic()
-    with pytest.raises(RuntimeError, match=r"cannot hold these workers: CPU: 6 needed, 4 in the cluster.*Cluster: node .*CPU=4"):
+    with pytest.raises(
+        RuntimeError, match=r"cannot hold these workers: CPU: 6 needed, 4 in the cluster.*Cluster: node .*CPU=4"
+    ):
         trainer.fit()
     assert time.monotonic() - t0 < 10
 

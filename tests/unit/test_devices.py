@@ -1,0 +1,78 @@
+"""Device classes and the detect order, with torch's availability functions patched (no GPU here)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from mixtrain import devices
+
+
+@pytest.fixture
+def cuda_box(monkeypatch):
+    """Pretend this machine has two Ampere CUDA GPUs."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda i=0: f"NVIDIA A100 #{i}")
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda i=0: (30 * 2**30, 40 * 2**30))
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda i=0: (8, 0))
+
+
+@pytest.fixture
+def mac(monkeypatch):
+    """Pretend this machine is an Apple Silicon Mac: MPS available, no CUDA."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(torch.backends.mps, "is_available", lambda: True)
+    monkeypatch.setattr(torch.mps, "recommended_max_memory", lambda: 16 * 2**30)
+    monkeypatch.setattr(torch.mps, "driver_allocated_memory", lambda: 2**30)
+    monkeypatch.setattr(devices.MpsDevice, "supports_bf16", lambda self, i=0: True)
+    monkeypatch.setattr("mixtrain.devices.mps._chip", lambda: "Apple M2 Pro")
+
+
+def test_cpu_only_machine_resolves_everything_to_cpu_and_refuses_a_gpu():
+    assert devices.detect() == "cpu"
+    assert devices.resolve("auto").kind == "cpu"
+    assert devices.resolve("cpu").torch_device() == torch.device("cpu")
+    with pytest.raises(devices.DeviceUnavailableError, match="asked for a GPU but neither CUDA nor MPS"):
+        devices.resolve("gpu")
+    with pytest.raises(devices.DeviceUnavailableError, match="asked for a cuda device"):
+        devices.resolve("cuda")
+    [cpu] = devices.local_devices()
+    assert cpu.kind == "cpu" and cpu.total_memory and cpu.free_memory and cpu.bf16 and not cpu.fp16
+
+
+def test_cuda_is_first_in_the_detect_order(cuda_box):
+    assert devices.detect() == "cuda"
+    assert devices.resolve("gpu").kind == "cuda"
+    kinds = [(d.kind, d.index) for d in devices.local_devices()]
+    assert kinds == [("cuda", 0), ("cuda", 1), ("cpu", 0)]
+    info = devices.get("cuda").info(1)
+    assert info.name == "NVIDIA A100 #1" and info.total_memory == 40 * 2**30 and info.free_memory == 30 * 2**30
+    assert info.bf16 and info.fp16
+
+
+def test_a_gpu_request_on_a_mac_resolves_to_mps(mac):
+    assert devices.detect() == "mps"
+    dev = devices.resolve("gpu")
+    assert dev.kind == "mps" and dev.torch_device() == torch.device("mps", 0)
+    info = dev.info()
+    assert info.name == "Apple M2 Pro GPU (MPS)"
+    assert info.total_memory == 16 * 2**30 and info.free_memory == 15 * 2**30
+
+
+def test_old_gpus_have_no_bf16(cuda_box, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda i=0: (7, 5))
+    assert not devices.get("cuda").supports_bf16()
+
+
+def test_each_kind_knows_its_out_of_memory_error():
+    assert devices.get("cuda").is_oom(RuntimeError("CUDA out of memory. Tried to allocate 2.00 GiB"))
+    assert devices.get("mps").is_oom(RuntimeError("MPS backend out of memory (MPS allocated: 1 GB)"))
+    assert devices.get("cpu").is_oom(MemoryError())
+    assert not devices.get("cuda").is_oom(RuntimeError("shape mismatch"))
+    assert not devices.get("mps").is_oom(RuntimeError("CUDA out of memory"))
+
+
+def test_unknown_kind_names_the_choices():
+    with pytest.raises(ValueError, match="device kind 'tpu': use one of cuda, mps, cpu"):
+        devices.get("tpu")

@@ -1,0 +1,61 @@
+"""Preflight: versions, model signature and devices compared across workers; numerics verdicts; backend."""
+
+from __future__ import annotations
+
+import pytest
+
+from mixtrain import preflight
+from mixtrain.comm.process_group import choose_backend
+
+DRIVER = {"python": "3.11.9", "torch": "2.13.0", "ray": "2.60.0", "mixtrain": "0.1.0", "numpy": "2.1"}
+
+
+def report(rank, host="10.0.0.1", signature="abc", **versions):
+    return {
+        "rank": rank,
+        "host": host,
+        "requested": "cpu",
+        "versions": {**DRIVER, **versions},
+        "device": {"name": "CPU", "kind": "cpu"},
+        "signature": signature,
+    }
+
+
+def test_matching_workers_pass_and_local_version_suffixes_are_the_same_release():
+    preflight.check(DRIVER, [report(0), report(1, torch="2.13.0+cu128", python="3.11.4")])
+
+
+def test_every_mismatch_is_named_with_node_and_value_in_one_error():
+    missing = report(2, host="10.0.0.3")
+    del missing["device"], missing["signature"]
+    missing["problem"] = "this worker asked for a cuda device but torch on its node reports none"
+    reports = [report(0), report(1, host="10.0.0.2", python="3.12.1", signature="zzz"), missing]
+    with pytest.raises(preflight.PreflightError) as err:
+        preflight.check(DRIVER, reports)
+    text = str(err.value)
+    assert "worker 1 on 10.0.0.2: python 3.12.1 but the driver has 3.11.9" in text
+    assert "worker 1 on 10.0.0.2: model signature zzz differs from abc" in text
+    assert "worker 2 on 10.0.0.3: this worker asked for a cuda device" in text
+    assert "MISSING cpu" in text and "nothing was trained" in text
+    header = [line for line in text.splitlines() if line.startswith("who")]
+    assert header and "python" in header[0] and "model" in header[0]
+
+
+def test_numerics_verdict_names_the_device():
+    lines, bad = preflight.numerics_verdict(
+        [{"rank": 0, "error": 0.0, "tolerance": 1e-3}, {"rank": 1, "error": 0.3, "tolerance": 1e-3}],
+        [report(0), {**report(1), "device": {"name": "Apple M2 GPU (MPS)", "kind": "mps"}}],
+    )
+    assert bad == [1]
+    assert lines == [
+        "worker 1 (Apple M2 GPU (MPS)): gradient differs from the CPU's by 3.00e-01 (relative L2; tolerance 1e-03)"
+    ]
+
+
+def test_backend_follows_the_device_set():
+    assert choose_backend("auto", ["cuda", "cuda"], True) == "nccl"
+    assert choose_backend("auto", ["cuda", "mps"], True) == "gloo"
+    assert choose_backend("auto", ["cuda", "cuda"], False) == "gloo"
+    assert choose_backend("gloo", ["cuda", "cuda"], True) == "gloo"
+    with pytest.raises(ValueError, match=r"backend='nccl' needs every worker on CUDA.*\['cuda', 'cpu'\]"):
+        choose_backend("nccl", ["cuda", "cpu"], True)
