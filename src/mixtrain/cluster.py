@@ -64,7 +64,7 @@ def inventory() -> str:
     return f"{len(nodes)} node(s); total: {fmt(ray.cluster_resources())}; free: {fmt(ray.available_resources())}"
 
 
-def check_reachable(address: str) -> None:
+def check_reachable(address: str, timeout_s: float | None = None) -> None:
     """Fail in seconds, naming the address, when no Ray head answers at host:port.
 
     Ray 2.60's own connect keeps retrying for minutes. "auto" and "ray://" addresses are
@@ -75,7 +75,7 @@ def check_reachable(address: str) -> None:
     host, sep, port = address.rpartition(":")
     if not sep or not port.isdigit():
         raise ValueError(f"address={address!r}: use HOST:PORT of the Ray head (e.g. 192.168.1.10:6379), or 'auto'")
-    timeout = env_float(CONNECT_TIMEOUT_S)
+    timeout = env_float(CONNECT_TIMEOUT_S) if timeout_s is None else timeout_s
     deadline = time.monotonic() + timeout
     while True:
         try:

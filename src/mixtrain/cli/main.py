@@ -3,6 +3,12 @@
 Command lines:
     mixtrain train --example digits --workers 2
     mixtrain train --example digits --workers 2 --shares 40,24 --global-batch 64 --epochs 5 --run-dir runs/a
+    mixtrain train --example digits --workers cuda:1,mps:1,cpu:2 --precision auto --address 192.168.1.10:6379
+    mixtrain devices
+    mixtrain cluster up --interface eth0          # on the desktop: prints the join command
+    mixtrain cluster join 192.168.1.10:6379 --token TOKEN   # on the Mac
+    mixtrain cluster status
+    mixtrain cluster down
 """
 
 from __future__ import annotations
@@ -38,7 +44,13 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     train = sub.add_parser("train", help="train a built-in example", description="Train a built-in example.")
     train.add_argument("--example", default="digits", help="built-in example to train (digits)")
-    train.add_argument("--workers", type=_positive_int, default=2, help="number of workers (default 2)")
+    train.add_argument(
+        "--workers",
+        type=_workers,
+        default=2,
+        help="a number of CPU workers (default 2), auto (one per GPU in the cluster, CPUs on GPU-less nodes), "
+        "or groups such as cuda:1,mps:1,cpu:2",
+    )
     train.add_argument("--cpus-per-worker", type=float, default=1.0, help="Ray CPUs reserved per worker (default 1)")
     train.add_argument("--global-batch", type=_positive_int, help="samples per step over all workers")
     train.add_argument(
@@ -53,13 +65,65 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--steps-per-round", type=_positive_int, help="steps per driver call (default: about 1.5 s)")
     train.add_argument("--run-dir", help="folder for this run's files (default mixtrain_runs/run-TIMESTAMP)")
     train.add_argument("--address", help="Ray cluster address (default: an embedded local Ray)")
+    train.add_argument(
+        "--precision",
+        choices=("fp32", "auto", "bf16", "fp16"),
+        default="fp32",
+        help="fp32 (default, exact) or auto: bf16/fp16 autocast on GPUs, fp32 on CPUs",
+    )
+    train.add_argument("--backend", choices=("auto", "gloo", "nccl"), default="auto", help="collective backend")
+    train.add_argument(
+        "--numerics",
+        choices=("warn", "strict", "off"),
+        default="warn",
+        help="start-up gradient check of each device against the CPU: warn, strict (leave bad devices out), off",
+    )
+    train.add_argument("--interface", help="network interface for the collectives on every node (e.g. eth0)")
     train.add_argument("--quiet", action="store_true", help="no live progress")
+
+    sub.add_parser("devices", help="list this machine's devices", description="List this machine's devices.")
+    _add_cluster_parser(sub)
     return parser
+
+
+def _add_cluster_parser(sub: argparse._SubParsersAction) -> None:
+    cluster = sub.add_parser("cluster", help="start, join, inspect or stop a cluster of your machines")
+    verbs = cluster.add_subparsers(dest="verb", required=True)
+
+    def node_flags(p: argparse.ArgumentParser) -> None:
+        p.add_argument("--interface", help="network interface other machines reach this one on (e.g. en0, eth0)")
+        p.add_argument("--node-ip", help="this node's LAN address (instead of --interface)")
+        p.add_argument("--num-cpus", type=_positive_int, help="CPUs this node offers (default: all)")
+        p.add_argument("--temp-dir", help="Ray's temporary folder on this node (default /tmp/ray)")
+
+    up = verbs.add_parser("up", help="start the head node here (token authentication, dashboard on loopback)")
+    up.add_argument("--port", type=_positive_int, default=6379, help="the head's port (default 6379)")
+    node_flags(up)
+    join = verbs.add_parser("join", help="join this machine to a head")
+    join.add_argument("address", help="HOST:PORT that `mixtrain cluster up` printed")
+    join.add_argument("--token", help="the token that `mixtrain cluster up` printed")
+    node_flags(join)
+    status = verbs.add_parser("status", help="every node with its devices and versions")
+    status.add_argument("--address", help="HOST:PORT of the head (default: this machine's cluster)")
+    verbs.add_parser("down", help="stop the Ray processes that up/join started on this machine")
+
+
+def _workers(text: str) -> int | str | list:
+    from mixtrain.config import parse_workers
+
+    try:
+        return parse_workers(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def cmd_train(args: argparse.Namespace) -> int:
     from mixtrain import RunConfig, ScalingConfig, Trainer
     from mixtrain.examples import load_example
+    from mixtrain.headnode import use_cluster_token
+
+    if args.address:
+        use_cluster_token(args.address)
 
     ex = load_example(args.example, lr=args.lr, seed=args.seed)
     trainer = Trainer(
@@ -68,7 +132,15 @@ def cmd_train(args: argparse.Namespace) -> int:
         eval_data=ex.eval,
         global_batch=args.global_batch or ex.global_batch,
         scaling=ScalingConfig(
-            num_workers=args.workers, cpus_per_worker=args.cpus_per_worker, shares=args.shares, address=args.address
+            num_workers=args.workers if isinstance(args.workers, int) else 2,
+            groups=None if isinstance(args.workers, int) else args.workers,
+            cpus_per_worker=args.cpus_per_worker,
+            shares=args.shares,
+            address=args.address,
+            precision=args.precision,
+            backend=args.backend,
+            numerics_check=args.numerics,
+            network_interface=args.interface,
         ),
         run=RunConfig(
             run_dir=args.run_dir, seed=args.seed, steps_per_round=args.steps_per_round, progress=not args.quiet
@@ -82,11 +154,69 @@ def cmd_train(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_devices(args: argparse.Namespace) -> int:
+    import socket
+
+    from mixtrain import devices, envinfo
+    from mixtrain.headnode import format_devices
+
+    v = envinfo.versions()
+    print(f"{socket.gethostname()}: python {v['python']}, torch {v['torch']}, ray {v['ray']}, mixtrain {v['mixtrain']}")
+    print("\n".join(format_devices([d.as_dict() for d in devices.local_devices()])))
+    return 0
+
+
+def cmd_cluster(args: argparse.Namespace) -> int:
+    from mixtrain import headnode
+
+    if args.verb == "up":
+        state = headnode.up(
+            port=args.port,
+            interface=args.interface,
+            node_ip=args.node_ip,
+            num_cpus=args.num_cpus,
+            temp_dir=args.temp_dir,
+        )
+        token = headnode.token_path().read_text()
+        print(f"head running at {state.address} (log: {state.log})")
+        print("on each other machine, with the same Python, torch and mixtrain versions, run:")
+        print(f"  mixtrain cluster join {state.address} --token {token}")
+        print("then train from this machine with:")
+        print(f"  mixtrain train --address {state.address} --workers auto")
+        return 0
+    if args.verb == "join":
+        state = headnode.join(
+            args.address,
+            token=args.token,
+            interface=args.interface,
+            node_ip=args.node_ip,
+            num_cpus=args.num_cpus,
+            temp_dir=args.temp_dir,
+        )
+        print(f"joined {state.address} as {state.node_ip} (log: {state.log}); leave with `mixtrain cluster down`")
+        return 0
+    if args.verb == "status":
+        current = headnode.load_state()
+        address = args.address or (current.address if current else None)
+        if address is None:
+            raise ValueError("cluster status: no --address and this machine has no cluster; run `mixtrain cluster up`")
+        headnode.use_cluster_token(address)
+        print(headnode.format_status(headnode.status(address)))
+        return 0
+    gone = headnode.down()
+    print(f"stopped the Ray {gone.role} for {gone.address}" if gone else "no mixtrain cluster runs here")
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         if args.command == "train":
             return cmd_train(args)
+        if args.command == "devices":
+            return cmd_devices(args)
+        if args.command == "cluster":
+            return cmd_cluster(args)
     except (ValueError, TypeError) as exc:  # bad input: nothing started
         print(f"mixtrain: error: {exc}", file=sys.stderr)
         return 2
