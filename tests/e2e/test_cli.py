@@ -43,7 +43,11 @@ def test_digits_main_job_end_to_end(tmp_path):
 
 def test_bad_flags_name_the_flag_and_the_fix(tmp_path):
     proc = run_cli("train", "--workers", "0")
-    assert proc.returncode == 2 and "--workers" in proc.stderr and "must be >= 1" in proc.stderr
+    assert proc.returncode == 2 and "--workers '0'" in proc.stderr and "cuda:1,mps:1,cpu:2" in proc.stderr
+    proc = run_cli("train", "--workers", "tpu:2")
+    assert proc.returncode == 2 and "item 'tpu:2' is not KIND[:COUNT]" in proc.stderr
+    proc = run_cli("train", "--precision", "fp8")
+    assert proc.returncode == 2 and "--precision" in proc.stderr and "'fp32', 'auto', 'bf16', 'fp16'" in proc.stderr
     proc = run_cli("train", "--example", "imagenet")
     assert proc.returncode == 2 and "--example 'imagenet': choose one of digits" in proc.stderr
     proc = run_cli("train", "--shares", "40,20", "--run-dir", str(tmp_path))
@@ -127,4 +131,23 @@ def test_unreachable_address_fails_in_seconds_with_the_fix():
     assert time.monotonic() - t0 < 30
     assert proc.returncode == 1
     assert "no Ray head answers at 127.0.0.1:" in proc.stderr and "MIXTRAIN_CONNECT_TIMEOUT_S" in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+def test_devices_lists_this_machine():
+    proc = run_cli("devices")
+    assert proc.returncode == 0, proc.stderr
+    assert re.search(r"python 3\.\d+\.\d+, torch 2\.\d+", proc.stdout)
+    assert re.search(r"cpu:0  .+ memory \d+\.\d GiB \(free \d+\.\d\)", proc.stdout)
+
+
+def test_device_groups_from_the_command_line_with_a_gpu_group_on_a_cpu_machine_fail_before_training(tmp_path):
+    # Two CPU workers given as a group train; a cuda group on this GPU-less machine is refused
+    # by placement within seconds, naming the missing resource and what the cluster has.
+    proc = run_cli("train", "--workers", "cpu:2", "--epochs", "1", "--quiet", "--run-dir", str(tmp_path / "a"))
+    assert proc.returncode == 0, proc.stderr
+    assert "accuracy" in proc.stdout
+    proc = run_cli("train", "--workers", "cuda:1,cpu:1", "--epochs", "1", "--run-dir", str(tmp_path / "b"))
+    assert proc.returncode == 1
+    assert "cannot hold these workers: GPU: 1 needed, 0 in the cluster" in proc.stderr
     assert "Traceback" not in proc.stderr

@@ -16,14 +16,16 @@ def test_python_version_parity_names_both_versions():
     assert headnode.parity_problems(HEAD, {**HEAD, "python": "3.11.2", "torch": "2.13.0"}) == []
     problems = headnode.parity_problems(HEAD, {**HEAD, "python": "3.12.1"})
     assert problems == ["python: the head has 3.11.9, this machine has 3.12.1"]
-    assert headnode.parity_problems(HEAD, {**HEAD, "ray": "2.59.0"}) == ["ray: the head has 2.60.0, this machine has 2.59.0"]
+    assert headnode.parity_problems(HEAD, {**HEAD, "ray": "2.59.0"}) == [
+        "ray: the head has 2.60.0, this machine has 2.59.0"
+    ]
 
 
 def test_a_loopback_node_address_is_refused_with_the_fix():
     with pytest.raises(headnode.ClusterError, match=r"127.0.1.1 .*other machines cannot reach it.*--interface"):
         headnode.pick_node_ip(None, "127.0.1.1", None)
     assert headnode.pick_node_ip(None, "10.1.2.3", None) == "10.1.2.3"
-    with pytest.raises(headnode.ClusterError, match="127.0.0.1"):
+    with pytest.raises(headnode.ClusterError, match=r"127\.0\.0\.1"):
         headnode.pick_node_ip("lo", None, None)
     with pytest.raises(headnode.ClusterError, match=r"--interface 'nope0': no such interface; this machine has .*lo"):
         headnode.pick_node_ip("nope0", None, None)
