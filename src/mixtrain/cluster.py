@@ -55,13 +55,11 @@ def device_resources() -> dict[str, float]:
 
 def inventory() -> str:
     """The cluster's total and free resources, for error messages."""
-
-    def fmt(res: dict) -> str:
-        keys = [k for k in sorted(res) if not k.startswith(("node:", "memory", "object_store_memory", "bundle_group"))]
-        return ", ".join(f"{k}={res[k]:g}" for k in keys) or "nothing"
+    from mixtrain.placement import format_resources
 
     nodes = [n for n in ray.nodes() if n.get("Alive")]
-    return f"{len(nodes)} node(s); total: {fmt(ray.cluster_resources())}; free: {fmt(ray.available_resources())}"
+    total, free = format_resources(ray.cluster_resources()), format_resources(ray.available_resources())
+    return f"{len(nodes)} node(s); total: {total}; free: {free}"
 
 
 def check_reachable(address: str, timeout_s: float | None = None) -> None:

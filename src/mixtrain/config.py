@@ -6,11 +6,12 @@ import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
+from mixtrain.precision import PRECISIONS
+
 _PLACEMENT_STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
 _DEVICE_KINDS = ("cpu", "gpu", "cuda", "mps")
-_BACKENDS = ("auto", "gloo", "nccl")
-_NUMERICS = ("warn", "strict", "off")
-_PRECISIONS = ("fp32", "auto", "bf16", "fp16")
+BACKENDS = ("auto", "gloo", "nccl")
+NUMERICS_CHECKS = ("warn", "strict", "off")
 SLOWDOWN_ENV = "MIXTRAIN_EMULATE_SLOWDOWN"
 
 
@@ -61,8 +62,8 @@ class DeviceGroup:
             raise ValueError(f"DeviceGroup.device={self.device!r}: use one of {', '.join(_DEVICE_KINDS)}")
         if not isinstance(self.num_workers, int) or self.num_workers < 1:
             raise ValueError(f"DeviceGroup.num_workers={self.num_workers!r}: must be an integer >= 1")
-        if self.precision is not None and self.precision not in _PRECISIONS:
-            raise ValueError(f"DeviceGroup.precision={self.precision!r}: use one of {', '.join(_PRECISIONS)} or None")
+        if self.precision is not None and self.precision not in PRECISIONS:
+            raise ValueError(f"DeviceGroup.precision={self.precision!r}: use one of {', '.join(PRECISIONS)} or None")
         res = dict(self.resources_per_worker or {})
         if any(not v >= 0 for v in res.values()):
             raise ValueError(f"DeviceGroup.resources_per_worker={res}: amounts must be >= 0")
@@ -156,9 +157,9 @@ class ScalingConfig:
                 raise ValueError(f"ScalingConfig.groups={groups!r}: give a non-empty list of mixtrain.DeviceGroup")
             object.__setattr__(self, "num_workers", sum(g.num_workers for g in groups))
         for name, value, allowed in (
-            ("backend", self.backend, _BACKENDS),
-            ("numerics_check", self.numerics_check, _NUMERICS),
-            ("precision", self.precision, _PRECISIONS),
+            ("backend", self.backend, BACKENDS),
+            ("numerics_check", self.numerics_check, NUMERICS_CHECKS),
+            ("precision", self.precision, PRECISIONS),
         ):
             if value not in allowed:
                 raise ValueError(f"ScalingConfig.{name}={value!r}: use one of {', '.join(allowed)}")

@@ -24,7 +24,8 @@ from typing import Any
 
 from mixtrain import envinfo
 from mixtrain.cluster import check_reachable, device_resources
-from mixtrain.comm.netif import hostname_trap
+from mixtrain.comm.netif import hostname_trap, ipv4_addresses
+from mixtrain.preflight import version_mismatches
 
 CARD_KEY, CARD_NS = b"head", b"mixtrain"
 READY_TIMEOUT_S = 90.0
@@ -104,15 +105,12 @@ def use_cluster_token(address: str) -> None:
 
 
 def interface_ip(name: str) -> str:
-    import psutil
-
-    addrs = psutil.net_if_addrs()
+    addrs = ipv4_addresses()
     if name not in addrs:
         raise ClusterError(f"--interface {name!r}: no such interface; this machine has {', '.join(sorted(addrs))}")
-    for a in addrs[name]:
-        if a.family == socket.AF_INET:
-            return a.address
-    raise ClusterError(f"--interface {name!r} has no IPv4 address")
+    if not addrs[name]:
+        raise ClusterError(f"--interface {name!r} has no IPv4 address")
+    return addrs[name][0]
 
 
 def route_ip(peer: str) -> str:
@@ -272,14 +270,8 @@ def head_card(address: str) -> dict[str, str]:
 
 
 def parity_problems(head: dict[str, str], mine: dict[str, str]) -> list[str]:
-    """Why this machine cannot join the head: Python major.minor, Ray and mixtrain must match."""
-    out = []
-    for key, width in (("python", 2), ("ray", 3), ("mixtrain", 3), ("torch", 2)):
-        a = ".".join(head.get(key, "?").split("+")[0].split(".")[:width])
-        b = ".".join(mine.get(key, "?").split("+")[0].split(".")[:width])
-        if a != b:
-            out.append(f"{key}: the head has {head.get(key)}, this machine has {mine.get(key)}")
-    return out
+    """Why this machine cannot join the head: the same rules as the preflight before training."""
+    return [f"{f}: the head has {a}, this machine has {b}" for f, a, b, _ in version_mismatches(head, mine)]
 
 
 def join(

@@ -187,9 +187,13 @@ def infeasible(specs: Sequence[WorkerSpec], nodes: Sequence[NodeInfo]) -> str | 
     return None
 
 
-def describe(nodes: Sequence[NodeInfo]) -> str:
-    def fmt(res: dict[str, float]) -> str:
-        keys = [k for k in sorted(res) if not k.startswith(("node:", "memory", "object_store_memory", "bundle_group"))]
-        return ", ".join(f"{k}={res[k]:g}" for k in keys) or "nothing"
+def format_resources(res: dict[str, float]) -> str:
+    """Resources as a person reads them: Ray's bookkeeping keys (node:, memory, bundles) left out."""
+    keys = [k for k in sorted(res) if not k.startswith(("node:", "memory", "object_store_memory", "bundle_group"))]
+    return ", ".join(f"{k}={res[k]:g}" for k in keys) or "nothing"
 
-    return "; ".join(f"node {n.ip} ({n.node_id[:8]}): {fmt(n.resources)}" for n in nodes) or "no alive nodes"
+
+def describe(nodes: Sequence[NodeInfo]) -> str:
+    return (
+        "; ".join(f"node {n.ip} ({n.node_id[:8]}): {format_resources(n.resources)}" for n in nodes) or "no alive nodes"
+    )

@@ -28,6 +28,16 @@ _RULES = (
 )
 
 
+def version_mismatches(reference: dict[str, str], mine: dict[str, str]) -> list[tuple[str, str, str, str]]:
+    """(field, reference's version, mine, why it matters) for each field whose release differs."""
+    out = []
+    for field, key, why in _RULES:
+        theirs, ours = reference.get(field, "?"), mine.get(field, "?")
+        if key(ours) != key(theirs):
+            out.append((field, theirs, ours, why))
+    return out
+
+
 def problems(driver: dict[str, str], reports: Sequence[dict]) -> list[str]:
     """One line per problem, each naming the worker, its node and the offending value."""
     out: list[str] = []
@@ -35,10 +45,8 @@ def problems(driver: dict[str, str], reports: Sequence[dict]) -> list[str]:
         where = f"worker {r['rank']} on {r['host']}"
         if "problem" in r:
             out.append(f"{where}: {r['problem']}")
-        for field, key, why in _RULES:
-            mine, theirs = r["versions"].get(field, "?"), driver.get(field, "?")
-            if key(mine) != key(theirs):
-                out.append(f"{where}: {field} {mine} but the driver has {theirs} ({why})")
+        for field, theirs, mine, why in version_mismatches(driver, r["versions"]):
+            out.append(f"{where}: {field} {mine} but the driver has {theirs} ({why})")
     signatures = Counter(r["signature"] for r in reports if "signature" in r)
     if len(signatures) > 1:
         common = signatures.most_common(1)[0][0]

@@ -17,6 +17,8 @@ import argparse
 import sys
 from collections.abc import Sequence
 
+from mixtrain.config import BACKENDS, NUMERICS_CHECKS, PRECISIONS
+
 
 def _shares(text: str) -> list[int] | str:
     if text in ("auto", "equal"):
@@ -67,14 +69,14 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--address", help="Ray cluster address (default: an embedded local Ray)")
     train.add_argument(
         "--precision",
-        choices=("fp32", "auto", "bf16", "fp16"),
+        choices=PRECISIONS,
         default="fp32",
         help="fp32 (default, exact) or auto: bf16/fp16 autocast on GPUs, fp32 on CPUs",
     )
-    train.add_argument("--backend", choices=("auto", "gloo", "nccl"), default="auto", help="collective backend")
+    train.add_argument("--backend", choices=BACKENDS, default="auto", help="collective backend")
     train.add_argument(
         "--numerics",
-        choices=("warn", "strict", "off"),
+        choices=NUMERICS_CHECKS,
         default="warn",
         help="start-up gradient check of each device against the CPU: warn, strict (leave bad devices out), off",
     )

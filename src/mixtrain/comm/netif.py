@@ -12,16 +12,20 @@ import os
 import socket
 
 
-def interface_for(ip: str) -> str | None:
-    """The name of the local interface that holds `ip`, or None."""
+def ipv4_addresses() -> dict[str, list[str]]:
+    """Every local interface with its IPv4 addresses (empty when psutil is missing)."""
     try:
         import psutil  # a dependency of ray[default]
     except ImportError:
-        return None
-    for name, addrs in psutil.net_if_addrs().items():
-        if any(a.family == socket.AF_INET and a.address == ip for a in addrs):
-            return name
-    return None
+        return {}
+    return {
+        name: [a.address for a in addrs if a.family == socket.AF_INET] for name, addrs in psutil.net_if_addrs().items()
+    }
+
+
+def interface_for(ip: str) -> str | None:
+    """The name of the local interface that holds `ip`, or None."""
+    return next((name for name, ips in ipv4_addresses().items() if ip in ips), None)
 
 
 def pin_interface(ip: str, backend: str) -> str | None:
