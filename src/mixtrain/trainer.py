@@ -80,7 +80,7 @@ class Trainer:
         try:
             group.start()
             scaling = group.scaling  # resolved: groups="auto" became concrete groups
-            workers, notes, backend = self._set_up(group, scaling)
+            workers, notes, backend, checks = self._set_up(group, scaling)
             shares = _shares_after_setup(scaling, self.global_batch, group)
             log = RunLog(
                 run_dir,
@@ -96,7 +96,7 @@ class Trainer:
                 },
             )
             log.write("workers", {"workers": workers})
-            log.write("preflight", self.preflight)
+            log.write("preflight", checks)
             view = ProgressView(self.run.progress, num_samples * epochs)
             view.log(
                 f"mixtrain: {len(workers)} workers, global batch {self.global_batch} split {shares}, "
@@ -140,24 +140,27 @@ class Trainer:
             seconds_to_first_step=to_first_step,
         )
 
-    def _set_up(self, group: WorkerGroup, scaling: ScalingConfig) -> tuple[list[dict[str, Any]], list[str], str]:
+    def _set_up(
+        self, group: WorkerGroup, scaling: ScalingConfig
+    ) -> tuple[list[dict[str, Any]], list[str], str, dict[str, Any]]:
         """Build replicas, check them, ship the data, form the group: each phase fails fast and names
-        the worker. Returns the workers' info, notes for the user, and the collective backend."""
+        the worker. Returns the workers' info, notes for the user, the collective backend, and the
+        preflight record (reports, numerics results, workers left out) for metrics.jsonl."""
         rendezvous_s = env_float(RENDEZVOUS_TIMEOUT_S)
         collective_s = env_float(COLLECTIVE_TIMEOUT_S)
         notes: list[str] = []
-        self.preflight: dict[str, Any] = {"reports": [], "numerics": [], "left_out": []}
+        checks: dict[str, Any] = {"reports": [], "numerics": [], "left_out": []}
         # Build before forming the group, so a factory that raises fails at once instead of
         # leaving its peers waiting out the rendezvous timeout.
         reports = group.call("build", self.task_factory, timeout_s=rendezvous_s + 600)
-        self.preflight["reports"] = reports
+        checks["reports"] = reports
         preflight.check(envinfo.versions(), reports)
         train_ref = ray.put(self.train_arrays)  # once; workers read it zero-copy from the object store
         eval_ref = ray.put(self.eval_arrays) if self.eval_arrays is not None else None
         group.call("load_data", train_ref, eval_ref, timeout_s=rendezvous_s + 600)
         if scaling.numerics_check != "off":
             results = group.call("check_numerics", scaling.numerics_tolerance, timeout_s=rendezvous_s + 600)
-            self.preflight["numerics"] = results
+            checks["numerics"] = results
             lines, bad = preflight.numerics_verdict(results, reports)
             notes += [f"numerics check: {line}" for line in lines]
             if bad and scaling.numerics_check == "strict":
@@ -166,7 +169,7 @@ class Trainer:
                         "numerics check (strict): every worker failed it:\n" + "\n".join(lines)
                     )
                 group.drop(bad)
-                self.preflight["left_out"] = bad
+                checks["left_out"] = bad
                 reports = [r for r in reports if r["rank"] not in bad]
                 notes.append(f"numerics check (strict): left out worker(s) {bad}; the others were renumbered")
         backend = choose_backend(
@@ -187,7 +190,7 @@ class Trainer:
             loss_scaling,
             timeout_s=rendezvous_s + collective_s + 10,
         )
-        return group.call("info", timeout_s=rendezvous_s), notes, backend
+        return group.call("info", timeout_s=rendezvous_s), notes, backend, checks
 
 
 def _cpus_needed(scaling: ScalingConfig) -> float:

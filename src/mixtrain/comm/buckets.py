@@ -26,8 +26,8 @@ FIRST_BUCKET_BYTES = 1 << 20
 class _Bucket:
     params: list[torch.nn.Parameter]
     flat: torch.Tensor  # on the parameters' device; grads are views into it
-    host: torch.Tensor  # CPU buffer that goes through gloo: flat (+ spare slots), staged or shared
-    staged: bool  # True when flat is on an accelerator and must be copied through host
+    host: torch.Tensor  # buffer on the comm device (CPU for gloo, the GPU for NCCL): flat + spare slots
+    staged: bool  # True when flat is not on the comm device and is copied through host
     pending: int = 0
     work: Any = None
     views: list[torch.Tensor] = field(default_factory=list)
