@@ -72,9 +72,14 @@ def auto_groups(nodes: Sequence[NodeInfo]) -> list[DeviceGroup]:
     for node in nodes:
         cpus = node.resources.get("CPU", 0.0)
         if node.is_mac and (node.gpus > 0 or node.resources.get("mps", 0) > 0):
+            # An older Ray counts no Apple "GPU", only the "mps" resource that `cluster join` registers.
+            gpu = {} if node.gpus > 0 else {"GPU": 0.0, "mps": 1.0}
             by_kind["mps"].append(
                 DeviceGroup(
-                    device="mps", num_workers=1, resources_per_worker={"CPU": min(1.0, cpus)}, node=node.node_id
+                    device="mps",
+                    num_workers=1,
+                    resources_per_worker={"CPU": min(1.0, cpus), **gpu},
+                    node=node.node_id,
                 )
             )
         elif node.gpus >= 1:

@@ -65,6 +65,15 @@ def test_an_older_ray_mac_with_only_the_mps_resource_gets_no_gpu_request():
     assert infeasible([spec], [LINUX_GPU, old_mac]) is None
 
 
+def test_auto_on_an_older_ray_mac_asks_for_mps_not_gpu():
+    old_mac = NodeInfo("old", "10.0.0.4", {"CPU": 8, "mps": 1})
+    scaling = resolve_scaling(ScalingConfig(groups="auto"), [LINUX_GPU, old_mac])
+    specs = worker_specs(scaling, [LINUX_GPU, old_mac])
+    assert [s.device for s in specs] == ["cuda", "cuda", "mps"]
+    assert specs[2].bundle == {"CPU": 1.0, "GPU": 0.0, "mps": 1.0}
+    assert infeasible(specs, [LINUX_GPU, old_mac]) is None
+
+
 def test_fractional_gpus_and_ray_train_knobs_keep_their_meaning():
     scaling = ScalingConfig(
         num_workers=4, use_gpu=True, resources_per_worker={"CPU": 2, "GPU": 0.5}, accelerator_type="A100"
