@@ -10,7 +10,7 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
-from mixtrain import devices, envinfo, precision
+from mixtrain import devices, envinfo, precision, probe
 from mixtrain.comm import netif, process_group
 from mixtrain.comm.strategy import STRATEGIES, SyncStrategy
 from mixtrain.data import Arrays, as_tensors, epoch_permutation, step_size, worker_indices
@@ -19,6 +19,8 @@ from mixtrain.task import Task, build_task
 
 NUMERICS_TOLERANCE = {"fp32": 1e-3, "fp16": 2e-2, "bf16": 6e-2}
 """Relative L2 difference of a device's gradient from the CPU's above which the device is reported."""
+MEMORY_MARGIN = 0.85
+"""The memory cap is this fraction of the largest micro-batch the probe ran (optimizer state comes later)."""
 
 
 def _node_ip() -> str:
@@ -58,6 +60,7 @@ class TrainWorker:
         self.precision = "fp32"
         self._perm_epoch = -1
         self._perm: np.ndarray = np.empty(0, dtype=np.int64)
+        self._sec_per_sample = 0.0  # plain compute time per sample, from the probe (EMULATION sleeps on it)
 
     def info(self) -> dict:
         return {
@@ -139,6 +142,65 @@ class TrainWorker:
         error = float((mine - ref).norm() / ref.norm().clamp_min(1e-12))
         return {"rank": self.rank, "error": error, "tolerance": tolerance}
 
+    def probe(self, guess: int, limit: int, slowdown: float = 1.0, memory_cap: int | None = None) -> dict:
+        """Before the group forms: this device's compute speed (samples/s of forward+backward at a
+        micro-batch of `guess`) and, on an accelerator, the largest micro-batch up to `limit` that fits,
+        found by a search that survives out-of-memory errors. A user-given `memory_cap` skips the search.
+        Weights, buffers (BatchNorm statistics), gradients and random streams are left as they were."""
+        model = self.task.model
+        buffers = {name: b.detach().clone() for name, b in model.named_buffers()}
+        cap = memory_cap
+        rng_devices = [self.device] if self.device.type in ("cuda", "mps") else []
+        with torch.random.fork_rng(devices=rng_devices, device_type=self.device.type):
+            if cap is None and self.device.type != "cpu":
+                found = probe.largest_fitting(
+                    self._probe_step, guess, limit, self.kind.is_oom, after_oom=self._free_cached_memory
+                )
+                # the optimizer's state is not allocated yet and allocators fragment: keep a margin
+                cap = None if found >= limit else max(1, int(found * MEMORY_MARGIN))
+            batch = min(guess, cap) if cap else guess
+            step_s = probe.time_steps(self._probe_step, batch)
+        with torch.no_grad():
+            for name, b in model.named_buffers():
+                b.copy_(buffers[name])
+        model.zero_grad(set_to_none=True)
+        self._sec_per_sample = step_s / batch
+        return {
+            "rank": self.rank,
+            "samples_per_s": batch / (step_s * max(slowdown, 1.0)),
+            "batch": batch,
+            "memory_cap": cap,
+        }
+
+    def _probe_step(self, batch: int) -> None:
+        """One forward+backward of `batch` training samples (wrapping around a small dataset)."""
+        index = torch.arange(batch) % len(self.train[0])
+        *inputs, target = (f[index].to(self.device) for f in self.train)
+        model = self.task.model
+        model.zero_grad(set_to_none=True)
+        with precision.autocast(self.device, self.precision):
+            loss = self.task.loss_fn(model(*inputs), target).float()
+        loss.backward()
+        self.kind.synchronize()
+        model.zero_grad(set_to_none=True)
+
+    def _free_cached_memory(self) -> None:
+        self.task.model.zero_grad(set_to_none=True)
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+        elif self.device.type == "mps":
+            torch.mps.empty_cache()
+
+    def measure_comm(self, repeats: int = 5) -> float:
+        """Seconds of one step's communication with no compute in the way (median of `repeats`)."""
+        return self.strategy.measure_comm(self.task, repeats)
+
+    def leave(self) -> None:
+        """Leave the process group (before the driver re-forms it without some workers)."""
+        if hasattr(self, "strategy"):
+            self.strategy.close()
+        process_group.leave_group()
+
     def open_rendezvous(self, timeout_s: float) -> tuple[str, int]:
         self._rendezvous = process_group.Rendezvous(self.host, timeout_s)
         return self.host, self._rendezvous.port
@@ -168,8 +230,11 @@ class TrainWorker:
             collective_timeout_s=collective_timeout_s,
             store=store,
         )
+        previous = getattr(self, "strategy", None)
         self.strategy: SyncStrategy = STRATEGIES[strategy]()
         self.strategy.setup(self.task, bucket_bytes, loss_scaling)
+        if previous is not None:  # a re-formed group keeps the job-wide loss scale (the same on every rank)
+            self.strategy.loss_scale = previous.loss_scale
 
     def load_data(self, train: Arrays, evaluation: Arrays | None) -> int:
         self.train = self._narrow(as_tensors(train))
@@ -191,12 +256,16 @@ class TrainWorker:
         for step in range(plan.first_step, plan.first_step + plan.num_steps):
             indices = worker_indices(perm, plan.global_batch, step, plan.shares, self.rank)
             t0 = time.perf_counter()
+            slowdown = plan.slowdown[self.rank] if plan.slowdown else 1.0
+            if slowdown > 1.0:  # EMULATION of a slower device (MIXTRAIN_EMULATE_SLOWDOWN), off by default:
+                # sleep before computing, so no collective of this step overlaps the sleep; the time per sample
+                # is calibrated once (the probe), as the benchmark calibrates its DDP ranks
+                time.sleep((slowdown - 1.0) * self._sec_per_sample * len(indices))
             self.strategy.zero_grad(self.task)
             local_loss = self._forward_backward(
                 indices,
                 step_size(len(perm), plan.global_batch, step),
                 plan.micro_batches[self.rank] if plan.micro_batches else len(indices),
-                plan.slowdown[self.rank] if plan.slowdown else 1.0,
             )
             outcome = self.strategy.step(self.task, torch.tensor([local_loss], dtype=torch.float32))
             report.compute_s.append(time.perf_counter() - t0 - outcome.comm_s)
@@ -211,14 +280,13 @@ class TrainWorker:
         report.wall_s = time.perf_counter() - t_round
         return report
 
-    def _forward_backward(self, indices: np.ndarray, step_total: int, micro_batch: int, slowdown: float) -> float:
+    def _forward_backward(self, indices: np.ndarray, step_total: int, micro_batch: int) -> float:
         """Backward of this rank's samples in micro-batches of at most `micro_batch`, each loss scaled by
         its size / B so the sum over micro-batches and ranks is the global mean. Returns this rank's
         term of the global mean loss."""
         if len(indices) == 0:
             return 0.0
         assert micro_batch >= 1, "the plan gives every worker with samples a micro-batch >= 1"
-        t0 = time.perf_counter()
         starts = range(0, len(indices), micro_batch)
         total = 0.0
         for n, lo in enumerate(starts):
@@ -231,8 +299,6 @@ class TrainWorker:
                 self.strategy.before_last_backward(self.task)
             (loss * (weight * self.strategy.loss_scale.scale)).backward()
             total += float(loss.detach()) * weight
-        if slowdown > 1.0:  # EMULATION of a slower device (MIXTRAIN_EMULATE_SLOWDOWN), off by default
-            time.sleep((slowdown - 1.0) * (time.perf_counter() - t0))
         return total
 
     def _permutation(self, epoch: int) -> np.ndarray:

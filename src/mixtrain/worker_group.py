@@ -98,12 +98,13 @@ class WorkerGroup:
         ]
 
     def drop(self, ranks: Sequence[int]) -> None:
-        """Leave workers out before the process group forms; the rest are renumbered 0..n-1."""
+        """Stop the workers at (current) `ranks`, outside any process group; the rest are renumbered
+        0..n-1. `specs` keep their starting ranks, which is how the user's per-worker settings are found."""
         gone = set(ranks)
         for r in gone:
             ray.kill(self.actors[r])
         self.actors = [a for r, a in enumerate(self.actors) if r not in gone]
-        self.specs = [s for s in self.specs if s.rank not in gone]
+        self.specs = [s for r, s in enumerate(self.specs) if r not in gone]
         self.call_each("set_rank", [(i, len(self.actors)) for i in range(len(self.actors))], timeout_s=30.0)
 
     def call(self, method: str, *args: Any, timeout_s: float, ranks: Sequence[int] | None = None) -> list[Any]:

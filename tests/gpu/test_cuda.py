@@ -77,3 +77,28 @@ def test_the_cuda_device_class_describes_the_real_card():
     assert info.bf16 == (torch.cuda.get_device_capability(0)[0] >= 8)
     assert devices.resolve("gpu").kind == "cuda"
     assert devices.get("cuda").is_oom(torch.cuda.OutOfMemoryError("CUDA out of memory."))
+
+
+def test_the_memory_probe_survives_a_real_out_of_memory_on_the_card():
+    """A batch that cannot fit raises the card's real OutOfMemoryError; the search catches it,
+    frees the cache and settles on a batch that does fit, and the card stays usable."""
+    from mixtrain.probe import largest_fitting
+
+    kind = devices.get("cuda")
+    total, _ = kind.memory(0)
+    assert total is not None
+    per_sample = 256 * 2**20  # each sample allocates 256 MiB of activations
+    limit = int(total // per_sample) * 4  # far past what the card holds
+
+    def run(batch: int) -> None:
+        x = torch.empty(batch, per_sample // 4, device="cuda")  # float32: 4 bytes each
+        x.fill_(1.0)
+        torch.cuda.synchronize()
+
+    def free() -> None:
+        torch.cuda.empty_cache()
+
+    found = largest_fitting(run, 8, limit, kind.is_oom, after_oom=free)
+    assert 0 < found * per_sample <= total
+    assert found * per_sample > 0.5 * total  # within the bisection's margin of the real capacity
+    run(found)  # the card still works after the out-of-memory errors

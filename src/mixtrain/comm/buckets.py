@@ -77,6 +77,7 @@ class GradBuckets:
         self.buckets: list[_Bucket] = []
         self._armed = False
         self._next = 0  # buckets start strictly in order, so every rank issues the same collectives
+        self._hooks: list[Any] = []
         groups: list[list[torch.nn.Parameter]] = [[]]
         size, limit = 0, min(bucket_bytes, FIRST_BUCKET_BYTES)
         for p in reversed(params):
@@ -101,7 +102,13 @@ class GradBuckets:
         bucket.bind_grads()
         self.buckets.append(bucket)
         for p in params:
-            p.register_post_accumulate_grad_hook(lambda _p, b=bucket: self._on_grad(b))
+            self._hooks.append(p.register_post_accumulate_grad_hook(lambda _p, b=bucket: self._on_grad(b)))
+
+    def close(self) -> None:
+        """Unhook from the parameters (before another GradBuckets takes them over)."""
+        for handle in self._hooks:
+            handle.remove()
+        self._hooks = []
 
     def _on_grad(self, bucket: _Bucket) -> None:
         if not self._armed:

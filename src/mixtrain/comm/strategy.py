@@ -6,6 +6,7 @@ or local SGD is another subclass here, with no change to the loop.
 
 from __future__ import annotations
 
+import statistics
 import time
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
@@ -60,6 +61,13 @@ class SyncStrategy(ABC):
     def end_round(self, task: Task, weight: float, drift_tolerance: float) -> RoundSync:
         """Between rounds: average buffers (weighted by `weight`, this rank's share) and check drift."""
 
+    @abstractmethod
+    def measure_comm(self, task: Task, repeats: int) -> float:
+        """Seconds one step's communication takes with no compute in the way (for the planner)."""
+
+    def close(self) -> None:  # noqa: B027 - optional hook, a no-op by default
+        """Release what setup() attached to the model, before the group is re-formed."""
+
 
 class AllReduceStrategy(SyncStrategy):
     """Synchronous data parallel: sum of sample-weighted gradients over gloo, then the same step everywhere."""
@@ -99,6 +107,19 @@ class AllReduceStrategy(SyncStrategy):
         replicas.average_buffers(task.model, weight)
         d, rebroadcast = replicas.resync_if_drifted(task.model, task.optimizer, drift_tolerance)
         return RoundSync(d, rebroadcast, time.perf_counter() - t0)
+
+    def measure_comm(self, task: Task, repeats: int) -> float:
+        times = []
+        for _ in range(repeats + 1):  # the first is a warm-up
+            self.buckets.zero_()
+            t0 = time.perf_counter()
+            self.buckets.all_reduce_(torch.zeros(self.buckets.num_extras))
+            times.append(time.perf_counter() - t0)
+        self.buckets.zero_()
+        return statistics.median(times[1:])
+
+    def close(self) -> None:
+        self.buckets.close()
 
 
 STRATEGIES: dict[str, type[SyncStrategy]] = {AllReduceStrategy.name: AllReduceStrategy}

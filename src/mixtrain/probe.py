@@ -1,0 +1,80 @@
+"""Measuring a device before training: how fast it computes and the largest micro-batch that fits.
+
+The search takes a function that runs one forward+backward at a given batch size, so it is the
+same code on CUDA, MPS and in tests (where a model raises torch.OutOfMemoryError past a size).
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
+
+
+class ProbeError(RuntimeError):
+    """The device cannot run even one sample."""
+
+
+def largest_fitting(
+    run: Callable[[int], object],
+    start: int,
+    limit: int,
+    is_oom: Callable[[BaseException], bool],
+    after_oom: Callable[[], None] = lambda: None,
+) -> int:
+    """The largest batch size <= `limit` that `run` survives, found by halving from `start` until one
+    fits, then doubling (and bisecting the last gap) up to `limit`. An out-of-memory error is caught
+    and cleaned up after (`after_oom`, e.g. emptying the allocator's cache); any other error propagates.
+    """
+    if limit < 1:
+        raise ValueError(f"limit={limit} must be >= 1")
+
+    def fits(batch: int) -> bool:
+        try:
+            run(batch)
+            return True
+        except Exception as exc:  # only out-of-memory is expected; the rest is re-raised
+            if not is_oom(exc):
+                raise
+            after_oom()
+            return False
+
+    good = min(max(start, 1), limit)
+    while not fits(good):
+        if good == 1:
+            raise ProbeError("out of memory with a micro-batch of 1 sample: the model does not fit on this device")
+        good //= 2
+    bad = None  # smallest size known not to fit
+    while good < limit and bad is None:
+        trial = min(good * 2, limit)
+        if fits(trial):
+            good = trial
+        else:
+            bad = trial
+    while bad is not None and bad - good > max(1, good // 8):  # within 12.5% is close enough
+        mid = (good + bad) // 2
+        if fits(mid):
+            good = mid
+        else:
+            bad = mid
+    return good
+
+
+def time_steps(
+    run: Callable[[int], object],
+    batch: int,
+    repeats: int = 5,
+    warmup: int = 2,
+    min_s: float = 0.3,
+    max_repeats: int = 50,
+) -> float:
+    """Median seconds of `run(batch)` after `warmup` untimed calls: at least `repeats` calls and, for
+    fast steps, enough of them to fill `min_s` seconds (at most `max_repeats`), so noise averages out."""
+    for _ in range(warmup):
+        run(batch)
+    times: list[float] = []
+    while len(times) < max_repeats and (len(times) < repeats or sum(times) < min_s):
+        t0 = time.perf_counter()
+        run(batch)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
