@@ -19,6 +19,8 @@ ROUND_TARGET_S = ("MIXTRAIN_ROUND_TARGET_S", 1.5)
 """Wanted length of one round of steps when steps_per_round is not set."""
 REBALANCE_THRESHOLD = ("MIXTRAIN_REBALANCE_THRESHOLD", 0.10)
 """Re-plan shares when the slowest worker's compute exceeds the mean by more than this fraction."""
+EXCLUDE_GAIN = ("MIXTRAIN_EXCLUDE_GAIN", 0.30)
+"""Leave a worker out only when the job is predicted at least this fraction faster without it."""
 BUCKET_MB = ("MIXTRAIN_BUCKET_MB", 25.0)
 """Size of one gradient bucket (one all-reduce call)."""
 

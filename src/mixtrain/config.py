@@ -139,7 +139,12 @@ class ScalingConfig:
     shares: Sequence[int] | str = "auto"
     """"auto": start equal, then follow measured speed; "equal": fixed equal split; or fixed samples per worker."""
     max_micro_batch: Sequence[int | None] | None = None
-    """Per worker, the largest micro-batch that fits in memory; a larger share is split (gradient accumulation)."""
+    """Per worker, the largest micro-batch that fits in memory; a larger share is split (gradient accumulation).
+    None: measured on each GPU at start (a search that survives out-of-memory); no limit on CPUs."""
+    leave_out_slow: bool = True
+    """With shares="auto": leave out a worker the job is predicted at least 30% faster without
+    (MIXTRAIN_EXCLUDE_GAIN), e.g. a slow device on a small model whose communication costs more than
+    it adds; the start-of-run table says why. False keeps every worker."""
     emulate_slowdown: Mapping[int, float | tuple[float, int]] | None = None
     """EMULATION for tests and benchmarks: rank -> factor (or (factor, from_round)), that worker computes
     `factor` times slower. Also read from MIXTRAIN_EMULATE_SLOWDOWN=RANK:FACTOR[@ROUND][,...]. Off by default."""

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from mixtrain._constants import (
     COLLECTIVE_TIMEOUT_S,
+    EXCLUDE_GAIN,
     REBALANCE_THRESHOLD,
     ROUND_TARGET_S,
     ROUND_TIMEOUT_S,
@@ -15,12 +17,14 @@ from mixtrain._constants import (
 )
 from mixtrain.config import Slowdown
 from mixtrain.data import steps_per_epoch
-from mixtrain.planner import Plan, equal_shares, make_plan, micro_batches, needs_rebalance
+from mixtrain.planner import Plan, equal_shares, make_plan, micro_batches, needs_rebalance, plan_record, plan_table
 from mixtrain.progress import ProgressView
 from mixtrain.rounds import RoundPlan, next_round_steps, summarize_round
 from mixtrain.runlog import RunLog
 from mixtrain.worker_group import WorkerGroup
 
+EXCLUDE_ROUNDS = 2
+"""Measured rounds in a row that must find a worker slowing the job down before it is left out."""
 STEP_CHANGE = 0.5
 """A measured speed this far (relative) from the smoothed one replaces it instead of being averaged in:
 far above round-to-round noise (about 30% for short rounds on a busy machine), far below a 3x throttle."""
@@ -39,19 +43,36 @@ class EpochPlan:
     max_micro_batch: list[int | None] | None = None
     slowdown: Slowdown = field(default_factory=dict)
     """EMULATION: rank -> (factor, first round)."""
+    speeds: list[float] | None = None
+    """Compute samples/s per worker measured before training (the probe); rounds refine it."""
+    leave_out_slow: bool = False
+    """Leave out a worker that measurably slows the job down (balanced shares only)."""
 
 
 class Controller:
-    def __init__(self, group: WorkerGroup, plan: EpochPlan, log: RunLog, view: ProgressView) -> None:
+    def __init__(
+        self,
+        group: WorkerGroup,
+        plan: EpochPlan,
+        log: RunLog,
+        view: ProgressView,
+        workers: list[dict[str, Any]],
+        regroup: Callable[[int], None] | None = None,
+    ) -> None:
+        """`regroup(rank)` stops that worker and re-forms the group with the rest (renumbered)."""
         self.group = group
+        self.workers = list(workers)
         self.plan = plan
         self.log = log
         self.view = view
         self.history: list[dict[str, Any]] = []
         self.evals: list[dict[str, Any]] = []
         self.shares = list(plan.shares)
-        self.speeds: list[float] | None = None  # samples/s of compute per worker, smoothed over rounds
+        self.speeds = list(plan.speeds) if plan.speeds else None  # compute samples/s per worker, smoothed
+        self.comm_s = 0.0  # communication per step, measured in the last round
+        self.regroup = regroup
         self._reported_exclusions: set[int] = set()
+        self._votes, self._vote_rank = 0, -1  # measured rounds in a row that would leave out _vote_rank
 
     def run(self, epochs: int) -> None:
         p = self.plan
@@ -98,6 +119,7 @@ class Controller:
         """Each worker's compute speed (samples per compute-second), smoothed over rounds; a step
         change (a laptop starting to throttle) is taken at once instead of being averaged in slowly."""
         new = [w["samples"] / w["compute_s"] if w["compute_s"] > 0 else 0.0 for w in record["workers"]]
+        self.comm_s = max(w["comm_s"] for w in record["workers"]) / record["num_steps"]
         if self.speeds is None:
             self.speeds = new
         else:
@@ -107,24 +129,54 @@ class Controller:
             ]
 
     def _rebalance(self, record: dict[str, Any]) -> None:
-        """Re-plan when the measured imbalance passes the threshold (hysteresis against flapping)."""
+        """Leave out a worker that measurably slows the job down (when allowed, after EXCLUDE_ROUNDS rounds
+        in a row say so); otherwise re-plan when the measured imbalance passes the threshold (hysteresis
+        against flapping)."""
         assert self.speeds is not None
-        per_step = [w["compute_s"] / record["num_steps"] for w in record["workers"]]
-        if not needs_rebalance(per_step, env_float(REBALANCE_THRESHOLD)):
-            return
-        plan = make_plan(self.speeds, self.plan.global_batch, memory_caps=self.plan.max_micro_batch)
-        if plan.shares == self.shares:
-            return
-        self.shares = plan.shares
-        self.log.write(
-            "plan",
-            {"after_round": len(self.history), "shares": plan.shares, "speeds": self.speeds, "excluded": plan.excluded},
+        plan = make_plan(
+            self.speeds,
+            self.plan.global_batch,
+            memory_caps=self.plan.max_micro_batch,
+            comm_s=self.comm_s,
+            min_gain=env_float(EXCLUDE_GAIN),
         )
-        self.view.log(plan_table(plan, self.speeds, f"re-planned after round {len(self.history)}"))
-        for rank, reason in plan.excluded.items():
-            if rank not in self._reported_exclusions:
-                self._reported_exclusions.add(rank)
-                self.view.log(f"note: worker {rank} slows this job down ({reason}); consider running without it")
+        if plan.excluded and self.plan.leave_out_slow and self.regroup is not None:
+            rank, reason = next(iter(plan.excluded.items()))
+            self._votes = self._votes + 1 if self._vote_rank == rank else 1
+            self._vote_rank = rank
+            if self._votes >= EXCLUDE_ROUNDS:
+                self._leave_out(rank, reason)
+                return
+        else:
+            self._votes, self._vote_rank = 0, -1
+        per_step = [w["compute_s"] / record["num_steps"] for w in record["workers"]]
+        if not needs_rebalance(per_step, env_float(REBALANCE_THRESHOLD)) or plan.shares == self.shares:
+            return
+        self._adopt(plan, f"re-planned after round {len(self.history)}")
+
+    def _adopt(self, plan: Plan, title: str) -> None:
+        self.shares = plan.shares
+        self.log.write("plan", {"after_round": len(self.history), **plan_record(plan)})
+        excluded = {r: why for r, why in plan.excluded.items() if r not in self._reported_exclusions}
+        self._reported_exclusions.update(excluded)
+        shown = replace(plan, excluded=excluded)  # a worker that slows the job is named once, not every re-plan
+        self.view.log(plan_table(shown, self.workers, title))
+
+    def _leave_out(self, rank: int, reason: str) -> None:
+        """Between rounds every replica holds the same state, so the others re-form the group and go on:
+        nothing is lost and the epoch's sample order is unchanged (only the split of each batch is)."""
+        assert self.regroup is not None and self.speeds is not None
+        info = self.workers[rank]
+        self.regroup(rank)
+        self.log.write("left_out", {"after_round": len(self.history), "worker": info, "reason": reason})
+        self.view.log(f"left out worker {rank} ({info['device_name']} on {info['host']}): {reason}")
+        for seq in (self.workers, self.speeds, self.plan.max_micro_batch):
+            if seq:
+                del seq[rank]
+        self.plan.slowdown = {r - (r > rank): v for r, v in self.plan.slowdown.items() if r != rank}
+        self._votes, self._vote_rank, self._reported_exclusions = 0, -1, set()
+        plan = make_plan(self.speeds, self.plan.global_batch, memory_caps=self.plan.max_micro_batch)
+        self._adopt(plan, f"re-planned without worker {rank} after round {len(self.history)}")
 
     def _end_epoch(self, epoch: int) -> None:
         rounds = [r for r in self.history if r["epoch"] == epoch]
@@ -151,16 +203,3 @@ class Controller:
         if total["targets"]:
             out["accuracy"] = total["correct"] / total["targets"]
         return out
-
-
-def plan_table(plan: Plan, speeds: list[float], title: str) -> str:
-    """The plan as a small text table: one row per worker."""
-    lines = [
-        f"{title}: predicted {plan.predicted_samples_per_s:,.0f} samples/s",
-        "  worker  share  micro x accum  measured samples/s",
-    ]
-    for i, share in enumerate(plan.shares):
-        lines.append(
-            f"  {i:>6}  {share:>5}  {plan.micro_batches[i]:>5} x {plan.accumulation[i]:<5}  {speeds[i]:>18,.0f}"
-        )
-    return "\n".join(lines)

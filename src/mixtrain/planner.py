@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 
 def largest_remainder(weights: Sequence[float], total: int) -> list[int]:
@@ -72,8 +73,14 @@ class Plan:
     predicted_step_s: float
     """Compute of the slowest worker plus the communication estimate."""
     predicted_samples_per_s: float
+    speeds: list[float] = field(default_factory=list)
+    """Measured compute speed per worker (samples/s) the plan was made from."""
+    memory_caps: list[int | None] = field(default_factory=list)
+    """Largest micro-batch that fits per worker (None: no limit known)."""
+    comm_s: float = 0.0
+    """Communication estimate per step."""
     excluded: dict[int, str] = field(default_factory=dict)
-    """Workers the planner would leave out, with the reason (informational)."""
+    """At most one worker the job would be faster without, with the reason."""
 
 
 def balanced_shares(samples_per_s: Sequence[float], global_batch: int) -> list[int]:
@@ -93,6 +100,41 @@ def micro_batches(shares: Sequence[int], memory_caps: Sequence[int | None] | Non
     return [min(s, c) if c else s for s, c in zip(shares, caps)]
 
 
+def step_seconds(shares: Sequence[int], samples_per_s: Sequence[float], comm_s: float) -> float:
+    """Predicted step time: the slowest worker's compute, then communication (none for one worker)."""
+    compute = max(s / max(v, 1e-9) for s, v in zip(shares, samples_per_s))
+    return compute + (comm_s if len(shares) > 1 else 0.0)
+
+
+def exclusion(
+    samples_per_s: Sequence[float], global_batch: int, comm_s: float, step_s: float, min_gain: float
+) -> tuple[int, str] | None:
+    """The worker whose removal speeds the job up most, when by at least `min_gain` (0.2 = 20%), and why.
+
+    Without it the others take the whole batch, balanced by speed; communication stays the same
+    with two or more left and disappears with one. Ties go to the slower worker."""
+    num = len(samples_per_s)
+    if num < 2:
+        return None
+    best: tuple[float, int] | None = None
+    for i in sorted(range(num), key=lambda j: (samples_per_s[j], j)):
+        others = [v for j, v in enumerate(samples_per_s) if j != i]
+        if global_batch < len(others) or sum(others) <= 0:
+            continue
+        without = step_seconds(balanced_shares(others, global_batch), others, comm_s)
+        if without > 0 and step_s / without >= 1.0 + min_gain and (best is None or without < best[0]):
+            best = (without, i)
+    if best is None:
+        return None
+    without, i = best
+    why = "communication costs more than it adds" if num == 2 else "it adds less than it costs"
+    return i, (
+        f"the job is {step_s / without:.1f}x faster without it ({without * 1e3:.1f} ms per step instead of "
+        f"{step_s * 1e3:.1f} ms; it computes {samples_per_s[i]:,.0f} samples/s, the others "
+        f"{sum(samples_per_s) - samples_per_s[i]:,.0f}, communication {comm_s * 1e3:.1f} ms): {why}"
+    )
+
+
 def make_plan(
     samples_per_s: Sequence[float],
     global_batch: int,
@@ -100,32 +142,85 @@ def make_plan(
     shares: Sequence[int] | None = None,
     memory_caps: Sequence[int | None] | None = None,
     comm_s: float = 0.0,
+    min_gain: float | None = None,
 ) -> Plan:
     """Turn speeds (and optional fixed shares, memory caps, a communication estimate) into a Plan.
 
-    A worker is marked for exclusion when the others alone would finish a step sooner,
-    communication included (one worker alone needs none).
+    With `min_gain` set, the plan also names the one worker (if any) whose removal would make
+    the job at least that much faster.
     """
-    num = len(samples_per_s)
-    shares = list(shares) if shares is not None else balanced_shares(samples_per_s, global_batch)
-    micro = micro_batches(shares, memory_caps)
+    speeds = list(samples_per_s)
+    caps: list[int | None] = list(memory_caps) if memory_caps is not None else [None] * len(speeds)
+    shares = list(shares) if shares is not None else balanced_shares(speeds, global_batch)
+    micro = micro_batches(shares, caps)
     accumulation = [math.ceil(s / m) if m else 1 for s, m in zip(shares, micro)]
-    step_s = max(s / max(v, 1e-9) for s, v in zip(shares, samples_per_s)) + comm_s
+    step_s = step_seconds(shares, speeds, comm_s)
     excluded = {}
-    if num > 1:
-        total = sum(samples_per_s)
-        for i, speed in enumerate(samples_per_s):
-            others = total - speed
-            without = global_batch / others + (comm_s if num > 2 else 0.0) if others > 0 else math.inf
-            if without < step_s:
-                excluded[i] = (
-                    f"the other workers alone would take {without * 1e3:.1f} ms per step instead of "
-                    f"{step_s * 1e3:.1f} ms: this worker adds {speed:,.0f} samples/s but communication costs more"
-                )
-    return Plan(shares, micro, accumulation, step_s, global_batch / step_s if step_s > 0 else 0.0, excluded)
+    if min_gain is not None:
+        found = exclusion(speeds, global_batch, comm_s, step_s, min_gain)
+        if found is not None:
+            excluded[found[0]] = found[1]
+    return Plan(
+        shares,
+        micro,
+        accumulation,
+        step_s,
+        global_batch / step_s if step_s > 0 else 0.0,
+        speeds,
+        caps,
+        comm_s,
+        excluded,
+    )
 
 
 def needs_rebalance(step_compute_s: Sequence[float], threshold: float) -> bool:
     """Hysteresis: re-plan only when the slowest worker's compute exceeds the mean by more than `threshold`."""
     mean = sum(step_compute_s) / len(step_compute_s)
     return mean > 0 and (max(step_compute_s) - mean) / mean > threshold
+
+
+def plan_record(plan: Plan) -> dict[str, Any]:
+    """The plan as it goes into metrics.jsonl."""
+    return {
+        "shares": plan.shares,
+        "micro_batches": plan.micro_batches,
+        "accumulation": plan.accumulation,
+        "speeds": plan.speeds,
+        "memory_caps": plan.memory_caps,
+        "comm_s": plan.comm_s,
+        "predicted_step_s": plan.predicted_step_s,
+        "predicted_samples_per_s": plan.predicted_samples_per_s,
+        "excluded": plan.excluded,
+    }
+
+
+def plan_table(
+    plan: Plan, workers: Sequence[dict[str, Any]], title: str, left_out: Sequence[dict[str, Any]] = ()
+) -> str:
+    """One row per worker (where, on what, its share, micro-batch x accumulation, measured compute
+    speed, predicted samples/s, memory cap), the workers left out with the reason, and the prediction."""
+    lines = [
+        f"{title}:",
+        "  worker  node             device                      prec  threads  share  micro x acc"
+        "  compute/s  predicted/s  memory cap",
+    ]
+    for i, w in enumerate(workers):
+        speed = plan.speeds[i] if plan.speeds else 0.0
+        cap = plan.memory_caps[i] if plan.memory_caps else None
+        lines.append(
+            f"  {i:>6}  {w['host'][:15]:<15}  {w['device_name'][:26]:<26}  {w['precision']:<4}  {w['threads']:>7}"
+            f"  {plan.shares[i]:>5}  {plan.micro_batches[i]:>5} x {plan.accumulation[i]:<3}  {speed:>9,.0f}"
+            f"  {plan.shares[i] / plan.predicted_step_s if plan.predicted_step_s else 0:>11,.0f}"
+            f"  {cap if cap else 'no limit':>10}"
+        )
+    for gone in left_out:
+        w = gone["worker"]
+        lines.append(f"  left out: worker {w['rank']} ({w['device_name']} on {w['host']}): {gone['reason']}")
+    compute = plan.predicted_step_s - (plan.comm_s if len(plan.shares) > 1 else 0.0)
+    lines.append(
+        f"  predicted: {plan.predicted_samples_per_s:,.0f} samples/s, {plan.predicted_step_s * 1e3:.1f} ms per step "
+        f"({compute * 1e3:.1f} ms compute + {plan.predicted_step_s * 1e3 - compute * 1e3:.1f} ms communication)"
+    )
+    for rank, reason in plan.excluded.items():
+        lines.append(f"  note: worker {rank} slows this job down: {reason}; consider running without it")
+    return "\n".join(lines)

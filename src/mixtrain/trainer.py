@@ -6,17 +6,15 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-import ray
-
-from mixtrain import cluster, envinfo, preflight
-from mixtrain._constants import BUCKET_MB, COLLECTIVE_TIMEOUT_S, RENDEZVOUS_TIMEOUT_S, env_float
+from mixtrain import cluster
+from mixtrain._constants import COLLECTIVE_TIMEOUT_S, env_float
+from mixtrain.bringup import Bringup, bring_up, form_group, leave_out
 from mixtrain.checkpoint import atomic_save
-from mixtrain.comm.process_group import choose_backend
 from mixtrain.comm.strategy import STRATEGIES
 from mixtrain.config import RunConfig, ScalingConfig
 from mixtrain.controller import Controller, EpochPlan
 from mixtrain.data import to_arrays
-from mixtrain.planner import largest_remainder, resolve_shares
+from mixtrain.planner import plan_record, plan_table, resolve_shares
 from mixtrain.progress import ProgressView
 from mixtrain.result import Result
 from mixtrain.runlog import RunLog, make_run_dir
@@ -79,9 +77,9 @@ class Trainer:
         group = self.worker_group_cls(self.scaling, self.run.seed)
         try:
             group.start()
+            up = self._bring_up(group)
             scaling = group.scaling  # resolved: groups="auto" became concrete groups
-            workers, notes, backend, checks = self._set_up(group, scaling)
-            shares = _shares_after_setup(scaling, self.global_batch, group)
+            shares = up.plan.shares
             log = RunLog(
                 run_dir,
                 {
@@ -90,24 +88,24 @@ class Trainer:
                     "global_batch": self.global_batch,
                     "epochs": epochs,
                     "strategy": self.strategy,
-                    "backend": backend,
+                    "backend": up.backend,
                     "shares": shares,
                     "num_samples": num_samples,
                 },
             )
-            log.write("workers", {"workers": workers})
-            log.write("preflight", checks)
+            log.write("workers", {"workers": up.workers})
+            log.write("preflight", up.checks)
+            log.write("plan", {"after_round": 0, **plan_record(up.plan)})
             view = ProgressView(self.run.progress, num_samples * epochs)
             view.log(
-                f"mixtrain: {len(workers)} workers, global batch {self.global_batch} split {shares}, "
-                f"{num_samples} samples x {epochs} epochs, {backend}; run folder {run_dir}"
+                f"mixtrain: {len(up.workers)} workers, global batch {self.global_batch}, "
+                f"{num_samples} samples x {epochs} epochs, {up.backend}; run folder {run_dir}"
             )
-            view.log(device_table(workers))
-            for note in notes:
+            view.log(plan_table(up.plan, up.workers, "plan", up.left_out))
+            for note in up.notes:
                 view.log(note)
-            slowdown = scaling.slowdown()
-            if slowdown:
-                view.log(f"EMULATION: rank -> (times slower, from round) {slowdown} (MIXTRAIN_EMULATE_SLOWDOWN)")
+            if up.slowdown:
+                view.log(f"EMULATION: rank -> (times slower, from round) {up.slowdown} (MIXTRAIN_EMULATE_SLOWDOWN)")
             plan = EpochPlan(
                 num_samples,
                 self.global_batch,
@@ -116,10 +114,17 @@ class Trainer:
                 self.run.drift_tolerance,
                 len(self.eval_arrays[0]) if self.eval_arrays else 0,
                 balanced=scaling.balanced,
-                max_micro_batch=list(scaling.max_micro_batch) if scaling.max_micro_batch else None,
-                slowdown=slowdown,
+                max_micro_batch=up.plan.memory_caps,
+                slowdown=up.slowdown,
+                speeds=up.plan.speeds,
+                leave_out_slow=scaling.leave_out_slow,
             )
-            controller = Controller(group, plan, log, view)
+
+            def regroup(rank: int) -> None:
+                leave_out(group, [rank])
+                form_group(group, self.strategy, up.backend, up.loss_scaling)
+
+            controller = Controller(group, plan, log, view, up.workers, regroup)
             to_first_step = time.perf_counter() - t_start
             controller.run(epochs)
             state = group.call("state_dict", timeout_s=env_float(COLLECTIVE_TIMEOUT_S), ranks=[0])[0]
@@ -136,85 +141,26 @@ class Trainer:
             state_dict=state,
             history=controller.history,
             evals=controller.evals,
-            workers=workers,
+            workers=up.workers,
             seconds_to_first_step=to_first_step,
         )
 
-    def _set_up(
-        self, group: WorkerGroup, scaling: ScalingConfig
-    ) -> tuple[list[dict[str, Any]], list[str], str, dict[str, Any]]:
-        """Build replicas, check them, ship the data, form the group: each phase fails fast and names
-        the worker. Returns the workers' info, notes for the user, the collective backend, and the
-        preflight record (reports, numerics results, workers left out) for metrics.jsonl."""
-        rendezvous_s = env_float(RENDEZVOUS_TIMEOUT_S)
-        collective_s = env_float(COLLECTIVE_TIMEOUT_S)
-        notes: list[str] = []
-        checks: dict[str, Any] = {"reports": [], "numerics": [], "left_out": []}
-        # Build before forming the group, so a factory that raises fails at once instead of
-        # leaving its peers waiting out the rendezvous timeout.
-        reports = group.call("build", self.task_factory, timeout_s=rendezvous_s + 600)
-        checks["reports"] = reports
-        preflight.check(envinfo.versions(), reports)
-        train_ref = ray.put(self.train_arrays)  # once; workers read it zero-copy from the object store
-        eval_ref = ray.put(self.eval_arrays) if self.eval_arrays is not None else None
-        group.call("load_data", train_ref, eval_ref, timeout_s=rendezvous_s + 600)
-        if scaling.numerics_check != "off":
-            results = group.call("check_numerics", scaling.numerics_tolerance, timeout_s=rendezvous_s + 600)
-            checks["numerics"] = results
-            lines, bad = preflight.numerics_verdict(results, reports)
-            notes += [f"numerics check: {line}" for line in lines]
-            if bad and scaling.numerics_check == "strict":
-                if len(bad) == len(reports):
-                    raise preflight.PreflightError(
-                        "numerics check (strict): every worker failed it:\n" + "\n".join(lines)
-                    )
-                group.drop(bad)
-                checks["left_out"] = bad
-                reports = [r for r in reports if r["rank"] not in bad]
-                notes.append(f"numerics check (strict): left out worker(s) {bad}; the others were renumbered")
-        backend = choose_backend(
-            scaling.backend, [r["device"]["kind"] for r in reports], all(r["nccl"] for r in reports)
-        )
-        loss_scaling = any(r["precision"] == "fp16" for r in reports)
-        host, port = group.call("open_rendezvous", rendezvous_s, timeout_s=rendezvous_s, ranks=[0])[0]
-        bucket_bytes = int(env_float(BUCKET_MB) * 2**20)
-        group.call(
-            "join",
-            host,
-            port,
-            rendezvous_s,
-            collective_s,
-            self.strategy,
-            bucket_bytes,
-            backend,
-            loss_scaling,
-            timeout_s=rendezvous_s + collective_s + 10,
-        )
-        return group.call("info", timeout_s=rendezvous_s), notes, backend, checks
+    def plan(self) -> Bringup:
+        """Start the workers, measure every device and the communication, make the first plan, and stop:
+        what `fit` would do before its first step, without training. `plan_table` prints the result."""
+        cluster.ensure_ray(self.scaling.address, _cpus_needed(self.scaling))
+        group = self.worker_group_cls(self.scaling, self.run.seed)
+        try:
+            group.start()
+            return self._bring_up(group)
+        finally:
+            group.shutdown()
+
+    def _bring_up(self, group: WorkerGroup) -> Bringup:
+        return bring_up(group, self.task_factory, self.train_arrays, self.eval_arrays, self.global_batch, self.strategy)
 
 
 def _cpus_needed(scaling: ScalingConfig) -> float:
     if scaling.is_auto:
         return 0.0
     return sum(g.resources()["CPU"] * g.num_workers for g in scaling.device_groups())
-
-
-def _shares_after_setup(scaling: ScalingConfig, global_batch: int, group: WorkerGroup) -> list[int]:
-    """Starting shares for the workers that are left: fixed shares lose the entries of workers
-    that the numerics check left out and are rescaled to the global batch."""
-    shares = scaling.shares
-    n = group.num_workers
-    if not isinstance(shares, str) and len(shares) != n:
-        kept = [shares[s.rank] for s in group.specs]
-        shares = largest_remainder([float(k) for k in kept], global_batch)
-    return resolve_shares(shares, global_batch, n)
-
-
-def device_table(workers: list[dict[str, Any]]) -> str:
-    """One line per worker: where it runs, on what, at which precision."""
-    lines = ["  worker  node             device                          precision  threads"]
-    for w in workers:
-        lines.append(
-            f"  {w['rank']:>6}  {w['host']:<15}  {w['device_name'][:30]:<30}  {w['precision']:<9}  {w['threads']:>7}"
-        )
-    return "\n".join(lines)

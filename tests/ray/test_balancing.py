@@ -22,7 +22,7 @@ def fit(model, opt, scaling, x, y, tmp_path, steps_per_round=4):
 
 def test_shares_that_change_mid_run_still_match_single_process(tmp_path):
     x, y = data("cnn", NUM_SAMPLES)
-    scaling = ScalingConfig(num_workers=2, shares="auto", emulate_slowdown={1: 3.0})
+    scaling = ScalingConfig(num_workers=2, shares="auto", emulate_slowdown={1: 3.0}, leave_out_slow=False)
     result = fit("cnn", "adamw", scaling, x, y, tmp_path)
     shares_seen = {tuple(r["shares"]) for r in result.history}
     assert len(shares_seen) > 1, "the emulated slow worker should have triggered a re-plan"
@@ -44,14 +44,14 @@ def test_a_three_times_slower_worker_settles_near_a_quarter(tmp_path):
         _cnn_task,
         (x[:1280], y[:1280]),
         global_batch=64,
-        scaling=ScalingConfig(num_workers=2, emulate_slowdown={1: 3.0}),
+        scaling=ScalingConfig(num_workers=2, emulate_slowdown={1: 3.0}, leave_out_slow=False),
         run=RunConfig(run_dir=str(tmp_path), steps_per_round=3, progress=False),
     )
     result = trainer.fit(epochs=1)
-    last = result.history[-1]["shares"]
-    assert 0.18 <= last[1] / 64 <= 0.32, f"slow worker's share {last} should be about a quarter"
-    # equal split at the start, re-planned within the first rounds
-    assert result.history[0]["shares"] == [32, 32] and result.history[2]["shares"] != [32, 32]
+    shares = [r["shares"] for r in result.history]
+    print("shares per round:", shares)
+    # the start-up probe already sees the slow worker, so even the first round is close to a quarter
+    assert all(0.18 <= s[1] / 64 <= 0.32 for s in (shares[0], shares[-1])), shares
 
 
 def test_a_slowdown_switched_on_mid_run_is_rebalanced_within_two_rounds(tmp_path):
@@ -62,7 +62,7 @@ def test_a_slowdown_switched_on_mid_run_is_rebalanced_within_two_rounds(tmp_path
         _cnn_task,
         (x[:1536], y[:1536]),
         global_batch=64,
-        scaling=ScalingConfig(num_workers=2, emulate_slowdown={1: (3.0, 4)}),  # slow from round 4 on
+        scaling=ScalingConfig(num_workers=2, emulate_slowdown={1: (3.0, 4)}, leave_out_slow=False),  # from round 4
         run=RunConfig(run_dir=str(tmp_path), steps_per_round=3, progress=False),
     )
     shares = [r["shares"][1] for r in trainer.fit(epochs=1).history]
@@ -75,3 +75,55 @@ def _cnn_task():
     from benchmarks.compare import _mixtrain_task
 
     return _mixtrain_task("cnn")
+
+
+def test_a_worker_that_slows_the_job_down_is_left_out_and_training_stays_exact(tmp_path, monkeypatch):
+    # A tiny model, and worker 1 of 3 emulated 3000x slower: even its minimum share of one sample takes
+    # far longer than the others' whole step. The planner leaves it out at start, the gloo group
+    # re-forms with the two others (renumbered 0 and 1), and the result is still single-process training.
+    # The required gain is raised to 4x so that only that worker goes: on this tiny model one worker alone
+    # is also measurably faster than two, and the planner would (rightly) go on to leave out a second.
+    monkeypatch.setenv("MIXTRAIN_EXCLUDE_GAIN", "3.0")
+    x, y = data("mlp", NUM_SAMPLES)
+    scaling = ScalingConfig(num_workers=3, cpus_per_worker=0.5, emulate_slowdown={1: 3000.0})
+    result = fit("mlp", "sgd", scaling, x, y, tmp_path)
+    [pre] = [r for r in _records(result.run_dir) if r["kind"] == "preflight"]
+    assert [w["rank"] for w in pre["left_out"]] == [1], pre["left_out"]
+    assert "faster without it" in pre["left_out"][0]["reason"]
+    assert [w["rank"] for w in result.workers] == [0, 1] and all(len(r["shares"]) == 2 for r in result.history)
+    [first_plan] = [r for r in _records(result.run_dir) if r["kind"] == "plan" and r["after_round"] == 0]
+    assert len(first_plan["speeds"]) == 2 and first_plan["comm_s"] > 0
+    assert_same_weights(result.state_dict, reference("mlp", "sgd", x, y))
+
+
+def test_a_worker_that_turns_very_slow_mid_run_is_left_out_and_training_stays_exact(tmp_path, monkeypatch):
+    # Worker 1 of 3 turns 10000x slower from round 2 (a laptop throttling hard): even one sample per
+    # step holds the others up. Two measured rounds in a row find the job faster without it; between
+    # rounds the other two re-form the group and go on.
+    monkeypatch.setenv("MIXTRAIN_EXCLUDE_GAIN", "3.0")  # only the slow one (see the test above)
+    x, y = data("mlp", NUM_SAMPLES)
+    scaling = ScalingConfig(num_workers=3, cpus_per_worker=0.5, emulate_slowdown={1: (10000.0, 2)})
+    result = fit("mlp", "sgd", scaling, x, y, tmp_path, steps_per_round=2)
+    widths = [len(r["shares"]) for r in result.history]
+    print("workers per round:", widths)
+    assert widths[:3] == [3, 3, 3] and widths[-1] == 2 and widths.index(2) <= 5, widths
+    [gone] = [r for r in _records(result.run_dir) if r["kind"] == "left_out"]
+    assert gone["worker"]["rank"] == 1 and "faster without it" in gone["reason"]
+    assert len(result.workers) == 3  # the workers the run started with
+    assert_same_weights(result.state_dict, reference("mlp", "sgd", x, y))
+
+
+def test_keep_all_devices_keeps_the_slow_worker(tmp_path):
+    x, y = data("mlp", 64 * 4)
+    scaling = ScalingConfig(num_workers=2, emulate_slowdown={1: 30.0}, leave_out_slow=False)
+    result = fit("mlp", "sgd", scaling, x, y, tmp_path)
+    assert len(result.workers) == 2
+    [first_plan] = [r for r in _records(result.run_dir) if r["kind"] == "plan" and r["after_round"] == 0]
+    assert list(first_plan["excluded"]) == ["1"]  # still named in the table as slowing the job down
+    assert first_plan["shares"][1] < first_plan["shares"][0]
+
+
+def _records(run_dir):
+    import json
+
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]

@@ -64,9 +64,51 @@ def test_plan_splits_shares_over_memory_caps_into_accumulation():
 def test_plan_marks_a_device_that_slows_the_job_down():
     from mixtrain.planner import make_plan
 
-    plan = make_plan([20000, 1000], 128, comm_s=0.010)
+    # alone: 128 / 20000 = 6.4 ms; together: shares [121, 7], the slow one takes 7 ms, + 10 ms = 17 ms
+    plan = make_plan([20000, 1000], 128, comm_s=0.010, min_gain=0.3)
     assert list(plan.excluded) == [1] and "communication costs more" in plan.excluded[1]
-    assert make_plan([3000, 1000], 64, comm_s=0.001).excluded == {}
+    assert "2.7x faster without it (6.4 ms per step instead of 17.0 ms" in plan.excluded[1]
+    assert make_plan([3000, 1000], 64, comm_s=0.001, min_gain=0.3).excluded == {}
+    assert make_plan([20000, 1000], 128, comm_s=0.010).excluded == {}  # no min_gain: no judgement
+
+
+def test_exclusion_needs_the_margin_and_prefers_the_slowest():
+    from mixtrain.planner import exclusion, make_plan
+
+    # two equal workers, communication as long as half the compute: alone 6.4 ms vs 3.2 + 3.2 ms, no gain
+    assert make_plan([20000, 20000], 128, comm_s=0.0032, min_gain=0.3).excluded == {}
+    # three workers: comm stays with two left, so only a device that adds little is left out
+    speeds = [10000.0, 10000.0, 300.0]
+    plan = make_plan(speeds, 128, comm_s=0.001, min_gain=0.0)
+    assert plan.shares == [63, 62, 3]
+    found = exclusion(speeds, 128, 0.001, step_s=0.050, min_gain=0.3)
+    assert found is not None and found[0] == 2 and "adds less than it costs" in found[1]
+    assert exclusion([5000.0], 128, 0.01, 0.1, 0.3) is None  # never the last worker
+
+
+def test_step_time_has_no_communication_for_one_worker():
+    from mixtrain.planner import step_seconds
+
+    assert step_seconds([64], [6400.0], comm_s=0.5) == 0.01
+    assert abs(step_seconds([32, 32], [6400.0, 3200.0], comm_s=0.5) - 0.51) < 1e-12
+
+
+def test_plan_table_shows_every_column_and_who_was_left_out():
+    from mixtrain.planner import make_plan, plan_table
+
+    plan = make_plan([3000, 1000], 64, memory_caps=[None, 5], comm_s=0.004)
+    workers = [
+        {"rank": r, "host": "10.0.0.2", "device_name": name, "precision": "fp32", "threads": 1}
+        for r, name in enumerate(["NVIDIA RTX 4090", "Apple M2 (MPS)"])
+    ]
+    gone = [{"worker": {"rank": 2, "host": "10.0.0.3", "device_name": "Intel i5"}, "reason": "too slow"}]
+    text = plan_table(plan, workers, "plan", gone)
+    rows = text.splitlines()
+    assert "share  micro x acc  compute/s  predicted/s  memory cap" in rows[1]
+    assert "NVIDIA RTX 4090" in rows[2] and "48 x 1" in rows[2] and "no limit" in rows[2]
+    assert "Apple M2 (MPS)" in rows[3] and "5 x 4" in rows[3] and rows[3].rstrip().endswith("5")
+    assert "left out: worker 2 (Intel i5 on 10.0.0.3): too slow" in text
+    assert "predicted: 3,200 samples/s, 20.0 ms per step (16.0 ms compute + 4.0 ms communication)" in text
 
 
 def test_rebalance_only_past_the_threshold():
