@@ -30,13 +30,16 @@ def test_digits_main_job_end_to_end(tmp_path):
     assert "epoch 9: loss" in proc.stderr and "samples/s" in proc.stderr
     assert "INFO" not in proc.stderr and "raylet" not in proc.stderr
     config = json.loads((run_dir / "config.json").read_text())
-    assert config["shares"] == [32, 32] and config["scaling"]["num_workers"] == 2
+    assert sum(config["shares"]) == 64 and config["scaling"]["num_workers"] == 2
+    assert "plan:" in proc.stderr and "predicted:" in proc.stderr  # the start-of-run table
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     evals = [r for r in records if r["kind"] == "eval"]
     assert len(evals) == 10 and abs(evals[-1]["accuracy"] - accuracy) < 1e-4
     rounds = [r for r in records if r["kind"] == "round"]
     assert sum(r["samples"] for r in rounds) == 10 * config["num_samples"]
-    assert all(len(r["workers"]) == 2 for r in rounds)
+    workers = len(config["shares"])  # 1 when the planner measured one worker alone to be faster (it says why)
+    assert all(len(r["workers"]) == workers for r in rounds)
+    assert workers == 2 or "left out worker 1" in proc.stderr
     state = torch.load(run_dir / "model.pt", weights_only=True)
     assert "head.3.weight" in state
 
@@ -151,3 +154,22 @@ def test_device_groups_from_the_command_line_with_a_gpu_group_on_a_cpu_machine_f
     assert proc.returncode == 1
     assert "cannot hold these workers: GPU: 1 needed, 0 in the cluster" in proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+def test_plan_measures_and_prints_the_split_without_training(tmp_path):
+    proc = run_cli(
+        "plan", "--workers", "2", "--max-micro-batch", "8", "--keep-all-devices",
+        env={"MIXTRAIN_EMULATE_SLOWDOWN": "1:4"},
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    # worker ... share  micro x acc  compute/s  predicted/s  memory cap
+    row = re.compile(r"^\s+(\d)\s.*\s(\d+)\s+(\d+) x (\d+)\s+([\d,]+)\s+([\d,]+)\s+(\S+)$")
+    rows = {int(m[1]): m for m in map(row.match, proc.stdout.splitlines()) if m}
+    assert set(rows) == {0, 1}, proc.stdout
+    fast, slow = int(rows[0][2]), int(rows[1][2])
+    assert fast + slow == 64 and slow < fast, proc.stdout  # the emulated 4x slower worker gets less
+    for m in rows.values():  # shares over the cap of 8 are split into micro-batches of 8
+        assert m[3] == "8" and int(m[4]) == -(-int(m[2]) // 8) and m[7] == "8", proc.stdout
+    assert "predicted:" in proc.stdout and "ms communication" in proc.stdout
+    proc = run_cli("plan", "--max-micro-batch", "0")
+    assert proc.returncode == 2 and "--max-micro-batch" in proc.stderr and ">= 1" in proc.stderr

@@ -4,6 +4,7 @@ Command lines:
     mixtrain train --example digits --workers 2
     mixtrain train --example digits --workers 2 --shares 40,24 --global-batch 64 --epochs 5 --run-dir runs/a
     mixtrain train --example digits --workers cuda:1,mps:1,cpu:2 --precision auto --address 192.168.1.10:6379
+    mixtrain plan --example digits --workers cuda:1,mps:1      # measure and show the split, no training
     mixtrain devices
     mixtrain cluster up --interface eth0          # on the desktop: prints the join command
     mixtrain cluster join 192.168.1.10:6379 --token TOKEN   # on the Mac
@@ -31,6 +32,16 @@ def _shares(text: str) -> list[int] | str:
         ) from None
 
 
+def _micro_batches(text: str) -> list[int]:
+    try:
+        values = [int(v) for v in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer or a comma-separated list, e.g. 64,16") from None
+    if any(v < 1 for v in values):
+        raise argparse.ArgumentTypeError(f"{text!r}: every micro-batch must be >= 1")
+    return values
+
+
 def _positive_int(text: str) -> int:
     try:
         value = int(text)
@@ -45,47 +56,71 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="mixtrain", description="Train one PyTorch model on every device you own.")
     sub = parser.add_subparsers(dest="command", required=True)
     train = sub.add_parser("train", help="train a built-in example", description="Train a built-in example.")
-    train.add_argument("--example", default="digits", help="built-in example to train (digits)")
-    train.add_argument(
+    _job_flags(train)
+    train.add_argument("--epochs", type=_positive_int, help="passes over the training data")
+    train.add_argument("--steps-per-round", type=_positive_int, help="steps per driver call (default: about 1.5 s)")
+    train.add_argument("--run-dir", help="folder for this run's files (default mixtrain_runs/run-TIMESTAMP)")
+    train.add_argument("--quiet", action="store_true", help="no live progress")
+    plan = sub.add_parser(
+        "plan",
+        help="measure every device and show how the batch would be split, without training",
+        description="Start the workers, measure each device's speed and memory and the communication, "
+        "print the plan (share, micro-batch x accumulation, predicted samples/s, memory cap, devices left out "
+        "and why), and stop.",
+    )
+    _job_flags(plan)
+
+    sub.add_parser("devices", help="list this machine's devices", description="List this machine's devices.")
+    _add_cluster_parser(sub)
+    return parser
+
+
+def _job_flags(p: argparse.ArgumentParser) -> None:
+    """What a job is made of: shared by `train` and `plan`."""
+    p.add_argument("--example", default="digits", help="built-in example to train (digits)")
+    p.add_argument(
         "--workers",
         type=_workers,
         default=2,
         help="a number of CPU workers (default 2), auto (one per GPU in the cluster, CPUs on GPU-less nodes), "
         "or groups such as cuda:1,mps:1,cpu:2",
     )
-    train.add_argument("--cpus-per-worker", type=float, default=1.0, help="Ray CPUs reserved per worker (default 1)")
-    train.add_argument("--global-batch", type=_positive_int, help="samples per step over all workers")
-    train.add_argument(
+    p.add_argument("--cpus-per-worker", type=float, default=1.0, help="Ray CPUs reserved per worker (default 1)")
+    p.add_argument("--global-batch", type=_positive_int, help="samples per step over all workers")
+    p.add_argument(
         "--shares",
         type=_shares,
         default="auto",
         help="auto (default: follow measured speed), equal (fixed equal split), or samples per worker, e.g. 40,24",
     )
-    train.add_argument("--epochs", type=_positive_int, help="passes over the training data")
-    train.add_argument("--lr", type=float, help="learning rate")
-    train.add_argument("--seed", type=int, default=0, help="seed for initialisation and sample order")
-    train.add_argument("--steps-per-round", type=_positive_int, help="steps per driver call (default: about 1.5 s)")
-    train.add_argument("--run-dir", help="folder for this run's files (default mixtrain_runs/run-TIMESTAMP)")
-    train.add_argument("--address", help="Ray cluster address (default: an embedded local Ray)")
-    train.add_argument(
+    p.add_argument(
+        "--max-micro-batch",
+        type=_micro_batches,
+        help="largest micro-batch per worker (one number for all, or one per worker, e.g. 64,16); a larger share "
+        "is split with gradient accumulation (default: measured on GPUs, no limit on CPUs)",
+    )
+    p.add_argument(
+        "--keep-all-devices",
+        action="store_true",
+        help="never leave a worker out, even when the job is predicted faster without it",
+    )
+    p.add_argument("--lr", type=float, help="learning rate")
+    p.add_argument("--seed", type=int, default=0, help="seed for initialisation and sample order")
+    p.add_argument("--address", help="Ray cluster address (default: an embedded local Ray)")
+    p.add_argument(
         "--precision",
         choices=PRECISIONS,
         default="fp32",
         help="fp32 (default, exact) or auto: bf16/fp16 autocast on GPUs, fp32 on CPUs",
     )
-    train.add_argument("--backend", choices=BACKENDS, default="auto", help="collective backend")
-    train.add_argument(
+    p.add_argument("--backend", choices=BACKENDS, default="auto", help="collective backend")
+    p.add_argument(
         "--numerics",
         choices=NUMERICS_CHECKS,
         default="warn",
         help="start-up gradient check of each device against the CPU: warn, strict (leave bad devices out), off",
     )
-    train.add_argument("--interface", help="network interface for the collectives on every node (e.g. eth0)")
-    train.add_argument("--quiet", action="store_true", help="no live progress")
-
-    sub.add_parser("devices", help="list this machine's devices", description="List this machine's devices.")
-    _add_cluster_parser(sub)
-    return parser
+    p.add_argument("--interface", help="network interface for the collectives on every node (e.g. eth0)")
 
 
 def _add_cluster_parser(sub: argparse._SubParsersAction) -> None:
@@ -119,25 +154,30 @@ def _workers(text: str) -> int | str | list:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
-def cmd_train(args: argparse.Namespace) -> int:
+def _trainer(args: argparse.Namespace, run_dir: str | None = None, steps_per_round: int | None = None):
     from mixtrain import RunConfig, ScalingConfig, Trainer
     from mixtrain.examples import load_example
     from mixtrain.headnode import use_cluster_token
 
     if args.address:
         use_cluster_token(args.address)
-
+    num_workers = args.workers if isinstance(args.workers, int) else 2
+    micro = args.max_micro_batch
+    if micro is not None and len(micro) == 1 and isinstance(args.workers, int):
+        micro = micro * num_workers  # one value for every worker
     ex = load_example(args.example, lr=args.lr, seed=args.seed)
-    trainer = Trainer(
+    return ex, Trainer(
         ex.task_factory,
         ex.train,
         eval_data=ex.eval,
         global_batch=args.global_batch or ex.global_batch,
         scaling=ScalingConfig(
-            num_workers=args.workers if isinstance(args.workers, int) else 2,
+            num_workers=num_workers,
             groups=None if isinstance(args.workers, int) else args.workers,
             cpus_per_worker=args.cpus_per_worker,
             shares=args.shares,
+            max_micro_batch=micro,
+            leave_out_slow=not args.keep_all_devices,
             address=args.address,
             precision=args.precision,
             backend=args.backend,
@@ -145,14 +185,30 @@ def cmd_train(args: argparse.Namespace) -> int:
             network_interface=args.interface,
         ),
         run=RunConfig(
-            run_dir=args.run_dir, seed=args.seed, steps_per_round=args.steps_per_round, progress=not args.quiet
+            run_dir=run_dir, seed=args.seed, steps_per_round=steps_per_round, progress=not getattr(args, "quiet", True)
         ),
     )
+
+
+def cmd_train(args: argparse.Namespace) -> int:
+    ex, trainer = _trainer(args, args.run_dir, args.steps_per_round)
     result = trainer.fit(epochs=args.epochs or ex.epochs)
     metrics = result.metrics
     summary = ", ".join(f"{k} {v:.4f}" for k, v in metrics.items() if k in ("loss", "accuracy"))
     print(f"held-out {summary}")
     print(f"run folder: {result.run_dir}")
+    return 0
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    from mixtrain.planner import plan_table
+
+    _, trainer = _trainer(args)
+    up = trainer.plan()
+    print(f"{args.example}: global batch {trainer.global_batch}, {up.backend}")
+    print(plan_table(up.plan, up.workers, "plan", up.left_out))
+    for note in up.notes:
+        print(note)
     return 0
 
 
@@ -215,6 +271,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if args.command == "train":
             return cmd_train(args)
+        if args.command == "plan":
+            return cmd_plan(args)
         if args.command == "devices":
             return cmd_devices(args)
         if args.command == "cluster":
