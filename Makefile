@@ -32,6 +32,8 @@ lint: install-dev
 bench: install
 	$(BIN)/pip install -q -e ".[bench]"
 	$(BIN)/python benchmarks/compare.py
+	$(BIN)/python benchmarks/compare.py --emulate 1:3 --runners single1,ddp,mixtrain,mixtrain-all,mixtrain-equal \
+		--json bench_results/emulate_1to3.json
 
 clean:
 	rm -rf $(VENV) mixtrain_runs bench_results

@@ -4,9 +4,16 @@ Command lines:
     make bench                                             # everything, medians of 3
     python benchmarks/compare.py --repeats 1 --workloads cnn
     python benchmarks/compare.py --runner mixtrain --workload mlp   # one runner, prints one JSON line
-    python benchmarks/compare.py --emulate 1:3 --runners single1,ddp,mixtrain,mixtrain-equal
-        # EMULATION: worker 1 computes 3x slower in DDP and mixtrain (balancing on / off);
+    python benchmarks/compare.py --emulate 1:3 --runners single1,ddp,mixtrain,mixtrain-all,mixtrain-equal
+        # EMULATION: worker 1 computes 3x slower in DDP and mixtrain (mixtrain: default, which may leave
+        # a worker out; balanced with every worker kept; fixed equal split);
         # "ideal" = one worker alone + the slow worker alone = single1 x (1 + 1/3)
+    python benchmarks/compare.py --emulate 1:3@4 --runners mixtrain-all --workloads cnn --repeats 1
+        # a slowdown switched on at round 4: prints mixtrain's shares per round
+
+Emulation rule, the same in every runner: before computing a step, a slow rank sleeps
+(factor - 1) x the plain compute time of its samples (DDP: calibrated once for its fixed slice;
+mixtrain: its previous step's time per sample), so no collective overlaps the sleep.
 
 Every runner is its own subprocess, started the way a user would start it, so "first step"
 is the wall time from the command starting to the first training step. Workloads use
@@ -203,7 +210,7 @@ def run_raytrain(workload: str) -> dict:
         return json.loads(out_file.read_text())
 
 
-def run_mixtrain(workload: str, shares: str = "auto") -> dict:
+def run_mixtrain(workload: str, shares: str = "auto", keep_all: bool = False) -> dict:
     import functools
 
     from mixtrain import RunConfig, ScalingConfig, Trainer
@@ -216,7 +223,7 @@ def run_mixtrain(workload: str, shares: str = "auto") -> dict:
             functools.partial(_mixtrain_task, workload),
             (x, y),
             global_batch=GLOBAL_BATCH,
-            scaling=ScalingConfig(num_workers=NUM_WORKERS, shares=shares),
+            scaling=ScalingConfig(num_workers=NUM_WORKERS, shares=shares, leave_out_slow=not keep_all),
             run=RunConfig(run_dir=tmp, progress=False),
         ).fit(epochs=epochs)
     steps_per_epoch = n // GLOBAL_BATCH
@@ -230,6 +237,8 @@ def run_mixtrain(workload: str, shares: str = "auto") -> dict:
         "steps": sum(r["num_steps"] for r in result.history),
         "compute_share": sum(w["compute_s"] for w in workers) / (len(workers) * measured[-1]["wall_s"]),
         "final_shares": result.history[-1]["shares"],
+        "shares_per_round": [r["shares"] for r in result.history],
+        "workers_used": len(result.workers),
     }
 
 
@@ -275,8 +284,8 @@ def compare(workloads: list[str], runners: list[str], repeats: int) -> dict:
 
 def table(results: dict) -> str:
     lines = [
-        "| workload | runner | samples/s (median) | vs DDP | first step (s) | mixtrain first step vs this |",
-        "|---|---|---:|---:|---:|---:|",
+        "| workload | runner | workers | samples/s (median) | vs DDP | first step (s) | mixtrain first step vs it |",
+        "|---|---|---:|---:|---:|---:|---:|",
     ]
     for workload, by_runner in results.items():
         med = {r: statistics.median(o["samples_per_s"] for o in outs) for r, outs in by_runner.items()}
@@ -284,8 +293,9 @@ def table(results: dict) -> str:
         for runner in by_runner:
             vs_ddp = f"{med[runner] / med['ddp']:.2f}x" if "ddp" in med else "-"
             vs_first = f"{first['mixtrain'] / first[runner]:.2f}x" if "mixtrain" in first else "-"
+            used = by_runner[runner][-1].get("workers_used", 1 if runner.startswith("single") else NUM_WORKERS)
             lines.append(
-                f"| {workload} | {runner} | {med[runner]:,.0f} | {vs_ddp} | {first[runner]:.1f} | {vs_first} |"
+                f"| {workload} | {runner} | {used} | {med[runner]:,.0f} | {vs_ddp} | {first[runner]:.1f} | {vs_first} |"
             )
     return "\n".join(lines)
 
@@ -297,8 +307,8 @@ def emulation_table(results: dict, emulate: str) -> str:
     factor = max(f for f, _ in parse_slowdown(emulate).values())
     lines = [
         f"EMULATION {emulate}: ideal = single1 x (1 + 1/{factor:g})",
-        "| workload | runner | samples/s | vs ideal | vs equal-split DDP | final shares |",
-        "|---|---|---:|---:|---:|---|",
+        "| workload | runner | samples/s | vs ideal | vs equal-split DDP | workers used | final shares |",
+        "|---|---|---:|---:|---:|---:|---|",
     ]
     for workload, by_runner in results.items():
         med = {r: statistics.median(o["samples_per_s"] for o in outs) for r, outs in by_runner.items()}
@@ -307,13 +317,25 @@ def emulation_table(results: dict, emulate: str) -> str:
             vs_ideal = f"{med[runner] / ideal:.2f}" if ideal else "-"
             vs_ddp = f"{med[runner] / med['ddp']:.2f}x" if "ddp" in med else "-"
             shares = outs[-1].get("final_shares", "")
-            lines.append(f"| {workload} | {runner} | {med[runner]:,.0f} | {vs_ideal} | {vs_ddp} | {shares} |")
+            used = outs[-1].get("workers_used", 1 if runner.startswith("single") else NUM_WORKERS)
+            lines.append(f"| {workload} | {runner} | {med[runner]:,.0f} | {vs_ideal} | {vs_ddp} | {used} | {shares} |")
+    return "\n".join(lines)
+
+
+def shares_per_round(results: dict) -> str:
+    """mixtrain's shares round by round (last repeat): how fast a slowdown is rebalanced."""
+    lines = []
+    for workload, by_runner in results.items():
+        for runner, outs in by_runner.items():
+            if "shares_per_round" in outs[-1]:
+                rounds = outs[-1]["shares_per_round"]
+                lines.append(f"{workload} {runner} shares per round: " + " ".join(f"{r}" for r in rounds))
     return "\n".join(lines)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--runner", choices=[*RUNNERS, "single1", "mixtrain-equal", "ddp-rank"])
+    parser.add_argument("--runner", choices=[*RUNNERS, "single1", "mixtrain-equal", "mixtrain-all", "ddp-rank"])
     parser.add_argument("--workload", choices=list(WORKLOADS))
     parser.add_argument("--out", help="(ddp-rank) where rank 0 writes its result")
     parser.add_argument("--workloads", default="mlp,cnn")
@@ -337,6 +359,7 @@ def main() -> None:
             "mixtrain": run_mixtrain,
             "single1": lambda w: run_single(w, threads=1),
             "mixtrain-equal": lambda w: run_mixtrain(w, shares="equal"),
+            "mixtrain-all": lambda w: run_mixtrain(w, keep_all=True),
         }
         print(json.dumps(runner[args.runner](args.workload)))
         return
@@ -346,6 +369,7 @@ def main() -> None:
     print(table(results))
     if args.emulate:
         print(emulation_table(results, args.emulate))
+        print(shares_per_round(results))
 
 
 if __name__ == "__main__":
