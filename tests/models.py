@@ -60,3 +60,32 @@ def data(model: str, num_samples: int, seed: int = 1) -> tuple[torch.Tensor, tor
     x = torch.randn(shape, generator=g)
     y = torch.randint(0, 5, (num_samples,), generator=g)
     return x, y
+
+
+def faulty_task(model: str, opt: str, fault: str, rank: int, at_call: int, marker: str) -> Task:
+    """make_task(model, opt) whose loss injects a REAL fault on worker `rank` at its `at_call`-th training
+    loss (counted once the collective group exists, so the start-up probe does not count):
+    "kill" SIGKILLs its own process, "stop" SIGSTOPs it (a laptop asleep), once per `marker` file;
+    "nan" makes its loss NaN from then on."""
+    import os
+    import signal
+
+    import torch.distributed as dist
+
+    task = make_task(model, opt)
+    calls = [0]
+
+    def loss_fn(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        loss = nn.functional.cross_entropy(out, target)
+        if not dist.is_initialized() or dist.get_rank() != rank:
+            return loss
+        calls[0] += 1
+        if calls[0] >= at_call:
+            if fault == "nan":
+                return loss * float("nan")
+            if not os.path.exists(marker):
+                open(marker, "w").close()
+                os.kill(os.getpid(), signal.SIGKILL if fault == "kill" else signal.SIGSTOP)
+        return loss
+
+    return Task(model=task.model, optimizer=task.optimizer, loss_fn=loss_fn)

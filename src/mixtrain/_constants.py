@@ -7,7 +7,7 @@ import os
 # (environment variable, default) pairs. Seconds unless the name says otherwise.
 RENDEZVOUS_TIMEOUT_S = ("MIXTRAIN_RENDEZVOUS_TIMEOUT_S", 60.0)
 """How long workers wait for every peer to join the gloo group."""
-COLLECTIVE_TIMEOUT_S = ("MIXTRAIN_COLLECTIVE_TIMEOUT_S", 120.0)
+COLLECTIVE_TIMEOUT_S = ("MIXTRAIN_COLLECTIVE_TIMEOUT_S", 60.0)
 """How long one collective may wait on a peer (gloo's own default is 30 minutes)."""
 CONNECT_TIMEOUT_S = ("MIXTRAIN_CONNECT_TIMEOUT_S", 10.0)
 """How long to try reaching the Ray head given as `address` (Ray itself would wait minutes)."""

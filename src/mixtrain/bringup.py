@@ -141,9 +141,12 @@ def form_group(group: WorkerGroup, strategy: str, backend: str, loss_scaling: bo
     )
 
 
-def leave_out(group: WorkerGroup, ranks: list[int]) -> None:
-    """Every worker leaves the group, then `ranks` are stopped and the rest renumbered (form_group next)."""
-    group.call("leave", timeout_s=env_float(COLLECTIVE_TIMEOUT_S))
+def leave_out(group: WorkerGroup, ranks: list[int], after_failure: bool = False) -> None:
+    """Every worker leaves the group, then `ranks` are stopped and the rest renumbered (form_group next).
+    After a failure the survivors first roll back to the start of the failed round, and the lost
+    workers (dead, or stopped and about to be killed) are not asked anything."""
+    keep = [r for r in range(group.num_workers) if r not in ranks]
+    group.call("rollback" if after_failure else "leave", timeout_s=env_float(COLLECTIVE_TIMEOUT_S), ranks=keep)
     group.drop(ranks)
 
 

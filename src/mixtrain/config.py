@@ -270,9 +270,26 @@ class RunConfig:
     """Relative parameter-checksum difference above which rank 0's weights are re-broadcast."""
     progress: bool = True
     """Show live progress on the terminal."""
+    checkpoint_every_s: float = 60.0
+    """Write a checkpoint after the first round that ends this long after the last one (and at every
+    epoch end); 0 checkpoints after every round."""
+    keep_checkpoints: int = 3
+    """Checkpoints kept in run_dir/checkpoints (the newest); older ones are deleted."""
+    max_failures: int = 3
+    """Lost workers (or failed collectives) survived before training stops; each costs the round in flight."""
+    max_nonfinite_steps: int = 10
+    """Stop after this many steps in a row whose gradient was NaN/Inf (skipped on every worker)."""
 
     def __post_init__(self) -> None:
         if self.steps_per_round is not None and self.steps_per_round < 1:
             raise ValueError(f"RunConfig.steps_per_round={self.steps_per_round!r}: must be >= 1 or None (automatic)")
         if not self.drift_tolerance >= 0:
             raise ValueError(f"RunConfig.drift_tolerance={self.drift_tolerance!r}: must be >= 0")
+        for name, value, low in (
+            ("checkpoint_every_s", self.checkpoint_every_s, 0),
+            ("keep_checkpoints", self.keep_checkpoints, 1),
+            ("max_failures", self.max_failures, 0),
+            ("max_nonfinite_steps", self.max_nonfinite_steps, 1),
+        ):
+            if not (isinstance(value, (int, float)) and value >= low):
+                raise ValueError(f"RunConfig.{name}={value!r}: must be a number >= {low}")

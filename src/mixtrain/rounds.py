@@ -35,10 +35,14 @@ class WorkerReport:
     losses: list[float] = field(default_factory=list)
     """Per step: the global mean loss (the same on every rank)."""
     skipped_steps: list[int] = field(default_factory=list)
+    nonfinite_steps: list[int] = field(default_factory=list)
+    """Steps whose loss on THIS worker was NaN or Inf (names the worker behind a skipped step)."""
     drift: float = 0.0
     rebroadcast: bool = False
     round_comm_s: float = 0.0
     wall_s: float = 0.0
+    peer_lost: str = ""
+    """Set when a collective failed because a peer died or stopped answering; the round is void."""
 
 
 def worker_times(reports: list[WorkerReport]) -> list[dict[str, float]]:
@@ -72,6 +76,7 @@ def summarize_round(plan: RoundPlan, reports: list[WorkerReport], wall_s: float)
         "samples_per_s": samples / wall_s if wall_s > 0 else 0.0,
         "wall_s": wall_s,
         "skipped_steps": reports[0].skipped_steps,
+        "nonfinite_steps": [r.nonfinite_steps for r in reports],
         "drift": max(r.drift for r in reports),
         "rebroadcast": reports[0].rebroadcast,
         "shares": list(plan.shares),

@@ -4,12 +4,16 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from dataclasses import replace
+from pathlib import Path
 from typing import Any
+
+import ray
 
 from mixtrain import cluster
 from mixtrain._constants import COLLECTIVE_TIMEOUT_S, env_float
 from mixtrain.bringup import Bringup, bring_up, form_group, leave_out
-from mixtrain.checkpoint import atomic_save
+from mixtrain.checkpoint import MANIFEST, CheckpointStore, atomic_save
 from mixtrain.comm.strategy import STRATEGIES
 from mixtrain.config import RunConfig, ScalingConfig
 from mixtrain.controller import Controller, EpochPlan
@@ -65,10 +69,24 @@ class Trainer:
         self.run = run
         self.strategy = strategy
 
-    def fit(self, epochs: int = 1) -> Result:
+    def fit(self, epochs: int = 1, resume: str | Path | None = None) -> Result:
+        """Train until `epochs` epochs are done. `resume`: a run folder (its newest good checkpoint) or one
+        checkpoint folder; training continues exactly where it stopped, in that run folder unless
+        RunConfig names another."""
         if not isinstance(epochs, int) or epochs < 1:
             raise ValueError(f"epochs={epochs!r}: must be an integer >= 1")
         t_start = time.perf_counter()
+        warnings: list[str] = []
+        resumed = load_resume(resume, warnings.append) if resume is not None else None
+        if resumed is not None:
+            _, manifest, ckpt_path = resumed
+            if (manifest["epoch"], manifest["step"]) >= (epochs, 0):
+                raise ValueError(
+                    f"resume={str(resume)!r}: its checkpoint is at epoch {manifest['epoch']}, step {manifest['step']}; "
+                    f"fit(epochs={epochs}) has nothing left to do: ask for more epochs"
+                )
+            if self.run.run_dir is None and self.run.name is None:
+                self.run = replace(self.run, run_dir=str(ckpt_path.parent.parent))
         run_dir = make_run_dir(self.run)
         num_samples = len(self.train_arrays[0])
         view = ProgressView(False, 0)
@@ -102,8 +120,12 @@ class Trainer:
                 f"{num_samples} samples x {epochs} epochs, {up.backend}; run folder {run_dir}"
             )
             view.log(plan_table(up.plan, up.workers, "plan", up.left_out))
-            for note in up.notes:
+            for note in [*up.notes, *warnings]:
                 view.log(note)
+            start = (0, 0)
+            if resumed is not None:
+                start, shares = self._restore(group, scaling, resumed, shares)
+                view.log(f"resumed from {resumed[2]} at epoch {start[0]}, step {start[1]}")
             if up.slowdown:
                 view.log(f"EMULATION: rank -> (times slower, from round) {up.slowdown} (MIXTRAIN_EMULATE_SLOWDOWN)")
             plan = EpochPlan(
@@ -120,13 +142,24 @@ class Trainer:
                 leave_out_slow=scaling.leave_out_slow,
             )
 
-            def regroup(rank: int) -> None:
-                leave_out(group, [rank])
+            def regroup(ranks: list[int], after_failure: bool) -> None:
+                leave_out(group, ranks, after_failure)
                 form_group(group, self.strategy, up.backend, up.loss_scaling)
 
-            controller = Controller(group, plan, log, view, up.workers, regroup)
+            controller = Controller(
+                group,
+                plan,
+                log,
+                view,
+                up.workers,
+                regroup,
+                checkpoints=CheckpointStore(run_dir, self.run.keep_checkpoints),
+                checkpoint_every_s=self.run.checkpoint_every_s,
+                max_failures=self.run.max_failures,
+                max_nonfinite_steps=self.run.max_nonfinite_steps,
+            )
             to_first_step = time.perf_counter() - t_start
-            controller.run(epochs)
+            controller.run(epochs, start)
             state = group.call("state_dict", timeout_s=env_float(COLLECTIVE_TIMEOUT_S), ranks=[0])[0]
         finally:
             view.close()
@@ -156,8 +189,38 @@ class Trainer:
         finally:
             group.shutdown()
 
+    def _restore(
+        self, group: WorkerGroup, scaling: ScalingConfig, resumed: tuple, shares: list[int]
+    ) -> tuple[tuple[int, int], list[int]]:
+        """Every worker loads the checkpoint; with as many workers as before, each gets its own random
+        streams back and balanced shares continue where they were, so the run continues exactly."""
+        state, manifest, _ = resumed
+        rng = state.pop("rng", None)
+        n = group.num_workers
+        same = rng is not None and len(rng) == n
+        ref = ray.put(state)  # once, not once per worker
+        group.call_each(
+            "load_training_state",
+            [(ref, rng[i] if same else None) for i in range(n)],
+            timeout_s=env_float(COLLECTIVE_TIMEOUT_S),
+        )
+        if same and scaling.balanced and sum(manifest["shares"]) == self.global_batch:
+            shares = list(manifest["shares"])
+        return (manifest["epoch"], manifest["step"]), shares
+
     def _bring_up(self, group: WorkerGroup) -> Bringup:
         return bring_up(group, self.task_factory, self.train_arrays, self.eval_arrays, self.global_batch, self.strategy)
+
+
+def load_resume(resume: str | Path, warn: Callable[[str], None]) -> tuple[dict[str, Any], dict[str, Any], Path]:
+    """(state, manifest, path) from a run folder's newest good checkpoint, or from one checkpoint folder."""
+    path = Path(resume)
+    if (path / MANIFEST).is_file():
+        state, manifest = CheckpointStore.read(path)
+        return state, manifest, path
+    if not path.is_dir():
+        raise ValueError(f"resume={str(resume)!r}: no such folder; give a run folder or one of its checkpoints")
+    return CheckpointStore(path).latest(warn)
 
 
 def _cpus_needed(scaling: ScalingConfig) -> float:

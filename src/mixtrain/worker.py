@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+import math
 import os
 import socket
 import time
@@ -10,7 +12,7 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
-from mixtrain import devices, envinfo, precision, probe
+from mixtrain import checkpoint, devices, envinfo, precision, probe
 from mixtrain.comm import netif, process_group
 from mixtrain.comm.strategy import STRATEGIES, SyncStrategy
 from mixtrain.data import Arrays, as_tensors, epoch_permutation, step_size, worker_indices
@@ -249,6 +251,17 @@ class TrainWorker:
 
     # ---- training ---------------------------------------------------------------------------
     def run_round(self, plan: RoundPlan) -> WorkerReport:
+        """Run the round's steps. If a collective fails because a peer died or stopped answering, the
+        round is void: the report says so (peer_lost) and `rollback` restores the state it started from."""
+        self._snapshot = self._training_state(clone=True)
+        try:
+            return self._run_round(plan)
+        except Exception as exc:
+            if not process_group.is_peer_failure(exc):
+                raise
+            return WorkerReport(rank=self.rank, peer_lost=str(exc).splitlines()[0][:300])
+
+    def _run_round(self, plan: RoundPlan) -> WorkerReport:
         t_round = time.perf_counter()
         report = WorkerReport(rank=self.rank)
         perm = self._permutation(plan.epoch)
@@ -272,6 +285,8 @@ class TrainWorker:
             report.comm_s.append(outcome.comm_s)
             report.losses.append(float(outcome.stats[0]))
             report.samples += len(indices)
+            if not math.isfinite(local_loss):
+                report.nonfinite_steps.append(step)
             if not outcome.applied:
                 report.skipped_steps.append(step)
         total = sum(plan.shares)  # weights for buffer averaging: this rank's part of the round's samples
@@ -327,6 +342,52 @@ class TrainWorker:
                 sums["correct"] += float((out.argmax(-1) == target).sum())
                 sums["targets"] += target.numel()
         return sums
+
+    # ---- checkpoints, resume and recovery ---------------------------------------------------
+    def _training_state(self, clone: bool = False) -> dict:
+        """Everything a step changes: weights, optimizer, scheduler, the job-wide loss scale."""
+        t = self.task
+        state = {
+            "model": t.model.state_dict(),
+            "optimizer": t.optimizer.state_dict(),
+            "scheduler": t.scheduler.state_dict() if t.scheduler is not None else None,
+            "loss_scale": {"scale": self.strategy.loss_scale.scale, "good_steps": self.strategy.loss_scale._good_steps},
+        }
+        return copy.deepcopy(state) if clone else state
+
+    def training_state(self) -> dict:
+        """For a checkpoint: the training state with every tensor on the CPU."""
+        return checkpoint.to_cpu(self._training_state())
+
+    def rng_state(self) -> dict:
+        """This worker's random streams (dropout and the like), on the CPU."""
+        out = {"cpu": torch.get_rng_state()}
+        if self.device.type == "cuda":
+            out["cuda"] = torch.cuda.get_rng_state(self.device)
+        elif self.device.type == "mps":
+            out["mps"] = torch.mps.get_rng_state()
+        return out
+
+    def load_training_state(self, state: dict, rng: dict | None = None) -> None:
+        """Continue from a checkpoint (or a snapshot): every rank loads the same state."""
+        t = self.task
+        t.model.load_state_dict(state["model"])
+        t.optimizer.load_state_dict(state["optimizer"])
+        if t.scheduler is not None and state.get("scheduler") is not None:
+            t.scheduler.load_state_dict(state["scheduler"])
+        scale = self.strategy.loss_scale
+        scale.scale, scale._good_steps = state["loss_scale"]["scale"], state["loss_scale"]["good_steps"]
+        if rng is not None:
+            torch.set_rng_state(rng["cpu"])
+            if "cuda" in rng and self.device.type == "cuda":
+                torch.cuda.set_rng_state(rng["cuda"], self.device)
+            if "mps" in rng and self.device.type == "mps":
+                torch.mps.set_rng_state(rng["mps"])
+
+    def rollback(self) -> None:
+        """Back to the state at the start of the failed round, and out of the broken group."""
+        self.load_training_state(self._snapshot)
+        self.leave()
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         return {k: v.detach().to("cpu").clone() for k, v in self.task.model.state_dict().items()}

@@ -139,6 +139,38 @@ class WorkerGroup:
                 raise WorkerError(_describe(rank_of[ref], method, exc)) from exc
         return [results[r] for r in sorted(results)]
 
+    def call_tolerant(
+        self, method: str, *args: Any, timeout_s: float, grace_s: float
+    ) -> tuple[dict[int, Any], dict[int, str]]:
+        """Call `method(*args)` on every rank, surviving lost workers: returns (results by rank, the lost
+        ranks with what happened). A worker is lost when its process died or, once another worker has
+        failed or reported a lost peer, it has not answered within `grace_s` (stopped, asleep or hung).
+        Any other error in a worker is raised as WorkerError: that is a bug or a device error, not a loss."""
+        refs = {getattr(a, method).remote(*args): r for r, a in enumerate(self.actors)}
+        results: dict[int, Any] = {}
+        lost: dict[int, str] = {}
+        pending = list(refs)
+        deadline = time.monotonic() + timeout_s
+        while pending:
+            ready, pending = ray.wait(pending, num_returns=1, timeout=max(0.0, deadline - time.monotonic()))
+            if not ready:
+                break
+            rank = refs[ready[0]]
+            try:
+                results[rank] = ray.get(ready[0])
+            except ray.exceptions.RayActorError as exc:  # the process died or its node is gone
+                lost[rank] = f"its process died or its node left ({_ANSI.sub('', str(exc)).splitlines()[0][:160]})"
+            except ray.exceptions.RayError as exc:
+                raise WorkerError(_describe(rank, method, exc)) from exc
+            if lost or (rank in results and bool(getattr(results[rank], "peer_lost", ""))):
+                deadline = min(deadline, time.monotonic() + grace_s)
+        for ref in pending:
+            lost[refs[ref]] = (
+                f"did not answer within {grace_s:g} s after a peer failed (stopped, asleep or hung; "
+                "MIXTRAIN_COLLECTIVE_TIMEOUT_S)"
+            )
+        return results, lost
+
     def shutdown(self) -> None:
         """Leave the process group where possible, then kill the actors and free the resources."""
         if self.actors:

@@ -78,3 +78,22 @@ def leave_group() -> None:
     """Tear the group down; safe to call when none exists."""
     if dist.is_initialized():
         dist.destroy_process_group()
+
+
+_PEER_FAILURE_MARKS = (
+    "gloo/transport",  # gloo: "Connection closed by peer", "Timed out waiting ... for recv", resets
+    "Connection closed by peer",
+    "Connection reset by peer",
+    "Timed out waiting",
+    "NCCL communicator was aborted",
+    "NCCL error",
+)
+
+
+def is_peer_failure(exc: BaseException) -> bool:
+    """True when `exc` comes from a collective whose peer died or stopped answering (not from this
+    worker's own code or device): the worker is healthy and can rejoin a re-formed group."""
+    if isinstance(exc, (dist.DistNetworkError, dist.DistBackendError)):
+        return True
+    text = str(exc)
+    return isinstance(exc, RuntimeError) and any(mark in text for mark in _PEER_FAILURE_MARKS)

@@ -1,0 +1,116 @@
+"""Fault injection with real processes: a worker SIGKILLed or SIGSTOPped mid-round, NaN from one
+worker, and checkpoints that resume exactly. Training must go on (or stop with the documented error),
+match single-process training, leave only checkpoints that verify, and never hang."""
+
+import functools
+import json
+
+import pytest
+
+from mixtrain import RunConfig, ScalingConfig, Trainer
+from mixtrain.checkpoint import CheckpointStore
+from mixtrain.controller import TrainingStopped
+from tests.models import data, factory, faulty_task
+from tests.ray.test_exactness import GLOBAL_BATCH, NUM_SAMPLES, SEED, assert_same_weights, reference
+
+pytestmark = pytest.mark.usefixtures("ray_session")
+
+
+def fit(task_factory, tmp_path, workers=3, epochs=1, resume=None, **run):
+    x, y = data("mlp", NUM_SAMPLES)
+    trainer = Trainer(
+        task_factory,
+        (x, y),
+        global_batch=GLOBAL_BATCH,
+        scaling=ScalingConfig(num_workers=workers, cpus_per_worker=0.5, leave_out_slow=False),
+        run=RunConfig(
+            run_dir=str(tmp_path / "run"), seed=SEED, steps_per_round=2, progress=False, checkpoint_every_s=0, **run
+        ),
+    )
+    return trainer.fit(epochs=epochs, resume=resume), (x, y)
+
+
+def records(run_dir, kind):
+    return [r for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines()) if r["kind"] == kind]
+
+
+def all_checkpoints_verify(run_dir):
+    store = CheckpointStore(run_dir)
+    assert store.paths(), "no checkpoint was written"
+    for path in store.paths():
+        store.verify(path)
+    assert not list(store.root.glob(".tmp-*"))
+
+
+@pytest.mark.parametrize("fault", ["kill", "stop"])
+def test_a_worker_lost_mid_round_is_survived_and_training_stays_exact(tmp_path, monkeypatch, fault):
+    # Worker 1 of 3 SIGKILLs (or SIGSTOPs) its own process inside its 7th training step. The other two
+    # notice (a closed connection at once; a stopped peer after the 5 s collective timeout), roll back
+    # to the start of the round, re-form the group and run the round again: same math as one process.
+    monkeypatch.setenv("MIXTRAIN_COLLECTIVE_TIMEOUT_S", "5")
+    task = functools.partial(faulty_task, "mlp", "sgd", fault, 1, 7, str(tmp_path / "fired"))
+    result, (x, y) = fit(task, tmp_path)
+    assert (tmp_path / "fired").exists()
+    [failure] = records(result.run_dir, "failure")
+    assert [w["worker"]["rank"] for w in failure["lost"]] == [1] and failure["failures"] == 1
+    reason = failure["lost"][0]["reason"]
+    assert ("process died" in reason) if fault == "kill" else ("did not answer within" in reason), reason
+    widths = [len(r["shares"]) for r in result.history]
+    assert widths[0] == 3 and widths[-1] == 2, widths
+    steps = [(r["first_step"], r["num_steps"]) for r in result.history]
+    assert sum(n for _, n in steps) == 30 and sorted(steps) == steps  # every step once, in order
+    assert_same_weights(result.state_dict, reference("mlp", "sgd", x, y))
+    all_checkpoints_verify(result.run_dir)
+
+
+def test_failure_budget_spent_stops_with_an_intact_checkpoint(tmp_path):
+    task = functools.partial(faulty_task, "mlp", "sgd", "kill", 1, 7, str(tmp_path / "fired"))
+    with pytest.raises(TrainingStopped, match=r"1 failures, max_failures=0.*is intact; continue with"):
+        fit(task, tmp_path, max_failures=0)
+    all_checkpoints_verify(tmp_path / "run")
+
+
+def test_nan_from_one_worker_skips_steps_then_stops_naming_it(tmp_path):
+    task = functools.partial(faulty_task, "mlp", "sgd", "nan", 2, 5, str(tmp_path / "unused"))
+    with pytest.raises(TrainingStopped) as err:
+        fit(task, tmp_path, max_nonfinite_steps=4)
+    text = str(err.value)
+    assert "4 steps in a row" in text and "worker 2 (" in text and "from step 4" in text, text
+    rounds = records(tmp_path / "run", "round")
+    assert sum(len(r["skipped_steps"]) for r in rounds) == 4
+    all_checkpoints_verify(tmp_path / "run")
+
+
+def test_stopped_after_step_k_and_resumed_equals_an_uninterrupted_run(tmp_path):
+    # Run 1 epoch, then resume to 2 epochs from its checkpoint; vs 2 epochs straight.
+    first, _ = fit(factory("mlp", "adamw"), tmp_path, workers=2, epochs=1)
+    resumed, _ = fit(factory("mlp", "adamw"), tmp_path, workers=2, epochs=2, resume=first.run_dir)
+    assert resumed.history[0]["epoch"] == 1 and resumed.history[0]["first_step"] == 0
+    straight, _ = fit(factory("mlp", "adamw"), tmp_path / "straight", workers=2, epochs=2)
+    for name, want in straight.state_dict.items():
+        err = (resumed.state_dict[name] - want).abs().max().item()
+        assert err <= 1e-6, (name, err)
+
+
+def test_a_node_removed_from_the_cluster_mid_run_is_survived(tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    from tests.conftest import REPO
+
+    env = {**os.environ, "PYTHONPATH": str(REPO), "RAY_USAGE_STATS_ENABLED": "0", "MIXTRAIN_COLLECTIVE_TIMEOUT_S": "10"}
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "tests/ray/cluster_node_loss.py")],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    [failure] = out["failures"]
+    assert len(failure["lost"]) == 1 and "node left" in failure["lost"][0]["reason"], failure
+    assert out["widths"][0] == 3 and out["widths"][-1] == 2, out["widths"]
+    assert out["exact"] == "yes", out["exact"]
