@@ -173,3 +173,42 @@ def test_plan_measures_and_prints_the_split_without_training(tmp_path):
     assert "predicted:" in proc.stdout and "ms communication" in proc.stdout
     proc = run_cli("plan", "--max-micro-batch", "0")
     assert proc.returncode == 2 and "--max-micro-batch" in proc.stderr and ">= 1" in proc.stderr
+
+
+def test_a_killed_cli_run_resumes_from_its_checkpoint_and_ends_like_an_uninterrupted_one(tmp_path):
+    import os
+    import signal
+    import time
+
+    run_dir = tmp_path / "run"
+    flags = ["--example", "digits", "--workers", "2", "--shares", "40,24", "--epochs", "4"]
+    # SIGKILL the whole CLI (driver and its embedded Ray) once it has written its second checkpoint
+    proc = subprocess.Popen(
+        [MIXTRAIN, "train", *flags, "--run-dir", str(run_dir), "--checkpoint-every", "0"],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
+    deadline = time.monotonic() + 120
+    while len(list((run_dir / "checkpoints").glob("step-*"))) < 2 and time.monotonic() < deadline:
+        assert proc.poll() is None, "the run ended before it could be killed"
+        time.sleep(0.05)
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait(timeout=30)
+    killed_at = max(p.name for p in (run_dir / "checkpoints").glob("step-*"))
+
+    resumed = run_cli("train", "--resume", str(run_dir))  # the run's own flags come from its folder
+    assert resumed.returncode == 0, resumed.stderr
+    assert "resumed from" in resumed.stderr and killed_at in resumed.stderr
+    straight = run_cli("train", *flags, "--run-dir", str(tmp_path / "straight"))
+    assert straight.returncode == 0, straight.stderr
+    got = torch.load(run_dir / "model.pt", weights_only=True)
+    want = torch.load(tmp_path / "straight" / "model.pt", weights_only=True)
+    for name in want:
+        assert torch.allclose(got[name], want[name], rtol=1e-6, atol=1e-7), name
+    from mixtrain.checkpoint import CheckpointStore
+
+    store = CheckpointStore(run_dir)
+    for path in store.paths():
+        store.verify(path)
+    assert not list(store.root.glob(".tmp-*"))

@@ -4,6 +4,7 @@ Command lines:
     mixtrain train --example digits --workers 2
     mixtrain train --example digits --workers 2 --shares 40,24 --global-batch 64 --epochs 5 --run-dir runs/a
     mixtrain train --example digits --workers cuda:1,mps:1,cpu:2 --precision auto --address 192.168.1.10:6379
+    mixtrain train --resume mixtrain_runs/run-20261121-101500 --epochs 20   # continue a stopped run
     mixtrain plan --example digits --workers cuda:1,mps:1      # measure and show the split, no training
     mixtrain devices
     mixtrain cluster up --interface eth0          # on the desktop: prints the join command
@@ -15,8 +16,10 @@ Command lines:
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 
 from mixtrain.config import BACKENDS, NUMERICS_CHECKS, PRECISIONS
 
@@ -60,6 +63,21 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--epochs", type=_positive_int, help="passes over the training data")
     train.add_argument("--steps-per-round", type=_positive_int, help="steps per driver call (default: about 1.5 s)")
     train.add_argument("--run-dir", help="folder for this run's files (default mixtrain_runs/run-TIMESTAMP)")
+    train.add_argument(
+        "--resume",
+        metavar="RUN_DIR",
+        help="continue a run from its newest good checkpoint, with the flags it was started with (flags given "
+        "now override them; --epochs is the total to reach)",
+    )
+    train.add_argument(
+        "--checkpoint-every",
+        type=float,
+        default=60.0,
+        metavar="SECONDS",
+        help="write a checkpoint after the round that ends this long after the last one (default 60; 0: every "
+        "round); one is always written at each epoch end",
+    )
+    train.add_argument("--max-failures", type=int, default=3, help="lost workers survived before stopping (default 3)")
     train.add_argument("--quiet", action="store_true", help="no live progress")
     plan = sub.add_parser(
         "plan",
@@ -185,14 +203,52 @@ def _trainer(args: argparse.Namespace, run_dir: str | None = None, steps_per_rou
             network_interface=args.interface,
         ),
         run=RunConfig(
-            run_dir=run_dir, seed=args.seed, steps_per_round=steps_per_round, progress=not getattr(args, "quiet", True)
+            run_dir=run_dir,
+            seed=args.seed,
+            steps_per_round=steps_per_round,
+            progress=not getattr(args, "quiet", True),
+            checkpoint_every_s=getattr(args, "checkpoint_every", 60.0),
+            max_failures=getattr(args, "max_failures", 3),
         ),
     )
 
 
-def cmd_train(args: argparse.Namespace) -> int:
-    ex, trainer = _trainer(args, args.run_dir, args.steps_per_round)
-    result = trainer.fit(epochs=args.epochs or ex.epochs)
+COMMAND_FILE = "command.json"
+"""In the run folder: the flags a CLI run was started with, so `--resume RUN_DIR` needs no others."""
+
+
+def _with_saved_flags(raw: list[str]) -> argparse.Namespace:
+    """`train --resume RUN_DIR [flags]`: the run's saved flags, then the ones given now (later ones win)."""
+    args = build_parser().parse_args(raw)
+    saved = Path(args.resume) / COMMAND_FILE
+    if not Path(args.resume).is_dir():
+        raise ValueError(f"--resume {args.resume!r}: no such run folder")
+    if saved.is_file():
+        args = build_parser().parse_args(["train", *json.loads(saved.read_text())["argv"], *raw[1:]])
+    return args
+
+
+def _save_flags(raw: list[str], run_dir: Path) -> None:
+    keep, skip = [], False
+    for item in raw[1:]:  # without "train", --resume and --run-dir: the folder is the run
+        if skip:
+            skip = False
+        elif item in ("--resume", "--run-dir"):
+            skip = True
+        elif not item.startswith(("--resume=", "--run-dir=")):
+            keep.append(item)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / COMMAND_FILE).write_text(json.dumps({"argv": keep}) + "\n")
+
+
+def cmd_train(args: argparse.Namespace, raw: list[str]) -> int:
+    import time
+
+    run_dir = Path(args.run_dir or args.resume or time.strftime("mixtrain_runs/run-%Y%m%d-%H%M%S"))
+    if not args.resume:
+        _save_flags(raw, run_dir)
+    ex, trainer = _trainer(args, str(run_dir), args.steps_per_round)
+    result = trainer.fit(epochs=args.epochs or ex.epochs, resume=args.resume)
     metrics = result.metrics
     summary = ", ".join(f"{k} {v:.4f}" for k, v in metrics.items() if k in ("loss", "accuracy"))
     print(f"held-out {summary}")
@@ -267,10 +323,13 @@ def cmd_cluster(args: argparse.Namespace) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    raw = list(sys.argv[1:] if argv is None else argv)
+    args = build_parser().parse_args(raw)
     try:
         if args.command == "train":
-            return cmd_train(args)
+            if args.resume:
+                args = _with_saved_flags(raw)
+            return cmd_train(args, raw)
         if args.command == "plan":
             return cmd_plan(args)
         if args.command == "devices":
