@@ -62,13 +62,15 @@ def data(model: str, num_samples: int, seed: int = 1) -> tuple[torch.Tensor, tor
     return x, y
 
 
-def faulty_task(model: str, opt: str, fault: str, rank: int, at_call: int, marker: str) -> Task:
+def faulty_task(model: str, opt: str, fault: str, rank: int, at_call: int, marker: str, sleep_s: float = 0.0) -> Task:
     """make_task(model, opt) whose loss injects a REAL fault on worker `rank` at its `at_call`-th training
     loss (counted once the collective group exists, so the start-up probe does not count):
     "kill" SIGKILLs its own process, "stop" SIGSTOPs it (a laptop asleep), once per `marker` file;
-    "nan" makes its loss NaN from then on."""
+    "nan" makes its loss NaN from then on. `sleep_s`: every training loss on every worker sleeps that
+    long (a slower job, so a replacement worker has time to start)."""
     import os
     import signal
+    import time
 
     import torch.distributed as dist
 
@@ -77,6 +79,8 @@ def faulty_task(model: str, opt: str, fault: str, rank: int, at_call: int, marke
 
     def loss_fn(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         loss = nn.functional.cross_entropy(out, target)
+        if sleep_s and dist.is_initialized():
+            time.sleep(sleep_s)
         if not dist.is_initialized() or dist.get_rank() != rank:
             return loss
         calls[0] += 1

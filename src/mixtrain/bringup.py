@@ -40,6 +40,8 @@ class Bringup:
     """The preflight record for metrics.jsonl: reports, numerics, probes, workers left out and why."""
     left_out: list[dict[str, Any]] = field(default_factory=list)
     """Workers left out: {"worker": info, "reason": ...}."""
+    data_refs: tuple[Any, Any] = (None, None)
+    """The training and held-out data in Ray's object store (a replacement worker loads them too)."""
 
 
 def bring_up(
@@ -118,7 +120,7 @@ def bring_up(
         form_group(group, strategy, backend, loss_scaling)
     checks["left_out"] = [{"rank": w["worker"]["rank"], "reason": w["reason"]} for w in left_out]
     workers = group.call("info", timeout_s=wait_s)
-    return Bringup(workers, backend, loss_scaling, plan, slowdown, notes, checks, left_out)
+    return Bringup(workers, backend, loss_scaling, plan, slowdown, notes, checks, left_out, (train_ref, eval_ref))
 
 
 def form_group(group: WorkerGroup, strategy: str, backend: str, loss_scaling: bool) -> None:
@@ -141,13 +143,55 @@ def form_group(group: WorkerGroup, strategy: str, backend: str, loss_scaling: bo
     )
 
 
-def leave_out(group: WorkerGroup, ranks: list[int], after_failure: bool = False) -> None:
-    """Every worker leaves the group, then `ranks` are stopped and the rest renumbered (form_group next).
-    After a failure the survivors first roll back to the start of the failed round, and the lost
-    workers (dead, or stopped and about to be killed) are not asked anything."""
+def leave_out(group: WorkerGroup, ranks: list[int], rollback: bool = False, lost: bool = False) -> None:
+    """Every other worker leaves the group (first rolling back to the start of a failed round when
+    `rollback`), then `ranks` are stopped and the rest renumbered (form_group next). Workers that were
+    `lost` (dead, or stopped and about to be killed) are not asked anything, and a replacement may
+    later start in their place; workers left out by choice are not replaced."""
     keep = [r for r in range(group.num_workers) if r not in ranks]
-    group.call("rollback" if after_failure else "leave", timeout_s=env_float(COLLECTIVE_TIMEOUT_S), ranks=keep)
-    group.drop(ranks)
+    group.call("rollback" if rollback else "leave", timeout_s=env_float(COLLECTIVE_TIMEOUT_S), ranks=keep)
+    group.drop(ranks, replaceable=lost)
+
+
+def admit_replacements(
+    group: WorkerGroup, up: Bringup, task_factory: Callable[[], Task], global_batch: int, strategy: str
+) -> list[tuple[dict[str, Any], dict[str, Any]]]:
+    """Between rounds: replacements whose replica is built (a node that came back, a restarted process)
+    pass preflight against rank 0, load the data, are measured, receive rank 0's current training state
+    and join the re-formed group as the last ranks. Returns (info, probe) per worker that joined."""
+    ready = group.poll_replacements(task_factory)
+    if not ready:
+        return []
+    wait_s = env_float(RENDEZVOUS_TIMEOUT_S) + 600
+    reference = up.checks["reports"][0]
+    joining = []
+    for spec, actor, report in ready:
+        if "problem" in report:
+            found = [report["problem"]]
+        else:
+            found = preflight.problems(envinfo.versions(), [reference, report])
+        if found:
+            up.notes.append(f"a replacement on {report.get('host')} was refused: {'; '.join(found)}")
+            group.discard(spec, actor)
+            continue
+        joining.append((spec, actor))
+    if not joining:
+        return []
+    state_ref = ray.put(group.call("training_state", timeout_s=wait_s, ranks=[0])[0])
+    n = group.num_workers + len(joining)
+    probes = []
+    for spec, actor in joining:
+        ray.get(actor.load_data.remote(*up.data_refs), timeout=wait_s)
+        cap = group.scaling.max_micro_batch[spec.rank] if group.scaling.max_micro_batch else None
+        probes.append(ray.get(actor.probe.remote(math.ceil(global_batch / n), global_batch, 1.0, cap), timeout=wait_s))
+        ray.get(actor.load_training_state.remote(state_ref, None), timeout=wait_s)
+    group.call("leave", timeout_s=env_float(COLLECTIVE_TIMEOUT_S))
+    first = group.num_workers
+    for spec, actor in joining:
+        group.admit(spec, actor)
+    form_group(group, strategy, up.backend, up.loss_scaling)
+    infos = group.call("info", timeout_s=wait_s, ranks=list(range(first, group.num_workers)))
+    return list(zip(infos, probes))
 
 
 def _slowdown_now(group: WorkerGroup) -> Slowdown:

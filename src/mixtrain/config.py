@@ -277,6 +277,9 @@ class RunConfig:
     """Checkpoints kept in run_dir/checkpoints (the newest); older ones are deleted."""
     max_failures: int = 3
     """Lost workers (or failed collectives) survived before training stops; each costs the round in flight."""
+    rejoin: bool = True
+    """Start a replacement where a worker was lost (a node that comes back, a restarted process); it
+    joins at a round boundary with the current state."""
     max_nonfinite_steps: int = 10
     """Stop after this many steps in a row whose gradient was NaN/Inf (skipped on every worker)."""
 

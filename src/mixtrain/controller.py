@@ -77,14 +77,16 @@ class Controller:
         log: RunLog,
         view: ProgressView,
         workers: list[dict[str, Any]],
-        regroup: Callable[[list[int], bool], None] | None = None,
+        regroup: Callable[[list[int], bool, bool], None] | None = None,
+        admit: Callable[[], list[tuple[dict[str, Any], dict[str, Any]]]] | None = None,
         checkpoints: CheckpointStore | None = None,
         checkpoint_every_s: float = 60.0,
         max_failures: int = 3,
         max_nonfinite_steps: int = 10,
     ) -> None:
-        """`regroup(ranks, after_failure)` stops those workers and re-forms the group with the rest
-        (renumbered); after a failure the survivors first roll back to the start of the round."""
+        """`regroup(ranks, rollback, lost)` stops those workers and re-forms the group with the rest
+        (renumbered); with `rollback` the others first return to the start of the failed round; `lost`
+        workers may be replaced. `admit()` brings in replacements that are ready (between rounds)."""
         self.group = group
         self.workers = list(workers)
         self.plan = plan
@@ -96,6 +98,7 @@ class Controller:
         self.speeds = list(plan.speeds) if plan.speeds else None  # compute samples/s per worker, smoothed
         self.comm_s = 0.0  # communication per step, measured in the last round
         self.regroup = regroup
+        self.admit = admit
         self._reported_exclusions: set[int] = set()
         self._votes, self._vote_rank = 0, -1  # measured rounds in a row that would leave out _vote_rank
         self.checkpoints = checkpoints
@@ -150,6 +153,8 @@ class Controller:
                 round_steps = next_round_steps(record["wall_s"] / k, env_float(ROUND_TARGET_S), p.steps_per_round)
                 if step < num_steps and self._checkpoint_due():
                     self._checkpoint(epoch, step)
+                if self.admit is not None and self.failures:
+                    self._admit(epoch, step)
             self._end_epoch(epoch)
             if self.checkpoints is not None:
                 self._checkpoint(epoch + 1, 0)  # every epoch end, the last one included
@@ -212,7 +217,7 @@ class Controller:
         nothing is lost and the epoch's sample order is unchanged (only the split of each batch is)."""
         assert self.regroup is not None
         info = self.workers[rank]
-        self.regroup([rank], False)
+        self.regroup([rank], False, False)
         self.log.write("left_out", {"after_round": len(self.history), "worker": info, "reason": reason})
         self.view.log(f"left out worker {rank} ({info['device_name']} on {info['host']}): {reason}")
         self._forget([rank])
@@ -262,12 +267,29 @@ class Controller:
         if left == 0 or self.failures > self.max_failures or self.regroup is None:
             why = "no worker is left" if left == 0 else f"{self.failures} failures, max_failures={self.max_failures}"
             raise TrainingStopped(f"training stopped at epoch {epoch}, step {step}: {why}. {self._resume_hint()}")
-        self.regroup(sorted(lost), in_round)
+        self.regroup(sorted(lost), in_round, True)
         self._forget(sorted(lost))
         self._adopt(self._replan(), f"re-formed with {left} workers")
         self.view.log(
             f"failure {self.failures} of at most {self.max_failures}: continuing from epoch {epoch}, step {step}"
         )
+
+    def _admit(self, epoch: int, step: int) -> None:
+        """Replacements that are ready join between rounds, with rank 0's current state."""
+        assert self.admit is not None
+        joined = self.admit()
+        if not joined:
+            return
+        for info, probe in joined:
+            self.workers.append(info)
+            if self.speeds is not None:
+                self.speeds.append(probe["samples_per_s"])
+            if self.plan.max_micro_batch is not None:
+                self.plan.max_micro_batch.append(probe["memory_cap"])
+            self.shares.append(max(1, self.plan.global_batch // len(self.workers)))
+            self.log.write("rejoined", {"epoch": epoch, "step": step, "worker": info})
+            self.view.log(f"worker {info['rank']} ({info['device_name']} on {info['host']}) joined at step {step}")
+        self._adopt(self._replan(), f"re-formed with {len(self.workers)} workers")
 
     def _between_rounds(self, method: str, call: Callable[[], Any], epoch: int, step: int) -> Any:
         """`call()` (a checkpoint, an evaluation), surviving a worker lost while it runs: find who is gone,

@@ -12,7 +12,7 @@ import ray
 
 from mixtrain import cluster
 from mixtrain._constants import COLLECTIVE_TIMEOUT_S, env_float
-from mixtrain.bringup import Bringup, bring_up, form_group, leave_out
+from mixtrain.bringup import Bringup, admit_replacements, bring_up, form_group, leave_out
 from mixtrain.checkpoint import MANIFEST, CheckpointStore, atomic_save
 from mixtrain.comm.strategy import STRATEGIES
 from mixtrain.config import RunConfig, ScalingConfig
@@ -142,9 +142,12 @@ class Trainer:
                 leave_out_slow=scaling.leave_out_slow,
             )
 
-            def regroup(ranks: list[int], after_failure: bool) -> None:
-                leave_out(group, ranks, after_failure)
+            def regroup(ranks: list[int], rollback: bool, lost: bool) -> None:
+                leave_out(group, ranks, rollback, lost)
                 form_group(group, self.strategy, up.backend, up.loss_scaling)
+
+            def admit() -> list[tuple[dict[str, Any], dict[str, Any]]]:
+                return admit_replacements(group, up, self.task_factory, self.global_batch, self.strategy)
 
             controller = Controller(
                 group,
@@ -153,6 +156,7 @@ class Trainer:
                 view,
                 up.workers,
                 regroup,
+                admit=admit if self.run.rejoin else None,
                 checkpoints=CheckpointStore(run_dir, self.run.keep_checkpoints),
                 checkpoint_every_s=self.run.checkpoint_every_s,
                 max_failures=self.run.max_failures,

@@ -237,6 +237,9 @@ class TrainWorker:
         self.strategy.setup(self.task, bucket_bytes, loss_scaling)
         if previous is not None:  # a re-formed group keeps the job-wide loss scale (the same on every rank)
             self.strategy.loss_scale = previous.loss_scale
+        elif getattr(self, "_loaded_scale", None):  # a replacement: the scale it loaded with the state
+            self.strategy.loss_scale.scale = self._loaded_scale["scale"]
+            self.strategy.loss_scale._good_steps = self._loaded_scale["good_steps"]
 
     def load_data(self, train: Arrays, evaluation: Arrays | None) -> int:
         self.train = self._narrow(as_tensors(train))
@@ -375,8 +378,10 @@ class TrainWorker:
         t.optimizer.load_state_dict(state["optimizer"])
         if t.scheduler is not None and state.get("scheduler") is not None:
             t.scheduler.load_state_dict(state["scheduler"])
-        scale = self.strategy.loss_scale
-        scale.scale, scale._good_steps = state["loss_scale"]["scale"], state["loss_scale"]["good_steps"]
+        self._loaded_scale = state["loss_scale"]
+        if hasattr(self, "strategy"):  # otherwise join() applies it (a replacement loads before joining)
+            scale = self.strategy.loss_scale
+            scale.scale, scale._good_steps = state["loss_scale"]["scale"], state["loss_scale"]["good_steps"]
         if rng is not None:
             torch.set_rng_state(rng["cpu"])
             if "cuda" in rng and self.device.type == "cuda":

@@ -47,6 +47,9 @@ class WorkerGroup:
         self.actors: list[Any] = []
         self.specs: list[placement.WorkerSpec] = []
         self.pg: Any = None
+        self.vacant: list[placement.WorkerSpec] = []
+        """Bundles of lost workers, where a replacement may start (a node that comes back, a restarted process)."""
+        self._pending: dict[int, tuple[placement.WorkerSpec, Any, Any]] = {}  # bundle -> (spec, actor, build ref)
 
     @property
     def num_workers(self) -> int:
@@ -79,6 +82,11 @@ class WorkerGroup:
                 f"{timeout:g} s (MIXTRAIN_PLACEMENT_TIMEOUT_S). Cluster: {cluster.inventory()}. Free resources "
                 "held by other jobs, use fewer workers, or relax the placement strategy."
             )
+        n = len(self.specs)
+        self.actors = [self._make_actor(spec, spec.rank, n) for spec in self.specs]
+
+    def _make_actor(self, spec: placement.WorkerSpec, rank: int, world_size: int) -> Any:
+        """A worker actor in its own bundle of the placement group (the bundle index is its starting rank)."""
         env = {}
         if self.scaling.network_interface:
             env = {
@@ -86,21 +94,20 @@ class WorkerGroup:
                 "NCCL_SOCKET_IFNAME": self.scaling.network_interface,
             }
         remote: Any = ray.remote(self.worker_cls)
-        n = len(self.specs)
-        self.actors = [
-            remote.options(
-                num_cpus=spec.bundle.get("CPU", 0.0),
-                num_gpus=spec.bundle.get("GPU", 0.0),
-                runtime_env={"env_vars": env} if env else None,
-                scheduling_strategy=PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=spec.rank),
-            ).remote(spec.rank, n, spec.threads, self.seed, spec.device, spec.precision)
-            for spec in self.specs
-        ]
+        return remote.options(
+            num_cpus=spec.bundle.get("CPU", 0.0),
+            num_gpus=spec.bundle.get("GPU", 0.0),
+            runtime_env={"env_vars": env} if env else None,
+            scheduling_strategy=PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=spec.rank),
+        ).remote(rank, world_size, spec.threads, self.seed, spec.device, spec.precision)
 
-    def drop(self, ranks: Sequence[int]) -> None:
+    def drop(self, ranks: Sequence[int], replaceable: bool = False) -> None:
         """Stop the workers at (current) `ranks`, outside any process group; the rest are renumbered
-        0..n-1. `specs` keep their starting ranks, which is how the user's per-worker settings are found."""
+        0..n-1. `specs` keep their starting ranks, which is how the user's per-worker settings are found.
+        `replaceable`: they were lost, not left out, so a replacement may start in their bundles."""
         gone = set(ranks)
+        if replaceable:
+            self.vacant += [s for r, s in enumerate(self.specs) if r in gone]
         for r in gone:
             ray.kill(self.actors[r])
         self.actors = [a for r, a in enumerate(self.actors) if r not in gone]
@@ -171,8 +178,43 @@ class WorkerGroup:
             )
         return results, lost
 
+    def poll_replacements(self, task_factory: Any) -> list[tuple[placement.WorkerSpec, Any, dict]]:
+        """Start a replacement actor in every vacant bundle (once each) and return those whose replica is
+        built. Never blocks: a bundle on a node that is gone waits until Ray can place it again."""
+        for spec in self.vacant:
+            if spec.rank not in self._pending:
+                actor = self._make_actor(spec, -1, 0)
+                self._pending[spec.rank] = (spec, actor, actor.build.remote(task_factory))
+        ready = []
+        for bundle, (spec, actor, ref) in list(self._pending.items()):
+            if not ray.wait([ref], timeout=0)[0]:
+                continue
+            del self._pending[bundle]
+            try:
+                report = ray.get(ref)
+            except ray.exceptions.RayError:
+                ray.kill(actor)  # tried again at the next round boundary
+                continue
+            ready.append((spec, actor, report))
+        return ready
+
+    def admit(self, spec: placement.WorkerSpec, actor: Any) -> None:
+        """Add a built replacement as the last rank (outside any process group; form it next)."""
+        self.vacant.remove(spec)
+        self.actors.append(actor)
+        self.specs.append(spec)
+        self.call_each("set_rank", [(i, len(self.actors)) for i in range(len(self.actors))], timeout_s=30.0)
+
+    def discard(self, spec: placement.WorkerSpec, actor: Any) -> None:
+        """A replacement that cannot join (its node fails preflight): stop it and stop trying that bundle."""
+        ray.kill(actor)
+        self.vacant.remove(spec)
+
     def shutdown(self) -> None:
         """Leave the process group where possible, then kill the actors and free the resources."""
+        for _, actor, _ in self._pending.values():
+            ray.kill(actor)
+        self._pending = {}
         if self.actors:
             refs = [a.shutdown.remote() for a in self.actors]
             ray.wait(refs, num_returns=len(refs), timeout=5.0)

@@ -49,7 +49,7 @@ def test_a_worker_lost_mid_round_is_survived_and_training_stays_exact(tmp_path, 
     # to the start of the round, re-form the group and run the round again: same math as one process.
     monkeypatch.setenv("MIXTRAIN_COLLECTIVE_TIMEOUT_S", "5")
     task = functools.partial(faulty_task, "mlp", "sgd", fault, 1, 7, str(tmp_path / "fired"))
-    result, (x, y) = fit(task, tmp_path)
+    result, (x, y) = fit(task, tmp_path, rejoin=False)
     assert (tmp_path / "fired").exists()
     [failure] = records(result.run_dir, "failure")
     assert [w["worker"]["rank"] for w in failure["lost"]] == [1] and failure["failures"] == 1
@@ -59,6 +59,21 @@ def test_a_worker_lost_mid_round_is_survived_and_training_stays_exact(tmp_path, 
     assert widths[0] == 3 and widths[-1] == 2, widths
     steps = [(r["first_step"], r["num_steps"]) for r in result.history]
     assert sum(n for _, n in steps) == 30 and sorted(steps) == steps  # every step once, in order
+    assert_same_weights(result.state_dict, reference("mlp", "sgd", x, y))
+    all_checkpoints_verify(result.run_dir)
+
+
+def test_a_replacement_rejoins_at_a_round_boundary_with_the_current_state(tmp_path):
+    # Worker 1 is SIGKILLed at its 5th step; its bundle is free again, so a replacement process starts
+    # there, builds its replica, receives rank 0's current state and joins between rounds. Steps take
+    # 0.2 s so that it has time to start; the result is still single-process training.
+    task = functools.partial(faulty_task, "mlp", "sgd", "kill", 1, 5, str(tmp_path / "fired"), 0.2)
+    result, (x, y) = fit(task, tmp_path)
+    widths = [len(r["shares"]) for r in result.history]
+    print("workers per round:", widths)
+    assert widths[0] == 3 and 2 in widths and widths[-1] == 3, widths
+    [joined] = records(result.run_dir, "rejoined")
+    assert joined["step"] > 4 and joined["worker"]["pid"] not in [w["pid"] for w in result.workers]
     assert_same_weights(result.state_dict, reference("mlp", "sgd", x, y))
     all_checkpoints_verify(result.run_dir)
 
