@@ -19,3 +19,23 @@ def ray_session():
     ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False, logging_level="ERROR")
     yield
     ray.shutdown()
+
+
+def run_cluster_script(name: str, timeout: float, **env: str) -> dict:
+    """Run tests/ray/<name> as its own process (its own ray.cluster_utils.Cluster, apart from the test
+    session's Ray) and return the JSON object it prints last."""
+    import json
+    import subprocess
+    import sys
+
+    full_env = {**os.environ, "PYTHONPATH": str(REPO), "RAY_USAGE_STATS_ENABLED": "0", **env}
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "tests" / "ray" / name)],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=full_env,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])

@@ -108,23 +108,9 @@ def test_stopped_after_step_k_and_resumed_equals_an_uninterrupted_run(tmp_path):
 
 
 def test_a_node_removed_from_the_cluster_mid_run_is_survived(tmp_path):
-    import os
-    import subprocess
-    import sys
+    from tests.conftest import run_cluster_script
 
-    from tests.conftest import REPO
-
-    env = {**os.environ, "PYTHONPATH": str(REPO), "RAY_USAGE_STATS_ENABLED": "0", "MIXTRAIN_COLLECTIVE_TIMEOUT_S": "10"}
-    proc = subprocess.run(
-        [sys.executable, str(REPO / "tests/ray/cluster_node_loss.py")],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env=env,
-        check=False,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    out = run_cluster_script("cluster_node_loss.py", timeout=300, MIXTRAIN_COLLECTIVE_TIMEOUT_S="10")
     [failure] = out["failures"]
     assert len(failure["lost"]) == 1 and "node left" in failure["lost"][0]["reason"], failure
     assert out["widths"][0] == 3 and out["widths"][-1] == 2, out["widths"]

@@ -5,26 +5,11 @@ test session's Ray."""
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-
-from tests.conftest import REPO
+from tests.conftest import run_cluster_script
 
 
 def test_each_group_lands_on_its_kind_of_node_and_impossible_requests_fail_at_once():
-    env = {**os.environ, "PYTHONPATH": str(REPO), "RAY_USAGE_STATS_ENABLED": "0"}
-    proc = subprocess.run(
-        [sys.executable, str(REPO / "tests/ray/cluster_placement.py")],
-        capture_output=True,
-        text=True,
-        timeout=240,
-        env=env,
-        check=False,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    out = json.loads(proc.stdout)
+    out = run_cluster_script("cluster_placement.py", timeout=240)
     explicit = out["explicit"]  # --workers mps:1,cuda:1,cpu:2
     assert (explicit[0]["device"], explicit[0]["node"], explicit[0]["gpus"]) == ("mps", "mac", [0])
     assert (explicit[1]["device"], explicit[1]["node"], explicit[1]["gpus"]) == ("cuda", "cuda-box", [0])
