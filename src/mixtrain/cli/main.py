@@ -245,9 +245,9 @@ def cmd_train(args: argparse.Namespace, raw: list[str]) -> int:
     import time
 
     run_dir = Path(args.run_dir or args.resume or time.strftime("mixtrain_runs/run-%Y%m%d-%H%M%S"))
+    ex, trainer = _trainer(args, str(run_dir), args.steps_per_round)  # checks the flags first
     if not args.resume:
         _save_flags(raw, run_dir)
-    ex, trainer = _trainer(args, str(run_dir), args.steps_per_round)
     result = trainer.fit(epochs=args.epochs or ex.epochs, resume=args.resume)
     metrics = result.metrics
     summary = ", ".join(f"{k} {v:.4f}" for k, v in metrics.items() if k in ("loss", "accuracy"))
