@@ -67,3 +67,9 @@ class LossScale:
         if self._good_steps >= self.growth_interval:
             self.scale *= 2.0
             self._good_steps = 0
+
+    def state_dict(self) -> dict[str, float]:
+        return {"scale": self.scale, "good_steps": self._good_steps}
+
+    def load_state_dict(self, state: dict[str, float]) -> None:
+        self.scale, self._good_steps = float(state["scale"]), int(state["good_steps"])

@@ -238,8 +238,7 @@ class TrainWorker:
         if previous is not None:  # a re-formed group keeps the job-wide loss scale (the same on every rank)
             self.strategy.loss_scale = previous.loss_scale
         elif getattr(self, "_loaded_scale", None):  # a replacement: the scale it loaded with the state
-            self.strategy.loss_scale.scale = self._loaded_scale["scale"]
-            self.strategy.loss_scale._good_steps = self._loaded_scale["good_steps"]
+            self.strategy.loss_scale.load_state_dict(self._loaded_scale)
 
     def load_data(self, train: Arrays, evaluation: Arrays | None) -> int:
         self.train = self._narrow(as_tensors(train))
@@ -354,7 +353,7 @@ class TrainWorker:
             "model": t.model.state_dict(),
             "optimizer": t.optimizer.state_dict(),
             "scheduler": t.scheduler.state_dict() if t.scheduler is not None else None,
-            "loss_scale": {"scale": self.strategy.loss_scale.scale, "good_steps": self.strategy.loss_scale._good_steps},
+            "loss_scale": self.strategy.loss_scale.state_dict(),
         }
         return copy.deepcopy(state) if clone else state
 
@@ -380,8 +379,7 @@ class TrainWorker:
             t.scheduler.load_state_dict(state["scheduler"])
         self._loaded_scale = state["loss_scale"]
         if hasattr(self, "strategy"):  # otherwise join() applies it (a replacement loads before joining)
-            scale = self.strategy.loss_scale
-            scale.scale, scale._good_steps = state["loss_scale"]["scale"], state["loss_scale"]["good_steps"]
+            self.strategy.loss_scale.load_state_dict(state["loss_scale"])
         if rng is not None:
             torch.set_rng_state(rng["cpu"])
             if "cuda" in rng and self.device.type == "cuda":

@@ -58,3 +58,16 @@ def test_two_ranks_fed_the_same_verdicts_keep_the_same_scale():
         a.update(v)
         b.update(v)
         assert a.scale == b.scale
+
+
+def test_loss_scale_state_round_trips():
+    from mixtrain.precision import LossScale
+
+    a = LossScale(enabled=True, growth_interval=3)
+    for verdict in (False, True, True):
+        a.update(verdict)
+    b = LossScale(enabled=True, growth_interval=3)
+    b.load_state_dict(a.state_dict())
+    assert b.state_dict() == a.state_dict() == {"scale": 2.0**15, "good_steps": 2}
+    a.update(True), b.update(True)
+    assert b.scale == a.scale == 2.0**16
