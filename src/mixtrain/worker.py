@@ -188,10 +188,7 @@ class TrainWorker:
 
     def _free_cached_memory(self) -> None:
         self.task.model.zero_grad(set_to_none=True)
-        if self.device.type == "cuda":
-            torch.cuda.empty_cache()
-        elif self.device.type == "mps":
-            torch.mps.empty_cache()
+        self.kind.empty_cache()
 
     def measure_comm(self, repeats: int = 5) -> float:
         """Seconds of one step's communication with no compute in the way (median of `repeats`)."""
@@ -364,10 +361,9 @@ class TrainWorker:
     def rng_state(self) -> dict:
         """This worker's random streams (dropout and the like), on the CPU."""
         out = {"cpu": torch.get_rng_state()}
-        if self.device.type == "cuda":
-            out["cuda"] = torch.cuda.get_rng_state(self.device)
-        elif self.device.type == "mps":
-            out["mps"] = torch.mps.get_rng_state()
+        device = self.kind.rng_state()
+        if device is not None:
+            out[self.kind.kind] = device
         return out
 
     def load_training_state(self, state: dict, rng: dict | None = None) -> None:
@@ -382,10 +378,8 @@ class TrainWorker:
             self.strategy.loss_scale.load_state_dict(state["loss_scale"])
         if rng is not None:
             torch.set_rng_state(rng["cpu"])
-            if "cuda" in rng and self.device.type == "cuda":
-                torch.cuda.set_rng_state(rng["cuda"], self.device)
-            if "mps" in rng and self.device.type == "mps":
-                torch.mps.set_rng_state(rng["mps"])
+            if self.kind.kind in rng:  # the device's own stream, when the checkpoint has one for this kind
+                self.kind.set_rng_state(rng[self.kind.kind])
 
     def rollback(self) -> None:
         """Back to the state at the start of the failed round, and out of the broken group."""

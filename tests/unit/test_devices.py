@@ -76,3 +76,20 @@ def test_each_kind_knows_its_out_of_memory_error():
 def test_unknown_kind_names_the_choices():
     with pytest.raises(ValueError, match="device kind 'tpu': use one of cuda, mps, cpu"):
         devices.get("tpu")
+
+
+def test_each_kind_owns_its_cache_and_random_stream(monkeypatch):
+    calls = []
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: calls.append("cuda.empty_cache"))
+    monkeypatch.setattr(torch.cuda, "get_rng_state", lambda i=0: torch.tensor([i, 7], dtype=torch.uint8))
+    monkeypatch.setattr(torch.cuda, "set_rng_state", lambda s, i=0: calls.append(("cuda.set", s.tolist(), i)))
+    monkeypatch.setattr(torch.mps, "empty_cache", lambda: calls.append("mps.empty_cache"))
+    monkeypatch.setattr(torch.mps, "get_rng_state", lambda: torch.tensor([9], dtype=torch.uint8))
+    monkeypatch.setattr(torch.mps, "set_rng_state", lambda s: calls.append(("mps.set", s.tolist())))
+    cuda, mps, cpu = devices.get("cuda"), devices.get("mps"), devices.get("cpu")
+    cuda.empty_cache(), mps.empty_cache(), cpu.empty_cache()
+    assert cuda.rng_state(1).tolist() == [1, 7] and mps.rng_state().tolist() == [9] and cpu.rng_state() is None
+    cuda.set_rng_state(torch.tensor([3], dtype=torch.uint8), 1)
+    mps.set_rng_state(torch.tensor([4], dtype=torch.uint8))
+    cpu.set_rng_state(torch.tensor([5], dtype=torch.uint8))  # the CPU stream is torch's own: nothing to do
+    assert calls == ["cuda.empty_cache", "mps.empty_cache", ("cuda.set", [3], 1), ("mps.set", [4])]

@@ -56,6 +56,16 @@ class DeviceKind(ABC):
     def synchronize(self, index: int = 0) -> None:  # noqa: B027 - CPU work is synchronous
         """Wait for queued kernels (for honest timings)."""
 
+    def empty_cache(self) -> None:  # noqa: B027 - the CPU allocator keeps no cache to return
+        """Give cached, unused memory back to the device (after an out-of-memory error)."""
+
+    def rng_state(self, index: int = 0) -> torch.Tensor | None:
+        """This device's own random stream (None: it uses the CPU's)."""
+        return None
+
+    def set_rng_state(self, state: torch.Tensor, index: int = 0) -> None:  # noqa: B027 - see rng_state
+        """Restore what rng_state returned."""
+
     @abstractmethod
     def is_oom(self, exc: BaseException) -> bool:
         """True when `exc` is this device's out-of-memory error."""

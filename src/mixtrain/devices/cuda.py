@@ -33,5 +33,14 @@ class CudaDevice(DeviceKind):
     def synchronize(self, index: int = 0) -> None:
         torch.cuda.synchronize(index)
 
+    def empty_cache(self) -> None:
+        torch.cuda.empty_cache()
+
+    def rng_state(self, index: int = 0) -> torch.Tensor | None:
+        return torch.cuda.get_rng_state(index)
+
+    def set_rng_state(self, state: torch.Tensor, index: int = 0) -> None:
+        torch.cuda.set_rng_state(state, index)
+
     def is_oom(self, exc: BaseException) -> bool:
         return isinstance(exc, torch.cuda.OutOfMemoryError) or "CUDA out of memory" in str(exc)

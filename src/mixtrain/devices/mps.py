@@ -51,5 +51,14 @@ class MpsDevice(DeviceKind):
     def synchronize(self, index: int = 0) -> None:
         torch.mps.synchronize()
 
+    def empty_cache(self) -> None:
+        torch.mps.empty_cache()
+
+    def rng_state(self, index: int = 0) -> torch.Tensor | None:
+        return torch.mps.get_rng_state()
+
+    def set_rng_state(self, state: torch.Tensor, index: int = 0) -> None:
+        torch.mps.set_rng_state(state)
+
     def is_oom(self, exc: BaseException) -> bool:
         return isinstance(exc, RuntimeError) and "MPS backend out of memory" in str(exc)
