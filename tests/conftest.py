@@ -39,3 +39,11 @@ def run_cluster_script(name: str, timeout: float, **env: str) -> dict:
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def run_records(run_dir: Path, kind: str) -> list[dict]:
+    """The records of one kind ("round", "plan", "failure", ...) from a run folder's metrics.jsonl."""
+    import json
+
+    lines = (Path(run_dir) / "metrics.jsonl").read_text().splitlines()
+    return [r for r in map(json.loads, lines) if r["kind"] == kind]

@@ -19,6 +19,7 @@ from mixtrain._constants import BUCKET_MB, COLLECTIVE_TIMEOUT_S, EXCLUDE_GAIN, R
 from mixtrain.comm.process_group import choose_backend
 from mixtrain.config import ScalingConfig, Slowdown
 from mixtrain.data import Arrays
+from mixtrain.placement import WorkerSpec
 from mixtrain.planner import Plan, largest_remainder, make_plan, resolve_shares
 from mixtrain.task import Task
 from mixtrain.worker_group import WorkerGroup
@@ -53,7 +54,7 @@ def bring_up(
     strategy: str,
 ) -> Bringup:
     scaling = group.scaling
-    wait_s = env_float(RENDEZVOUS_TIMEOUT_S) + 600  # building and probing may compile kernels
+    wait_s = _setup_wait_s()
     notes: list[str] = []
     checks: dict[str, Any] = {"reports": [], "numerics": [], "probes": [], "left_out": []}
     left_out: list[dict[str, Any]] = []
@@ -84,12 +85,12 @@ def bring_up(
 
     slowdown = _slowdown_now(group)
     n = group.num_workers
-    caps = [
-        scaling.max_micro_batch[spec.rank] if scaling.max_micro_batch else None for spec in group.specs
-    ]  # the user's, by starting rank
     probes = group.call_each(
         "probe",
-        [(math.ceil(global_batch / n), global_batch, _factor(slowdown, i), caps[i]) for i in range(n)],
+        [
+            (math.ceil(global_batch / n), global_batch, _factor(slowdown, i), _user_cap(scaling, spec))
+            for i, spec in enumerate(group.specs)
+        ],
         timeout_s=wait_s,
     )
     checks["probes"] = probes
@@ -162,7 +163,7 @@ def admit_replacements(
     ready = group.poll_replacements(task_factory)
     if not ready:
         return []
-    wait_s = env_float(RENDEZVOUS_TIMEOUT_S) + 600
+    wait_s = _setup_wait_s()
     reference = up.checks["reports"][0]
     joining = []
     for spec, actor, report in ready:
@@ -182,7 +183,7 @@ def admit_replacements(
     probes = []
     for spec, actor in joining:
         ray.get(actor.load_data.remote(*up.data_refs), timeout=wait_s)
-        cap = group.scaling.max_micro_batch[spec.rank] if group.scaling.max_micro_batch else None
+        cap = _user_cap(group.scaling, spec)
         probes.append(ray.get(actor.probe.remote(math.ceil(global_batch / n), global_batch, 1.0, cap), timeout=wait_s))
         ray.get(actor.load_training_state.remote(state_ref, None), timeout=wait_s)
     group.call("leave", timeout_s=env_float(COLLECTIVE_TIMEOUT_S))
@@ -192,6 +193,16 @@ def admit_replacements(
     form_group(group, strategy, up.backend, up.loss_scaling)
     infos = group.call("info", timeout_s=wait_s, ranks=list(range(first, group.num_workers)))
     return list(zip(infos, probes))
+
+
+def _setup_wait_s() -> float:
+    """How long building, loading and probing a worker may take (it may compile kernels)."""
+    return env_float(RENDEZVOUS_TIMEOUT_S) + 600
+
+
+def _user_cap(scaling: ScalingConfig, spec: WorkerSpec) -> int | None:
+    """The user's max_micro_batch for this worker (by its starting rank), or None: measure it."""
+    return scaling.max_micro_batch[spec.rank] if scaling.max_micro_batch else None
 
 
 def _slowdown_now(group: WorkerGroup) -> Slowdown:

@@ -15,6 +15,15 @@ from typing import Any
 import torch
 
 
+def _fsync_dir(path: Path) -> None:
+    """Make a rename or a new file in `path` durable."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 def atomic_save(obj: Any, path: str | Path) -> Path:
     """torch.save to a temporary file in the same folder, fsync, rename, fsync the folder:
     a crash leaves either the old file or the new one, never half of one."""
@@ -30,11 +39,7 @@ def atomic_save(obj: Any, path: str | Path) -> Path:
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
-    dir_fd = os.open(path.parent, os.O_RDONLY)
-    try:
-        os.fsync(dir_fd)
-    finally:
-        os.close(dir_fd)
+    _fsync_dir(path.parent)
     return path
 
 
@@ -59,14 +64,6 @@ def _sha256(path: Path) -> str:
         for block in iter(lambda: f.read(1 << 20), b""):
             digest.update(block)
     return digest.hexdigest()
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def to_cpu(obj: Any) -> Any:

@@ -104,7 +104,8 @@ class Controller:
         self.checkpoints = checkpoints
         self.checkpoint_every_s = checkpoint_every_s
         self.last_checkpoint: Path | None = None
-        self._last_checkpoint = time.monotonic()
+        self._checkpointed_at = time.monotonic()
+        self.num_steps = steps_per_epoch(plan.num_samples, plan.global_batch)
         self.max_failures = max_failures
         self.failures = 0
         self.max_nonfinite_steps = max_nonfinite_steps
@@ -114,11 +115,11 @@ class Controller:
     def run(self, epochs: int, start: tuple[int, int] = (0, 0)) -> None:
         """Train until `epochs` epochs are done, starting at (epoch, step) `start` (a resumed run)."""
         p = self.plan
-        num_steps = steps_per_epoch(p.num_samples, p.global_batch)
+        num_steps = self.num_steps
         round_steps = p.steps_per_round or 2  # a short first round measures the step time
         round_timeout = env_float(ROUND_TIMEOUT_S) + env_float(COLLECTIVE_TIMEOUT_S)
         grace = env_float(COLLECTIVE_TIMEOUT_S) + LOST_GRACE_S
-        self._last_checkpoint = time.monotonic()
+        self._checkpointed_at = time.monotonic()
         for epoch in range(start[0], epochs):
             step = start[1] if epoch == start[0] else 0
             while step < num_steps:
@@ -333,7 +334,7 @@ class Controller:
 
     # ---- checkpoints -------------------------------------------------------------------------
     def _checkpoint_due(self) -> bool:
-        return self.checkpoints is not None and time.monotonic() - self._last_checkpoint >= self.checkpoint_every_s
+        return self.checkpoints is not None and time.monotonic() - self._checkpointed_at >= self.checkpoint_every_s
 
     def _checkpoint(self, epoch: int, step: int) -> None:
         """Rank 0's training state and every rank's random streams, to continue at (epoch, step)."""
@@ -346,17 +347,16 @@ class Controller:
             return state
 
         state = self._between_rounds("checkpoint", collect, epoch, step)
-        num_steps = steps_per_epoch(self.plan.num_samples, self.plan.global_batch)
         meta = {
             "epoch": epoch,
             "step": step,
-            "global_step": epoch * num_steps + step,
+            "global_step": epoch * self.num_steps + step,
             "shares": self.shares,
             "num_workers": self.group.num_workers,
             "workers": [{k: w[k] for k in ("host", "device_name", "precision")} for w in self.workers],
         }
         self.last_checkpoint = self.checkpoints.save(state, meta)
-        self._last_checkpoint = time.monotonic()
+        self._checkpointed_at = time.monotonic()
         self.log.write("checkpoint", {"path": str(self.last_checkpoint), **meta})
 
     def _resume_hint(self) -> str:

@@ -136,7 +136,7 @@ class Trainer:
                 self.run.drift_tolerance,
                 len(self.eval_arrays[0]) if self.eval_arrays else 0,
                 balanced=scaling.balanced,
-                max_micro_batch=up.plan.memory_caps,
+                max_micro_batch=list(up.plan.memory_caps),  # the controller edits its own copy
                 slowdown=up.slowdown,
                 speeds=up.plan.speeds,
                 leave_out_slow=scaling.leave_out_slow,

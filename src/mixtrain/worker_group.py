@@ -112,6 +112,10 @@ class WorkerGroup:
             ray.kill(self.actors[r])
         self.actors = [a for r, a in enumerate(self.actors) if r not in gone]
         self.specs = [s for r, s in enumerate(self.specs) if r not in gone]
+        self._renumber()
+
+    def _renumber(self) -> None:
+        """Tell every actor its rank (its place in `actors`) and the new world size."""
         self.call_each("set_rank", [(i, len(self.actors)) for i in range(len(self.actors))], timeout_s=30.0)
 
     def call(self, method: str, *args: Any, timeout_s: float, ranks: Sequence[int] | None = None) -> list[Any]:
@@ -203,7 +207,7 @@ class WorkerGroup:
         self.vacant.remove(spec)
         self.actors.append(actor)
         self.specs.append(spec)
-        self.call_each("set_rank", [(i, len(self.actors)) for i in range(len(self.actors))], timeout_s=30.0)
+        self._renumber()
 
     def discard(self, spec: placement.WorkerSpec, actor: Any) -> None:
         """A replacement that cannot join (its node fails preflight): stop it and stop trying that bundle."""

@@ -9,15 +9,11 @@ import pytest
 
 from mixtrain import DeviceGroup, RunConfig, ScalingConfig, Trainer
 from mixtrain.preflight import PreflightError
+from tests.conftest import run_records
 from tests.models import data, factory
 from tests.ray.test_exactness import GLOBAL_BATCH, NUM_SAMPLES, SEED, assert_same_weights, reference
 
 pytestmark = pytest.mark.usefixtures("ray_session")
-
-
-def _records(run_dir, kind):
-    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
-    return [json.loads(line) for line in lines if json.loads(line)["kind"] == kind]
 
 
 def _fit(tmp_path, groups, **scaling):
@@ -37,7 +33,7 @@ def test_strict_numerics_check_leaves_out_the_disagreeing_device_and_training_st
     # disagrees with the CPU's fp32 one, so strict mode leaves it out before the group forms.
     groups = [DeviceGroup(device="cpu", num_workers=2), DeviceGroup(device="cpu", precision="bf16")]
     result, (x, y) = _fit(tmp_path, groups, numerics_check="strict", numerics_tolerance=1e-4, shares=[30, 20, 14])
-    [pre] = _records(result.run_dir, "preflight")
+    [pre] = run_records(result.run_dir, "preflight")
     assert pre["left_out"] == [{"rank": 2, "reason": "failed the numerics check (strict)"}]
     errors = {r["rank"]: r["error"] for r in pre["numerics"]}
     assert errors[0] == 0.0 and errors[1] == 0.0 and 1e-4 < errors[2] < 6e-2
@@ -53,7 +49,7 @@ def test_warn_mode_reports_and_keeps_a_bf16_worker_that_still_trains(tmp_path):
     groups = [DeviceGroup(device="cpu"), DeviceGroup(device="cpu", precision="bf16")]
     # leave_out_slow=False: bf16 on a CPU is slow, and this test is about keeping it
     result, _ = _fit(tmp_path, groups, numerics_tolerance=1e-4, leave_out_slow=False)
-    [pre] = _records(result.run_dir, "preflight")
+    [pre] = run_records(result.run_dir, "preflight")
     assert pre["left_out"] == [] and pre["numerics"][1]["error"] > 1e-4
     assert [w["precision"] for w in result.workers] == ["fp32", "bf16"]
     losses = [r["last_loss"] for r in result.history]

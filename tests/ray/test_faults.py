@@ -3,13 +3,13 @@ worker, and checkpoints that resume exactly. Training must go on (or stop with t
 match single-process training, leave only checkpoints that verify, and never hang."""
 
 import functools
-import json
 
 import pytest
 
 from mixtrain import RunConfig, ScalingConfig, Trainer
 from mixtrain.checkpoint import CheckpointStore
 from mixtrain.controller import TrainingStopped
+from tests.conftest import run_records
 from tests.models import data, factory, faulty_task
 from tests.ray.test_exactness import GLOBAL_BATCH, NUM_SAMPLES, SEED, assert_same_weights, reference
 
@@ -30,10 +30,6 @@ def fit(task_factory, tmp_path, workers=3, epochs=1, resume=None, **run):
     return trainer.fit(epochs=epochs, resume=resume), (x, y)
 
 
-def records(run_dir, kind):
-    return [r for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines()) if r["kind"] == kind]
-
-
 def all_checkpoints_verify(run_dir):
     store = CheckpointStore(run_dir)
     assert store.paths(), "no checkpoint was written"
@@ -51,7 +47,7 @@ def test_a_worker_lost_mid_round_is_survived_and_training_stays_exact(tmp_path, 
     task = functools.partial(faulty_task, "mlp", "sgd", fault, 1, 7, str(tmp_path / "fired"))
     result, (x, y) = fit(task, tmp_path, rejoin=False)
     assert (tmp_path / "fired").exists()
-    [failure] = records(result.run_dir, "failure")
+    [failure] = run_records(result.run_dir, "failure")
     assert [w["worker"]["rank"] for w in failure["lost"]] == [1] and failure["failures"] == 1
     reason = failure["lost"][0]["reason"]
     assert ("process died" in reason) if fault == "kill" else ("did not answer within" in reason), reason
@@ -72,7 +68,7 @@ def test_a_replacement_rejoins_at_a_round_boundary_with_the_current_state(tmp_pa
     widths = [len(r["shares"]) for r in result.history]
     print("workers per round:", widths)
     assert widths[0] == 3 and 2 in widths and widths[-1] == 3, widths
-    [joined] = records(result.run_dir, "rejoined")
+    [joined] = run_records(result.run_dir, "rejoined")
     assert joined["step"] > 4 and joined["worker"]["pid"] not in [w["pid"] for w in result.workers]
     assert_same_weights(result.state_dict, reference("mlp", "sgd", x, y))
     all_checkpoints_verify(result.run_dir)
@@ -91,7 +87,7 @@ def test_nan_from_one_worker_skips_steps_then_stops_naming_it(tmp_path):
         fit(task, tmp_path, max_nonfinite_steps=4)
     text = str(err.value)
     assert "4 steps in a row" in text and "worker 2 (" in text and "from step 4" in text, text
-    rounds = records(tmp_path / "run", "round")
+    rounds = run_records(tmp_path / "run", "round")
     assert sum(len(r["skipped_steps"]) for r in rounds) == 4
     all_checkpoints_verify(tmp_path / "run")
 
