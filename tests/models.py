@@ -66,8 +66,8 @@ def faulty_task(model: str, opt: str, fault: str, rank: int, at_call: int, marke
     """make_task(model, opt) whose loss injects a REAL fault on worker `rank` at its `at_call`-th training
     loss (counted once the collective group exists, so the start-up probe does not count):
     "kill" SIGKILLs its own process, "stop" SIGSTOPs it (a laptop asleep), once per `marker` file;
-    "nan" makes its loss NaN from then on. `sleep_s`: every training loss on every worker sleeps that
-    long (a slower job, so a replacement worker has time to start)."""
+    "nan" makes its loss NaN from then on; rank -1 injects nothing. `sleep_s`: every training loss on
+    every worker sleeps that long (a slower job, so a replacement worker has time to start)."""
     import os
     import signal
     import time

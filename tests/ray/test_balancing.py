@@ -3,6 +3,7 @@
 import pytest
 
 from mixtrain import RunConfig, ScalingConfig, Trainer
+from tests.conftest import run_records
 from tests.models import data, factory
 from tests.ray.test_exactness import GLOBAL_BATCH, NUM_SAMPLES, SEED, assert_same_weights, reference
 
@@ -77,37 +78,47 @@ def _cnn_task():
     return _mixtrain_task("cnn")
 
 
-def test_a_worker_that_slows_the_job_down_is_left_out_and_training_stays_exact(tmp_path, monkeypatch):
-    # A tiny model, and worker 1 of 3 emulated 3000x slower: even its minimum share of one sample takes
-    # far longer than the others' whole step. The planner leaves it out at start, the gloo group
-    # re-forms with the two others (renumbered 0 and 1), and the result is still single-process training.
-    # The required gain is raised to 4x so that only that worker goes: on this tiny model one worker alone
-    # is also measurably faster than two, and the planner would (rightly) go on to leave out a second.
-    monkeypatch.setenv("MIXTRAIN_EXCLUDE_GAIN", "3.0")
+def test_a_worker_that_slows_the_job_down_is_left_out_and_training_stays_exact(tmp_path):
+    # Worker 1 of 3 is emulated 3000x slower than the others: even its minimum share of one sample takes
+    # far longer than their whole step. The planner (default 30% gain) leaves it out at start, the gloo
+    # group re-forms with the two others (renumbered 0 and 1), and the result is still single-process
+    # training. All three are also emulated 200x slower, so that on this tiny model two workers clearly
+    # beat one (compute far above the all-reduce) and the planner has no reason to leave out a second.
     x, y = data("mlp", NUM_SAMPLES)
-    scaling = ScalingConfig(num_workers=3, cpus_per_worker=0.5, emulate_slowdown={1: 3000.0})
+    scaling = ScalingConfig(num_workers=3, cpus_per_worker=0.5, emulate_slowdown={0: 200.0, 1: 600000.0, 2: 200.0})
     result = fit("mlp", "sgd", scaling, x, y, tmp_path)
-    [pre] = [r for r in _records(result.run_dir) if r["kind"] == "preflight"]
+    [pre] = run_records(result.run_dir, "preflight")
     assert [w["rank"] for w in pre["left_out"]] == [1], pre["left_out"]
     assert "faster without it" in pre["left_out"][0]["reason"]
     assert [w["rank"] for w in result.workers] == [0, 1] and all(len(r["shares"]) == 2 for r in result.history)
-    [first_plan] = [r for r in _records(result.run_dir) if r["kind"] == "plan" and r["after_round"] == 0]
+    [first_plan] = [r for r in run_records(result.run_dir, "plan") if r["after_round"] == 0]
     assert len(first_plan["speeds"]) == 2 and first_plan["comm_s"] > 0
     assert_same_weights(result.state_dict, reference("mlp", "sgd", x, y))
 
 
-def test_a_worker_that_turns_very_slow_mid_run_is_left_out_and_training_stays_exact(tmp_path, monkeypatch):
+def test_a_worker_that_turns_very_slow_mid_run_is_left_out_and_training_stays_exact(tmp_path):
     # Worker 1 of 3 turns 10000x slower from round 2 (a laptop throttling hard): even one sample per
     # step holds the others up. Two measured rounds in a row find the job faster without it; between
-    # rounds the other two re-form the group and go on.
-    monkeypatch.setenv("MIXTRAIN_EXCLUDE_GAIN", "3.0")  # only the slow one (see the test above)
+    # rounds the other two re-form the group and go on. Every training step also takes 20 ms on every
+    # worker (a sleep in the loss), so that two workers clearly beat one and no second worker goes.
+    import functools
+
+    from tests.models import faulty_task
+
     x, y = data("mlp", NUM_SAMPLES)
-    scaling = ScalingConfig(num_workers=3, cpus_per_worker=0.5, emulate_slowdown={1: (10000.0, 2)})
-    result = fit("mlp", "sgd", scaling, x, y, tmp_path, steps_per_round=2)
+    task = functools.partial(faulty_task, "mlp", "sgd", "none", -1, 0, str(tmp_path / "unused"), 0.02)
+    trainer = Trainer(
+        task,
+        (x, y),
+        global_batch=GLOBAL_BATCH,
+        scaling=ScalingConfig(num_workers=3, cpus_per_worker=0.5, emulate_slowdown={1: (10000.0, 2)}),
+        run=RunConfig(run_dir=str(tmp_path), seed=SEED, steps_per_round=2, progress=False),
+    )
+    result = trainer.fit(epochs=1)
     widths = [len(r["shares"]) for r in result.history]
     print("workers per round:", widths)
     assert widths[:3] == [3, 3, 3] and widths[-1] == 2 and widths.index(2) <= 5, widths
-    [gone] = [r for r in _records(result.run_dir) if r["kind"] == "left_out"]
+    [gone] = run_records(result.run_dir, "left_out")
     assert gone["worker"]["rank"] == 1 and "faster without it" in gone["reason"]
     assert len(result.workers) == 3  # the workers the run started with
     assert_same_weights(result.state_dict, reference("mlp", "sgd", x, y))
@@ -118,12 +129,6 @@ def test_keep_all_devices_keeps_the_slow_worker(tmp_path):
     scaling = ScalingConfig(num_workers=2, emulate_slowdown={1: 30.0}, leave_out_slow=False)
     result = fit("mlp", "sgd", scaling, x, y, tmp_path)
     assert len(result.workers) == 2
-    [first_plan] = [r for r in _records(result.run_dir) if r["kind"] == "plan" and r["after_round"] == 0]
+    [first_plan] = [r for r in run_records(result.run_dir, "plan") if r["after_round"] == 0]
     assert list(first_plan["excluded"]) == ["1"]  # still named in the table as slowing the job down
     assert first_plan["shares"][1] < first_plan["shares"][0]
-
-
-def _records(run_dir):
-    import json
-
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
