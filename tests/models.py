@@ -36,6 +36,8 @@ MODELS = {"mlp": mlp, "cnn": cnn, "bn": bn_net}
 def optimizer(name: str, params) -> torch.optim.Optimizer:
     if name == "sgd":
         return torch.optim.SGD(params, lr=0.05, momentum=0.9)
+    if name == "sgd0":  # no momentum: local SGD with H=1 and a plain outer step is then exactly this
+        return torch.optim.SGD(params, lr=0.1)
     if name == "adamw":
         return torch.optim.AdamW(params, lr=1e-3, weight_decay=0.01)
     raise ValueError(name)

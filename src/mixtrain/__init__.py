@@ -1,11 +1,21 @@
 """mixtrain: train one PyTorch model across every device you own, with the math of one big batch."""
 
 from mixtrain.checkpoint import load_weights
-from mixtrain.config import DeviceGroup, RunConfig, ScalingConfig
+from mixtrain.config import DeviceGroup, RunConfig, ScalingConfig, StrategyConfig
 from mixtrain.result import Result
 from mixtrain.task import Task
 from mixtrain.trainer import Trainer
 from mixtrain.worker_group import WorkerError
 
-__all__ = ["DeviceGroup", "Result", "RunConfig", "ScalingConfig", "Task", "Trainer", "WorkerError", "load_weights"]
+__all__ = [
+    "DeviceGroup",
+    "Result",
+    "RunConfig",
+    "ScalingConfig",
+    "StrategyConfig",
+    "Task",
+    "Trainer",
+    "WorkerError",
+    "load_weights",
+]
 __version__ = "0.1.0"

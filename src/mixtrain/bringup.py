@@ -16,8 +16,10 @@ import ray
 
 from mixtrain import envinfo, preflight
 from mixtrain._constants import BUCKET_MB, COLLECTIVE_TIMEOUT_S, EXCLUDE_GAIN, RENDEZVOUS_TIMEOUT_S, env_float
+from mixtrain.advice import suggest
+from mixtrain.comm import ps_server
 from mixtrain.comm.process_group import choose_backend
-from mixtrain.config import ScalingConfig, Slowdown
+from mixtrain.config import ScalingConfig, Slowdown, StrategyConfig
 from mixtrain.data import Arrays
 from mixtrain.placement import WorkerSpec
 from mixtrain.planner import Plan, largest_remainder, make_plan, resolve_shares
@@ -43,6 +45,9 @@ class Bringup:
     """Workers left out: {"worker": info, "reason": ...}."""
     data_refs: tuple[Any, Any] = (None, None)
     """The training and held-out data in Ray's object store (a replacement worker loads them too)."""
+    strategy: StrategyConfig = field(default_factory=StrategyConfig)
+    advice: str = ""
+    """The strategy the measured compute and link suggest, with the figures."""
 
 
 def bring_up(
@@ -51,7 +56,7 @@ def bring_up(
     train: Arrays,
     evaluation: Arrays | None,
     global_batch: int,
-    strategy: str,
+    strategy: StrategyConfig,
 ) -> Bringup:
     scaling = group.scaling
     wait_s = _setup_wait_s()
@@ -97,12 +102,19 @@ def bring_up(
     speeds = [p["samples_per_s"] for p in probes]
     caps = [p["memory_cap"] for p in probes]
 
+    if strategy.name.startswith("ps"):
+        trainable_bytes = max(r["trainable_bytes"] for r in reports)
+        shards = ps_server.num_shards(strategy.ps_shards, trainable_bytes)
+        group.servers = ps_server.start(task_factory, shards, group.seed, strategy.compress, strategy.ps_node)
+        notes.append(f"parameter servers: {shards} shard(s) for {trainable_bytes / 2**20:,.1f} MB of parameters")
     backend = choose_backend(scaling.backend, [r["device"]["kind"] for r in reports], all(r["nccl"] for r in reports))
     loss_scaling = any(r["precision"] == "fp16" for r in reports)
     form_group(group, strategy, backend, loss_scaling)
     gain = env_float(EXCLUDE_GAIN)
     while True:
-        comm_s = max(group.call("measure_comm", timeout_s=env_float(COLLECTIVE_TIMEOUT_S)))
+        measured = group.call("measure_comm", timeout_s=env_float(COLLECTIVE_TIMEOUT_S))
+        exchange_s, exchange_bytes = max(m[0] for m in measured), max(m[1] for m in measured)
+        comm_s = exchange_s / strategy.steps_per_exchange
         if not scaling.balanced:
             fixed = _fixed_shares(scaling, global_batch, group)
             plan = make_plan(speeds, global_batch, shares=fixed, memory_caps=caps, comm_s=comm_s, min_gain=gain)
@@ -121,10 +133,15 @@ def bring_up(
         form_group(group, strategy, backend, loss_scaling)
     checks["left_out"] = [{"rank": w["worker"]["rank"], "reason": w["reason"]} for w in left_out]
     workers = group.call("info", timeout_s=wait_s)
-    return Bringup(workers, backend, loss_scaling, plan, slowdown, notes, checks, left_out, (train_ref, eval_ref))
+    compute_s = plan.predicted_step_s - (plan.comm_s if group.num_workers > 1 else 0.0)
+    advice = suggest(compute_s, exchange_s, exchange_bytes, strategy, group.num_workers)
+    checks["strategy"] = {"name": strategy.describe(), "exchange_s": exchange_s, "exchange_bytes": exchange_bytes}
+    return Bringup(
+        workers, backend, loss_scaling, plan, slowdown, notes, checks, left_out, (train_ref, eval_ref), strategy, advice
+    )
 
 
-def form_group(group: WorkerGroup, strategy: str, backend: str, loss_scaling: bool) -> None:
+def form_group(group: WorkerGroup, strategy: StrategyConfig, backend: str, loss_scaling: bool) -> None:
     """Rendezvous at rank 0, join the collective group, set up the strategy (rank 0's weights go to all)."""
     rendezvous_s = env_float(RENDEZVOUS_TIMEOUT_S)
     collective_s = env_float(COLLECTIVE_TIMEOUT_S)
@@ -140,6 +157,7 @@ def form_group(group: WorkerGroup, strategy: str, backend: str, loss_scaling: bo
         bucket_bytes,
         backend,
         loss_scaling,
+        tuple(group.servers),
         timeout_s=rendezvous_s + collective_s + 10,
     )
 
@@ -155,7 +173,7 @@ def leave_out(group: WorkerGroup, ranks: list[int], rollback: bool = False, lost
 
 
 def admit_replacements(
-    group: WorkerGroup, up: Bringup, task_factory: Callable[[], Task], global_batch: int, strategy: str
+    group: WorkerGroup, up: Bringup, task_factory: Callable[[], Task], global_batch: int
 ) -> list[tuple[dict[str, Any], dict[str, Any]]]:
     """Between rounds: replacements whose replica is built (a node that came back, a restarted process)
     pass preflight against rank 0, load the data, are measured, receive rank 0's current training state
@@ -190,7 +208,7 @@ def admit_replacements(
     first = group.num_workers
     for spec, actor in joining:
         group.admit(spec, actor)
-    form_group(group, strategy, up.backend, up.loss_scaling)
+    form_group(group, up.strategy, up.backend, up.loss_scaling)
     infos = group.call("info", timeout_s=wait_s, ranks=list(range(first, group.num_workers)))
     return list(zip(infos, probes))
 

@@ -296,3 +296,59 @@ class RunConfig:
         ):
             if not (isinstance(value, (int, float)) and value >= low):
                 raise ValueError(f"RunConfig.{name}={value!r}: must be a number >= {low}")
+
+
+STRATEGY_NAMES = ("allreduce", "ps", "ps-async", "local-sgd")
+COMPRESSION = ("none", "bf16", "fp16")
+
+
+@dataclass(frozen=True, kw_only=True)
+class StrategyConfig:
+    """How replicas agree on an update. `allreduce` (the default) sums gradients over gloo every step;
+    `ps` sends them to parameter-server actors that hold the weights and the optimizer (the same math);
+    `ps-async` lets a worker run up to `staleness` updates ahead of the slowest; `local-sgd` takes
+    `local_steps` steps on each worker, then averages the parameter deltas and applies them with an
+    outer Nesterov-momentum optimizer (DiLoCo)."""
+
+    name: str = "allreduce"
+    compress: str = "none"
+    """What gradients (allreduce, ps) or deltas (local-sgd) travel as: none (fp32), bf16 or fp16."""
+    staleness: int = 2
+    """ps-async: how many updates a worker may run ahead of the newest weights it has (0: synchronous)."""
+    local_steps: int = 8
+    """local-sgd: steps between averages (H); communication drops H-fold."""
+    outer_lr: float = 0.7
+    """local-sgd: learning rate of the outer optimizer applied to the averaged delta (DiLoCo: 0.7)."""
+    outer_momentum: float = 0.9
+    """local-sgd: Nesterov momentum of the outer optimizer (DiLoCo: 0.9)."""
+    ps_shards: int | str = "auto"
+    """ps, ps-async: parameter-server actors the parameters are split over, by size; "auto": one per 16 MB,
+    at most 4."""
+    ps_node: str | None = None
+    """ps, ps-async: the Ray node id for the parameter servers; None: the driver's node (the head)."""
+
+    def __post_init__(self) -> None:
+        if self.name not in STRATEGY_NAMES:
+            raise ValueError(f"strategy={self.name!r}: use one of {', '.join(STRATEGY_NAMES)}")
+        if self.compress not in COMPRESSION:
+            raise ValueError(f"StrategyConfig.compress={self.compress!r}: use one of {', '.join(COMPRESSION)}")
+        if not isinstance(self.staleness, int) or self.staleness < 0:
+            raise ValueError(f"StrategyConfig.staleness={self.staleness!r}: must be an integer >= 0 (0: synchronous)")
+        if not isinstance(self.local_steps, int) or self.local_steps < 1:
+            raise ValueError(f"StrategyConfig.local_steps={self.local_steps!r}: must be an integer >= 1")
+        if not (isinstance(self.outer_lr, (int, float)) and self.outer_lr > 0):
+            raise ValueError(f"StrategyConfig.outer_lr={self.outer_lr!r}: must be a number > 0")
+        if not (isinstance(self.outer_momentum, (int, float)) and 0 <= self.outer_momentum < 1):
+            raise ValueError(f"StrategyConfig.outer_momentum={self.outer_momentum!r}: must be in [0, 1)")
+        if self.ps_shards != "auto" and not (isinstance(self.ps_shards, int) and self.ps_shards >= 1):
+            raise ValueError(f"StrategyConfig.ps_shards={self.ps_shards!r}: use 'auto' or an integer >= 1")
+
+    @property
+    def steps_per_exchange(self) -> int:
+        """Steps between two exchanges over the link."""
+        return self.local_steps if self.name == "local-sgd" else 1
+
+    def describe(self) -> str:
+        extra = {"ps-async": f" (staleness {self.staleness})", "local-sgd": f" (H={self.local_steps})"}
+        wire = f", {self.compress} on the wire" if self.compress != "none" else ""
+        return f"{self.name}{extra.get(self.name, '')}{wire}"

@@ -41,6 +41,10 @@ class WorkerReport:
     rebroadcast: bool = False
     round_comm_s: float = 0.0
     wall_s: float = 0.0
+    staleness: list[int] = field(default_factory=list)
+    """Per step: how many updates old the weights its gradient was computed on were (ps-async)."""
+    sent_bytes: int = 0
+    """Gradient or delta bytes this worker sent (wire size; buffers and drift checks not counted)."""
     peer_lost: str = ""
     """Set when a collective failed because a peer died or stopped answering; the round is void."""
 
@@ -58,7 +62,16 @@ def worker_times(reports: list[WorkerReport]) -> list[dict[str, float]]:
     for r in reports:
         wait = sum(slowest[t] - r.compute_s[t] for t in range(num_steps))
         comm = max(0.0, sum(r.comm_s) + r.round_comm_s - wait)
-        out.append({"compute_s": sum(r.compute_s), "wait_s": wait, "comm_s": comm, "samples": r.samples})
+        out.append(
+            {
+                "compute_s": sum(r.compute_s),
+                "wait_s": wait,
+                "comm_s": comm,
+                "samples": r.samples,
+                "sent_bytes": r.sent_bytes,
+                "max_staleness": max(r.staleness, default=0),
+            }
+        )
     return out
 
 

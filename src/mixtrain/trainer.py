@@ -14,8 +14,7 @@ from mixtrain import cluster
 from mixtrain._constants import COLLECTIVE_TIMEOUT_S, env_float
 from mixtrain.bringup import Bringup, admit_replacements, bring_up, form_group, leave_out
 from mixtrain.checkpoint import MANIFEST, CheckpointStore, atomic_save
-from mixtrain.comm.strategy import STRATEGIES
-from mixtrain.config import RunConfig, ScalingConfig
+from mixtrain.config import RunConfig, ScalingConfig, StrategyConfig
 from mixtrain.controller import Controller, EpochPlan
 from mixtrain.data import to_arrays
 from mixtrain.planner import plan_record, plan_table, resolve_shares
@@ -47,7 +46,7 @@ class Trainer:
         eval_data: Any = None,
         scaling: ScalingConfig | None = None,
         run: RunConfig | None = None,
-        strategy: str = "allreduce",
+        strategy: str | StrategyConfig = "allreduce",
     ) -> None:
         if not callable(task_factory):
             raise TypeError(
@@ -55,8 +54,10 @@ class Trainer:
             )
         if not isinstance(global_batch, int) or global_batch < 1:
             raise ValueError(f"global_batch={global_batch!r}: must be an integer >= 1")
-        if strategy not in STRATEGIES:
-            raise ValueError(f"strategy={strategy!r}: use one of {', '.join(STRATEGIES)}")
+        if isinstance(strategy, str):
+            strategy = StrategyConfig(name=strategy)  # checks the name
+        if not isinstance(strategy, StrategyConfig):
+            raise TypeError(f"strategy={strategy!r}: give a name or a mixtrain.StrategyConfig")
         scaling = scaling or ScalingConfig()
         run = run or RunConfig()
         if not scaling.is_auto:  # check now; with groups="auto" the worker count comes from the cluster
@@ -106,6 +107,7 @@ class Trainer:
                     "global_batch": self.global_batch,
                     "epochs": epochs,
                     "strategy": self.strategy,
+                    "strategy_advice": up.advice,
                     "backend": up.backend,
                     "shares": shares,
                     "num_samples": num_samples,
@@ -120,11 +122,16 @@ class Trainer:
                 f"{num_samples} samples x {epochs} epochs, {up.backend}; run folder {run_dir}"
             )
             view.log(plan_table(up.plan, up.workers, "plan", up.left_out))
+            view.log(f"strategy: {self.strategy.describe()}; measured: {up.advice}")
             for note in [*up.notes, *warnings]:
                 view.log(note)
             start = (0, 0)
             if resumed is not None:
                 start, shares = self._restore(group, scaling, resumed, shares)
+                # re-form, so the strategy starts from the loaded state (the parameter servers load it,
+                # local SGD takes it as its common point)
+                group.call("leave", timeout_s=env_float(COLLECTIVE_TIMEOUT_S))
+                form_group(group, up.strategy, up.backend, up.loss_scaling)
                 view.log(f"resumed from {resumed[2]} at epoch {start[0]}, step {start[1]}")
             if up.slowdown:
                 view.log(f"EMULATION: rank -> (times slower, from round) {up.slowdown} (MIXTRAIN_EMULATE_SLOWDOWN)")
@@ -144,10 +151,10 @@ class Trainer:
 
             def regroup(ranks: list[int], rollback: bool, lost: bool) -> None:
                 leave_out(group, ranks, rollback, lost)
-                form_group(group, self.strategy, up.backend, up.loss_scaling)
+                form_group(group, up.strategy, up.backend, up.loss_scaling)
 
             def admit() -> list[tuple[dict[str, Any], dict[str, Any]]]:
-                return admit_replacements(group, up, self.task_factory, self.global_batch, self.strategy)
+                return admit_replacements(group, up, self.task_factory, self.global_batch)
 
             controller = Controller(
                 group,

@@ -7,14 +7,16 @@ import math
 import os
 import socket
 import time
+from collections import deque
 from collections.abc import Callable
 
 import numpy as np
 import torch
 
 from mixtrain import checkpoint, devices, envinfo, precision, probe
-from mixtrain.comm import netif, process_group
-from mixtrain.comm.strategy import STRATEGIES, SyncStrategy
+from mixtrain.comm import netif, process_group, registry
+from mixtrain.comm.strategy import JoinContext, StepResult, SyncStrategy
+from mixtrain.config import StrategyConfig
 from mixtrain.data import Arrays, as_tensors, epoch_permutation, step_size, worker_indices
 from mixtrain.rounds import RoundPlan, WorkerReport
 from mixtrain.task import Task, build_task
@@ -113,6 +115,7 @@ class TrainWorker:
             "precision": self.precision,
             "signature": envinfo.model_signature(model),
             "num_params": sum(p.numel() for p in model.parameters()),
+            "trainable_bytes": sum(p.numel() * 4 for p in model.parameters() if p.requires_grad),
             "nccl": torch.distributed.is_nccl_available(),
         }
 
@@ -190,9 +193,9 @@ class TrainWorker:
         self.task.model.zero_grad(set_to_none=True)
         self.kind.empty_cache()
 
-    def measure_comm(self, repeats: int = 5) -> float:
-        """Seconds of one step's communication with no compute in the way (median of `repeats`)."""
-        return self.strategy.measure_comm(self.task, repeats)
+    def measure_comm(self, repeats: int = 5) -> tuple[float, int]:
+        """Seconds of one exchange with no compute in the way (median of `repeats`), and its bytes."""
+        return self.strategy.measure_comm(self.task, repeats), self.strategy.exchange_bytes(self.task)
 
     def leave(self) -> None:
         """Leave the process group (before the driver re-forms it without some workers)."""
@@ -210,10 +213,11 @@ class TrainWorker:
         port: int,
         rendezvous_timeout_s: float,
         collective_timeout_s: float,
-        strategy: str,
+        strategy: StrategyConfig,
         bucket_bytes: int,
         backend: str = "gloo",
         loss_scaling: bool = False,
+        servers: tuple = (),
     ) -> None:
         store = self._rendezvous.store if self.rank == 0 else None
         netif.pin_interface(self.host, backend)
@@ -230,11 +234,16 @@ class TrainWorker:
             store=store,
         )
         previous = getattr(self, "strategy", None)
-        self.strategy: SyncStrategy = STRATEGIES[strategy]()
-        self.strategy.setup(self.task, bucket_bytes, loss_scaling)
-        if previous is not None:  # a re-formed group keeps the job-wide loss scale (the same on every rank)
+        self.strategy: SyncStrategy = registry.make(strategy)
+        if previous is not None:  # a re-formed group keeps the strategy's state (the same on every rank)
+            self.strategy.load_state_dict(previous.state_dict())
+        elif getattr(self, "_loaded_strategy", None):  # a replacement: what it loaded with the state
+            self.strategy.load_state_dict(self._loaded_strategy)
+        ctx = JoinContext(bucket_bytes, loss_scaling, self.rank, self.world_size, collective_timeout_s, tuple(servers))
+        self.strategy.setup(self.task, ctx)
+        if previous is not None:  # and the job-wide loss scale
             self.strategy.loss_scale = previous.loss_scale
-        elif getattr(self, "_loaded_scale", None):  # a replacement: the scale it loaded with the state
+        elif getattr(self, "_loaded_scale", None):
             self.strategy.loss_scale.load_state_dict(self._loaded_scale)
 
     def load_data(self, train: Arrays, evaluation: Arrays | None) -> int:
@@ -264,6 +273,7 @@ class TrainWorker:
         t_round = time.perf_counter()
         report = WorkerReport(rank=self.rank)
         perm = self._permutation(plan.epoch)
+        waiting: deque[int] = deque()  # steps whose global result (loss, applied) is not known yet
         self.task.model.train()
         for step in range(plan.first_step, plan.first_step + plan.num_steps):
             indices = worker_indices(perm, plan.global_batch, step, plan.shares, self.rank)
@@ -274,25 +284,38 @@ class TrainWorker:
                 # is calibrated once (the probe), as the benchmark calibrates its DDP ranks
                 time.sleep((slowdown - 1.0) * self._sec_per_sample * len(indices))
             self.strategy.zero_grad(self.task)
+            step_total = step_size(len(perm), plan.global_batch, step)
             local_loss = self._forward_backward(
-                indices,
-                step_size(len(perm), plan.global_batch, step),
-                plan.micro_batches[self.rank] if plan.micro_batches else len(indices),
+                indices, step_total, plan.micro_batches[self.rank] if plan.micro_batches else len(indices)
             )
-            outcome = self.strategy.step(self.task, torch.tensor([local_loss], dtype=torch.float32))
+            outcome = self.strategy.step(
+                self.task, torch.tensor([local_loss], dtype=torch.float32), len(indices) / step_total
+            )
+            waiting.append(step)
             report.compute_s.append(time.perf_counter() - t0 - outcome.comm_s)
             report.comm_s.append(outcome.comm_s)
-            report.losses.append(float(outcome.stats[0]))
+            report.staleness.append(outcome.staleness)
+            report.sent_bytes += outcome.sent_bytes
+            self._take_results(outcome.done, waiting, report)
             report.samples += len(indices)
             if not math.isfinite(local_loss):
                 report.nonfinite_steps.append(step)
-            if not outcome.applied:
-                report.skipped_steps.append(step)
         total = sum(plan.shares)  # weights for buffer averaging: this rank's part of the round's samples
         sync = self.strategy.end_round(self.task, plan.shares[self.rank] / total, plan.drift_tolerance)
+        self._take_results(sync.done, waiting, report)
+        assert not waiting, f"steps {list(waiting)} ended the round without a result"
+        report.sent_bytes += sync.sent_bytes
         report.drift, report.rebroadcast, report.round_comm_s = sync.drift, sync.rebroadcast, sync.comm_s
         report.wall_s = time.perf_counter() - t_round
         return report
+
+    @staticmethod
+    def _take_results(done: list[StepResult], waiting: deque[int], report: WorkerReport) -> None:
+        for result in done:
+            step = waiting.popleft()
+            report.losses.append(float(result.stats[0]))
+            if not result.applied:
+                report.skipped_steps.append(step)
 
     def _forward_backward(self, indices: np.ndarray, step_total: int, micro_batch: int) -> float:
         """Backward of this rank's samples in micro-batches of at most `micro_batch`, each loss scaled by
@@ -351,6 +374,7 @@ class TrainWorker:
             "optimizer": t.optimizer.state_dict(),
             "scheduler": t.scheduler.state_dict() if t.scheduler is not None else None,
             "loss_scale": self.strategy.loss_scale.state_dict(),
+            "strategy": self.strategy.state_dict(),
         }
         return copy.deepcopy(state) if clone else state
 
@@ -374,8 +398,10 @@ class TrainWorker:
         if t.scheduler is not None and state.get("scheduler") is not None:
             t.scheduler.load_state_dict(state["scheduler"])
         self._loaded_scale = state["loss_scale"]
+        self._loaded_strategy = state.get("strategy") or {}
         if hasattr(self, "strategy"):  # otherwise join() applies it (a replacement loads before joining)
             self.strategy.loss_scale.load_state_dict(state["loss_scale"])
+            self.strategy.load_state_dict(self._loaded_strategy)
         if rng is not None:
             torch.set_rng_state(rng["cpu"])
             if self.kind.kind in rng:  # the device's own stream, when the checkpoint has one for this kind

@@ -50,6 +50,8 @@ class WorkerGroup:
         self.vacant: list[placement.WorkerSpec] = []
         """Bundles of lost workers, where a replacement may start (a node that comes back, a restarted process)."""
         self._pending: dict[int, tuple[placement.WorkerSpec, Any, Any]] = {}  # bundle -> (spec, actor, build ref)
+        self.servers: list[Any] = []
+        """Parameter-server actors the job started (ps strategies); stopped with the workers."""
 
     @property
     def num_workers(self) -> int:
@@ -225,6 +227,9 @@ class WorkerGroup:
             for actor in self.actors:
                 ray.kill(actor)
             self.actors = []
+        for server in self.servers:
+            ray.kill(server)
+        self.servers = []
         if self.pg is not None:
             remove_placement_group(self.pg)
             self.pg = None

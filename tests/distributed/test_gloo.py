@@ -118,15 +118,16 @@ def test_missing_peer_is_a_clear_error_not_a_hang():
 
 
 def _loss_scaled_steps(rank, world, scaling):
-    from mixtrain.comm.strategy import AllReduceStrategy
+    from mixtrain.comm.strategy import AllReduceStrategy, JoinContext
+    from mixtrain.config import StrategyConfig
     from mixtrain.task import Task
 
     model = _model(0)
     task = Task(
         model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.5), loss_fn=torch.nn.functional.cross_entropy
     )
-    strategy = AllReduceStrategy()
-    strategy.setup(task, bucket_bytes=64, loss_scaling=scaling)
+    strategy = AllReduceStrategy(StrategyConfig())
+    strategy.setup(task, JoinContext(bucket_bytes=64, loss_scaling=scaling, rank=rank, world_size=world, timeout_s=30))
     torch.manual_seed(100)
     x, y = torch.randn(8, 6), torch.randint(0, 3, (8,))
     scales, applied = [], []
@@ -139,7 +140,7 @@ def _loss_scaled_steps(rank, world, scaling):
         if step == 1 and rank == 1:
             next(model.parameters()).grad[0, 0] = float("inf")  # overflow on one rank only
         scales.append(strategy.loss_scale.scale)
-        applied.append(strategy.step(task, torch.tensor([float(loss) * 0.5])).applied)
+        applied.append(strategy.step(task, torch.tensor([float(loss) * 0.5]), 0.5).done[0].applied)
     scales.append(strategy.loss_scale.scale)
     return {"params": [p.detach().clone() for p in model.parameters()], "scales": scales, "applied": applied}
 

@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from mixtrain import devices
-from mixtrain.comm.strategy import AllReduceStrategy
+from mixtrain.comm.strategy import AllReduceStrategy, JoinContext
+from mixtrain.config import StrategyConfig
 from mixtrain.task import Task
 from tests.distributed.ranks import run_ranks
 
@@ -38,8 +39,8 @@ def _mixed_rank(rank, world):
         optimizer=torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
         loss_fn=torch.nn.functional.cross_entropy,
     )
-    strategy = AllReduceStrategy()
-    strategy.setup(task, bucket_bytes=2048)
+    strategy = AllReduceStrategy(StrategyConfig())
+    strategy.setup(task, JoinContext(bucket_bytes=2048, loss_scaling=False, rank=rank, world_size=world, timeout_s=60))
     x, y = _data()
     b = sum(SHARES)
     for step in range(STEPS):
@@ -49,7 +50,7 @@ def _mixed_rank(rank, world):
         strategy.before_last_backward(task)
         loss = task.loss_fn(model(xs), ys)
         (loss * (SHARES[rank] / b)).backward()
-        strategy.step(task, torch.tensor([float(loss) * SHARES[rank] / b]))
+        strategy.step(task, torch.tensor([float(loss) * SHARES[rank] / b]), SHARES[rank] / b)
     return {"device": str(device), "params": [p.detach().cpu() for p in model.parameters()]}
 
 

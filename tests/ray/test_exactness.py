@@ -36,7 +36,7 @@ def assert_same_weights(got: dict[str, torch.Tensor], want: dict[str, torch.Tens
         assert err <= rtol, f"{name}: relative difference {err:.2e} > {rtol}"
 
 
-def train(model, opt, shares, x, y, tmp_path, steps_per_round=7, eval_data=None):
+def train(model, opt, shares, x, y, tmp_path, steps_per_round=7, eval_data=None, strategy="allreduce"):
     trainer = Trainer(
         factory(model, opt),
         (x, y),
@@ -44,6 +44,7 @@ def train(model, opt, shares, x, y, tmp_path, steps_per_round=7, eval_data=None)
         global_batch=GLOBAL_BATCH,
         scaling=ScalingConfig(num_workers=len(shares), shares=shares),
         run=RunConfig(run_dir=str(tmp_path), seed=SEED, steps_per_round=steps_per_round, progress=False),
+        strategy=strategy,
     )
     return trainer.fit(epochs=1)
 

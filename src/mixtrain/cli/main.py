@@ -5,6 +5,8 @@ Command lines:
     mixtrain train --example digits --workers 2 --shares 40,24 --global-batch 64 --epochs 5 --run-dir runs/a
     mixtrain train --example digits --workers cuda:1,mps:1,cpu:2 --precision auto --address 192.168.1.10:6379
     mixtrain train --resume mixtrain_runs/run-20261121-101500 --epochs 20   # continue a stopped run
+    mixtrain train --example digits --strategy local-sgd --local-steps 16 --compress bf16   # a slow link
+    mixtrain train --example digits --strategy ps-async --staleness 2
     mixtrain plan --example digits --workers cuda:1,mps:1      # measure and show the split, no training
     mixtrain devices
     mixtrain cluster up --interface eth0          # on the desktop: prints the join command
@@ -21,7 +23,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from mixtrain.config import BACKENDS, NUMERICS_CHECKS, PRECISIONS
+from mixtrain.config import BACKENDS, COMPRESSION, NUMERICS_CHECKS, PRECISIONS, STRATEGY_NAMES
 
 
 def _shares(text: str) -> list[int] | str:
@@ -52,6 +54,16 @@ def _positive_int(text: str) -> int:
         raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
     if value < 1:
         raise argparse.ArgumentTypeError(f"{text!r} must be >= 1")
+    return value
+
+
+def _non_negative_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"{text!r} must be >= 0")
     return value
 
 
@@ -139,6 +151,28 @@ def _job_flags(p: argparse.ArgumentParser) -> None:
         help="start-up gradient check of each device against the CPU: warn, strict (leave bad devices out), off",
     )
     p.add_argument("--interface", help="network interface for the collectives on every node (e.g. eth0)")
+    p.add_argument(
+        "--strategy",
+        choices=STRATEGY_NAMES,
+        default="allreduce",
+        help="allreduce (default: gradients summed every step), ps (parameter servers, the same math), "
+        "ps-async (parameter servers, workers up to --staleness updates ahead), local-sgd (average every "
+        "--local-steps steps, DiLoCo outer step)",
+    )
+    p.add_argument(
+        "--compress",
+        choices=COMPRESSION,
+        default="none",
+        help="send gradients (allreduce, ps) or deltas (local-sgd) as bf16 or fp16 (default none: fp32)",
+    )
+    p.add_argument(
+        "--staleness",
+        type=_non_negative_int,
+        default=2,
+        help="ps-async: updates a worker may run ahead (default 2; 0: synchronous)",
+    )
+    p.add_argument("--local-steps", type=_positive_int, default=8, help="local-sgd: steps between averages (default 8)")
+    p.add_argument("--ps-shards", type=_positive_int, help="ps, ps-async: parameter-server actors (default: by size)")
 
 
 def _add_cluster_parser(sub: argparse._SubParsersAction) -> None:
@@ -173,7 +207,7 @@ def _workers(text: str) -> int | str | list:
 
 
 def _trainer(args: argparse.Namespace, run_dir: str | None = None, steps_per_round: int | None = None):
-    from mixtrain import RunConfig, ScalingConfig, Trainer
+    from mixtrain import RunConfig, ScalingConfig, StrategyConfig, Trainer
     from mixtrain.examples import load_example
     from mixtrain.headnode import use_cluster_token
 
@@ -201,6 +235,13 @@ def _trainer(args: argparse.Namespace, run_dir: str | None = None, steps_per_rou
             backend=args.backend,
             numerics_check=args.numerics,
             network_interface=args.interface,
+        ),
+        strategy=StrategyConfig(
+            name=args.strategy,
+            compress=args.compress,
+            staleness=args.staleness,
+            local_steps=args.local_steps,
+            ps_shards=args.ps_shards or "auto",
         ),
         run=RunConfig(
             run_dir=run_dir,
@@ -263,6 +304,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     up = trainer.plan()
     print(f"{args.example}: global batch {trainer.global_batch}, {up.backend}")
     print(plan_table(up.plan, up.workers, "plan", up.left_out))
+    print(f"strategy: {up.strategy.describe()}; measured: {up.advice}")
     for note in up.notes:
         print(note)
     return 0

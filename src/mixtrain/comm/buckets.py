@@ -72,8 +72,10 @@ class GradBuckets:
         bucket_bytes: int,
         num_extras: int = 0,
         comm_device: torch.device | None = None,
+        wire_dtype: torch.dtype | None = None,
     ) -> None:
         self.comm_device = comm_device or torch.device("cpu")  # gloo: CPU; NCCL: the GPU itself
+        self.wire_dtype = wire_dtype  # compression: the collective sums in this dtype (bf16/fp16)
         self.buckets: list[_Bucket] = []
         self._armed = False
         self._next = 0  # buckets start strictly in order, so every rank issues the same collectives
@@ -95,8 +97,9 @@ class GradBuckets:
     def _add(self, params: list[torch.nn.Parameter], num_extras: int) -> None:
         numel = sum(p.numel() for p in params)
         device, dtype = params[0].device, params[0].dtype
-        host = torch.zeros(numel + num_extras, dtype=dtype, device=self.comm_device)
-        staged = device != self.comm_device
+        wire = self.wire_dtype or dtype
+        host = torch.zeros(numel + num_extras, dtype=wire, device=self.comm_device)
+        staged = device != self.comm_device or wire != dtype  # a narrower wire dtype always copies (and casts)
         flat = torch.zeros(numel, dtype=dtype, device=device) if staged else host[:numel]
         bucket = _Bucket(params, flat, host, staged)
         bucket.bind_grads()
@@ -152,6 +155,11 @@ class GradBuckets:
             b.finish()
         if self.num_extras:
             extras.copy_(last.host[last.flat.numel() :].to("cpu"))  # type: ignore[union-attr]
+
+    @property
+    def wire_bytes(self) -> int:
+        """Bytes this rank puts into one step's all-reduce."""
+        return sum(b.host.numel() * b.host.element_size() for b in self.buckets)
 
     def scale_(self, factor: float) -> None:
         """Multiply every gradient by `factor` (undoing a loss scale)."""

@@ -80,6 +80,10 @@ def leave_group() -> None:
         dist.destroy_process_group()
 
 
+class PeerLostError(RuntimeError):
+    """A peer (or the parameter server waiting on it) did not answer within the collective timeout."""
+
+
 _PEER_FAILURE_MARKS = (
     "gloo/transport",  # gloo: "Connection closed by peer", "Timed out waiting ... for recv", resets
     "Connection closed by peer",
@@ -93,7 +97,7 @@ _PEER_FAILURE_MARKS = (
 def is_peer_failure(exc: BaseException) -> bool:
     """True when `exc` comes from a collective whose peer died or stopped answering (not from this
     worker's own code or device): the worker is healthy and can rejoin a re-formed group."""
-    if isinstance(exc, (dist.DistNetworkError, dist.DistBackendError)):
+    if isinstance(exc, (dist.DistNetworkError, dist.DistBackendError, PeerLostError)):
         return True
     text = str(exc)
     return isinstance(exc, RuntimeError) and any(mark in text for mark in _PEER_FAILURE_MARKS)

@@ -9,24 +9,40 @@ from __future__ import annotations
 import statistics
 import time
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
 from mixtrain.comm import replicas
 from mixtrain.comm.buckets import GradBuckets
+from mixtrain.comm.compress import wire_dtype
+from mixtrain.config import StrategyConfig
 from mixtrain.precision import LossScale
 from mixtrain.task import Task
 
 
 @dataclass(frozen=True)
-class StepOutcome:
+class StepResult:
+    """The global outcome of one step, the same on every rank."""
+
     applied: bool
-    """False when the summed gradient was not finite and every rank skipped the update."""
+    """False when the summed gradient was not finite and the update was skipped everywhere."""
     stats: torch.Tensor
     """The per-step statistics summed over ranks (the global mean loss at index 0)."""
+
+
+@dataclass(frozen=True)
+class StepOutcome:
+    done: list[StepResult]
+    """Results of this rank's steps that became known during this call, oldest first: this step's for
+    a synchronous strategy; none, or several earlier ones, for one that does not wait."""
     comm_s: float
-    """Seconds spent in collectives, including waiting for slower peers."""
+    """Seconds spent communicating, including waiting for slower peers."""
+    sent_bytes: int = 0
+    """Bytes of gradients or deltas this rank sent for this step (the wire size)."""
+    staleness: int = 0
+    """How many updates the weights this step's gradient was computed on were behind the step."""
 
 
 @dataclass(frozen=True)
@@ -36,6 +52,24 @@ class RoundSync:
     rebroadcast: bool
     """True when drift passed the tolerance and rank 0's state was broadcast."""
     comm_s: float
+    done: list[StepResult] = field(default_factory=list)
+    """Results of steps still outstanding when the round's last step returned."""
+    sent_bytes: int = 0
+
+
+@dataclass(frozen=True)
+class JoinContext:
+    """What a strategy is set up with when a group forms."""
+
+    bucket_bytes: int
+    loss_scaling: bool
+    """fp16 somewhere in the job: the same on all ranks."""
+    rank: int
+    world_size: int
+    timeout_s: float
+    """How long to wait for peers or parameter servers before the round is given up as failed."""
+    servers: tuple[Any, ...] = ()
+    """The parameter-server actors (ps, ps-async)."""
 
 
 class SyncStrategy(ABC):
@@ -43,9 +77,12 @@ class SyncStrategy(ABC):
     loss_scale: LossScale = LossScale(enabled=False)
     """The job-wide loss scale (fp16); the worker multiplies each loss by `loss_scale.scale`."""
 
+    def __init__(self, config: StrategyConfig) -> None:
+        self.config = config
+
     @abstractmethod
-    def setup(self, task: Task, bucket_bytes: int, loss_scaling: bool = False) -> None:
-        """Called once when the replica exists and the group is formed; `loss_scaling` is the same on all ranks."""
+    def setup(self, task: Task, ctx: JoinContext) -> None:
+        """Called each time the group forms: make every replica equal to rank 0's."""
 
     @abstractmethod
     def zero_grad(self, task: Task) -> None: ...
@@ -54,16 +91,29 @@ class SyncStrategy(ABC):
         """Called before the backward of a step's last micro-batch (when gradients become final)."""
 
     @abstractmethod
-    def step(self, task: Task, local_stats: torch.Tensor) -> StepOutcome:
-        """After backward on this rank's samples: agree on the update and apply it."""
+    def step(self, task: Task, local_stats: torch.Tensor, weight: float) -> StepOutcome:
+        """After backward on this rank's samples (`weight`: their part of the step's samples, which the
+        gradients are already multiplied by): agree on the update and apply it."""
 
     @abstractmethod
     def end_round(self, task: Task, weight: float, drift_tolerance: float) -> RoundSync:
-        """Between rounds: average buffers (weighted by `weight`, this rank's share) and check drift."""
+        """Between rounds: finish outstanding work, average buffers (weighted by `weight`, this rank's
+        share) and check drift. Afterwards every replica holds the same complete training state."""
 
     @abstractmethod
     def measure_comm(self, task: Task, repeats: int) -> float:
-        """Seconds one step's communication takes with no compute in the way (for the planner)."""
+        """Seconds one exchange takes with no compute in the way (for the planner)."""
+
+    @abstractmethod
+    def exchange_bytes(self, task: Task) -> int:
+        """Bytes one rank sends per exchange."""
+
+    def state_dict(self) -> dict[str, Any]:
+        """The strategy's own training state (local-sgd's outer momentum) for checkpoints and rollback."""
+        return {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:  # noqa: B027 - optional hook, a no-op by default
+        """Restore what state_dict() returned."""
 
     def close(self) -> None:  # noqa: B027 - optional hook, a no-op by default
         """Release what setup() attached to the model, before the group is re-formed."""
@@ -74,12 +124,18 @@ class AllReduceStrategy(SyncStrategy):
 
     name = "allreduce"
 
-    def setup(self, task: Task, bucket_bytes: int, loss_scaling: bool = False) -> None:
+    def setup(self, task: Task, ctx: JoinContext) -> None:
         replicas.broadcast_state(task.model)
         params = [p for p in task.model.parameters() if p.requires_grad]
-        # the loss rides along in a spare slot
-        self.buckets = GradBuckets(params, bucket_bytes, num_extras=1, comm_device=replicas.comm_device())
-        self.loss_scale = LossScale(enabled=loss_scaling)
+        # the loss rides along in a spare slot (at the wire precision when compressed)
+        self.buckets = GradBuckets(
+            params,
+            ctx.bucket_bytes,
+            num_extras=1,
+            comm_device=replicas.comm_device(),
+            wire_dtype=wire_dtype(self.config.compress),
+        )
+        self.loss_scale = LossScale(enabled=ctx.loss_scaling)
 
     def zero_grad(self, task: Task) -> None:
         self.buckets.zero_()
@@ -87,7 +143,7 @@ class AllReduceStrategy(SyncStrategy):
     def before_last_backward(self, task: Task) -> None:
         self.buckets.arm()  # earlier micro-batches only accumulate; this one may start the all-reduce
 
-    def step(self, task: Task, local_stats: torch.Tensor) -> StepOutcome:
+    def step(self, task: Task, local_stats: torch.Tensor, weight: float) -> StepOutcome:
         t0 = time.perf_counter()
         self.buckets.all_reduce_(local_stats)
         comm_s = time.perf_counter() - t0
@@ -100,7 +156,7 @@ class AllReduceStrategy(SyncStrategy):
             task.optimizer.step()
             if task.scheduler is not None:
                 task.scheduler.step()
-        return StepOutcome(applied, local_stats, comm_s)
+        return StepOutcome([StepResult(applied, local_stats)], comm_s, self.buckets.wire_bytes)
 
     def end_round(self, task: Task, weight: float, drift_tolerance: float) -> RoundSync:
         t0 = time.perf_counter()
@@ -118,8 +174,8 @@ class AllReduceStrategy(SyncStrategy):
         self.buckets.zero_()
         return statistics.median(times[1:])
 
+    def exchange_bytes(self, task: Task) -> int:
+        return self.buckets.wire_bytes
+
     def close(self) -> None:
         self.buckets.close()
-
-
-STRATEGIES: dict[str, type[SyncStrategy]] = {AllReduceStrategy.name: AllReduceStrategy}

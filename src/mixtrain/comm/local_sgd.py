@@ -1,0 +1,136 @@
+"""Local SGD with DiLoCo's outer optimizer: H local steps per worker, then one average of deltas.
+
+Each worker steps its own copy of the user's optimizer (the inner optimizer) on the mean
+gradient of its own samples. Every `local_steps` steps the workers all-reduce their parameter
+deltas from the last common point, weighted by their share of the samples, and every rank
+applies the average as a gradient to that common point with SGD + Nesterov momentum (DiLoCo:
+lr 0.7, momentum 0.9). One collective per H steps instead of one per step. A round always
+ends with an exchange, so replicas are equal at every round boundary (checkpoints, rollback,
+workers leaving and joining work as with all-reduce). Inner optimizer states stay per worker;
+a checkpoint keeps rank 0's.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from mixtrain.comm import replicas
+from mixtrain.comm.compress import wire_dtype
+from mixtrain.comm.strategy import JoinContext, RoundSync, StepOutcome, StepResult, SyncStrategy
+from mixtrain.precision import LossScale
+from mixtrain.task import Task
+
+
+class LocalSGDStrategy(SyncStrategy):
+    name = "local-sgd"
+    momentum: torch.Tensor = torch.zeros(0)
+    """The outer optimizer's momentum buffer (the same on every rank); kept across re-formed groups."""
+
+    def setup(self, task: Task, ctx: JoinContext) -> None:
+        replicas.broadcast_state(task.model)
+        self.params = [p for p in task.model.parameters() if p.requires_grad]
+        self.anchor = self._flat_params()  # the last common point, on the CPU in fp32
+        if self.momentum.numel() != self.anchor.numel():  # first set-up (a re-formed group keeps it)
+            self.momentum = torch.zeros_like(self.anchor)
+        self.loss_scale = LossScale(enabled=ctx.loss_scaling)
+        self.wire = wire_dtype(self.config.compress) or torch.float32
+        self._pending: list[torch.Tensor] = []  # per step since the last exchange: [loss term, non-finite]
+        self._weights: list[float] = []
+
+    def _flat_params(self) -> torch.Tensor:
+        return torch.cat([p.detach().to("cpu", torch.float32).reshape(-1) for p in self.params])
+
+    def zero_grad(self, task: Task) -> None:
+        task.model.zero_grad(set_to_none=True)
+
+    def step(self, task: Task, local_stats: torch.Tensor, weight: float) -> StepOutcome:
+        grads = [p.grad for p in self.params if p.grad is not None]
+        finite = all(bool(torch.isfinite(g).all()) for g in grads) and bool(torch.isfinite(local_stats).all())
+        if weight > 0:
+            if finite:
+                factor = 1.0 / (weight * self.loss_scale.scale)  # this rank's own mean gradient
+                for g in grads:
+                    g.mul_(factor)
+                task.optimizer.step()
+                if task.scheduler is not None:
+                    task.scheduler.step()
+            self.loss_scale.update(finite)
+        self._pending.append(torch.cat([local_stats.float().reshape(-1), torch.tensor([0.0 if finite else 1.0])]))
+        self._weights.append(weight)
+        if len(self._pending) < self.config.local_steps:
+            return StepOutcome([], 0.0)
+        t0 = time.perf_counter()
+        done, sent = self._exchange(task)
+        return StepOutcome(done, time.perf_counter() - t0, sent)
+
+    def _exchange(self, task: Task) -> tuple[list[StepResult], int]:
+        """Average the weighted deltas and the pending per-step statistics in one collective, then
+        apply the outer step to the common point."""
+        share = sum(self._weights) / len(self._weights)  # this rank's part of the samples since the last exchange
+        delta = (self.anchor - self._flat_params()) * share
+        stats = torch.stack(self._pending)
+        buf = torch.cat([delta, stats.reshape(-1)]).to(self.wire).to(replicas.comm_device())
+        dist.all_reduce(buf, op=dist.ReduceOp.SUM)
+        summed = buf.to("cpu", torch.float32)
+        n = delta.numel()
+        avg_delta, stats = summed[:n], summed[n:].view_as(stats)
+        applied = bool(torch.isfinite(avg_delta).all())
+        if applied:  # SGD with Nesterov momentum on the pseudo-gradient, as torch.optim.SGD computes it
+            mu = self.config.outer_momentum
+            self.momentum.mul_(mu).add_(avg_delta)
+            self.anchor.sub_(self.config.outer_lr * (avg_delta + mu * self.momentum))
+        self._load_anchor()
+        self._pending, self._weights = [], []
+        done = [StepResult(applied and float(s[-1]) == 0.0, s[:-1]) for s in stats]
+        return done, buf.numel() * buf.element_size()
+
+    def _load_anchor(self) -> None:
+        offset = 0
+        with torch.no_grad():
+            for p in self.params:
+                p.copy_(self.anchor[offset : offset + p.numel()].view_as(p))
+                offset += p.numel()
+
+    def end_round(self, task: Task, weight: float, drift_tolerance: float) -> RoundSync:
+        t0 = time.perf_counter()
+        done, sent = self._exchange(task) if self._pending else ([], 0)
+        self._sync_loss_scale()
+        replicas.average_buffers(task.model, weight)
+        d, rebroadcast = replicas.resync_if_drifted(task.model, task.optimizer, drift_tolerance)
+        if rebroadcast:
+            self.anchor = self._flat_params()
+        return RoundSync(d, rebroadcast, time.perf_counter() - t0, done, sent)
+
+    def _sync_loss_scale(self) -> None:
+        """Each rank updated its scale on its own verdicts: all take the smallest (fp16 only)."""
+        if not self.loss_scale.enabled:
+            return
+        scale = torch.tensor([self.loss_scale.scale], dtype=torch.float64, device=replicas.comm_device())
+        dist.all_reduce(scale, op=dist.ReduceOp.MIN)
+        if float(scale) != self.loss_scale.scale:
+            self.loss_scale.load_state_dict({"scale": float(scale), "good_steps": 0})
+
+    def measure_comm(self, task: Task, repeats: int) -> float:
+        buf = torch.zeros(self.anchor.numel() + 2 * self.config.local_steps, dtype=self.wire)
+        buf = buf.to(replicas.comm_device())
+        times = []
+        for _ in range(repeats + 1):  # the first is a warm-up
+            t0 = time.perf_counter()
+            dist.all_reduce(buf, op=dist.ReduceOp.SUM)
+            times.append(time.perf_counter() - t0)
+        return statistics.median(times[1:])
+
+    def exchange_bytes(self, task: Task) -> int:
+        return (self.anchor.numel() + 2 * self.config.local_steps) * self.wire.itemsize
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"momentum": self.momentum.clone()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if "momentum" in state:
+            self.momentum = state["momentum"].to("cpu", torch.float32).clone()

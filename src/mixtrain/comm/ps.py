@@ -1,0 +1,163 @@
+"""Parameter-server strategies, the workers' side: `ps` (synchronous) and `ps-async` (bounded staleness).
+
+Per step a worker sends each shard its slice of the sample-weighted gradient (at the wire
+precision) through Ray's object store as numpy buffers, and gets back the shard's weights
+after the update. Only trainable parameters travel; buffers (BatchNorm statistics) stay on the
+workers and are averaged at round ends as with all-reduce.
+
+Staleness rule (documented in the README): the gradient of update t may be computed on weights
+at most S updates old (version >= t - S). A worker waits before a step only when it would break
+that bound, so a fast worker runs up to S updates ahead and never waits longer for a slow one.
+Within the bound every gradient is applied at full weight; a gradient that arrives after its
+update was applied (possible only from a group that was re-formed meanwhile) is rejected by the
+shard. S = 0 is the synchronous parameter server.
+
+At a round end every worker drains its pushes and fetches the optimizer state from the shards,
+so every replica holds the complete training state, as with all-reduce: checkpoints, rollback
+and re-forming the group work unchanged, and a re-formed group reloads the shards from rank 0.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections import deque
+from typing import Any
+
+import numpy as np
+import ray
+import torch
+import torch.distributed as dist
+
+from mixtrain.comm import process_group, replicas
+from mixtrain.comm.compress import encode
+from mixtrain.comm.ps_server import optimizer_index, partition, state_from_numpy, state_to_numpy, trainable
+from mixtrain.comm.strategy import JoinContext, RoundSync, StepOutcome, StepResult, SyncStrategy
+from mixtrain.precision import LossScale
+from mixtrain.task import Task
+
+
+class ParameterServerStrategy(SyncStrategy):
+    name = "ps"
+
+    def setup(self, task: Task, ctx: JoinContext) -> None:
+        if not ctx.servers:
+            raise RuntimeError(f"strategy {self.config.name!r} needs parameter servers; none were started")
+        replicas.broadcast_state(task.model)
+        self.servers = list(ctx.servers)
+        self.timeout_s = ctx.timeout_s
+        self.rank = ctx.rank
+        self.staleness = self.config.staleness if self.config.name == "ps-async" else 0
+        self.loss_scale = LossScale(enabled=ctx.loss_scaling)
+        params = trainable(task.model)
+        self.slices = [[params[i] for i in ix] for ix in partition([p.numel() for p in params], len(self.servers))]
+        index_of = optimizer_index(task.optimizer)
+        self.opt_ids = [[index_of[id(p)] for p in group] for group in self.slices]
+        self.next_step = 0  # the update this worker's next gradient is for
+        self.version = 0  # the update count of the weights this replica holds
+        self.pending: deque[tuple[int, list[Any]]] = deque()
+        if ctx.rank == 0:
+            self._load_servers(task, ctx.world_size)
+        dist.barrier()  # no rank pushes before the shards hold rank 0's state
+
+    def _load_servers(self, task: Task, world_size: int) -> None:
+        sd = task.optimizer.state_dict()
+        scheduler = task.scheduler.state_dict() if task.scheduler is not None else None
+        refs = []
+        for server, group, ids in zip(self.servers, self.slices, self.opt_ids):
+            weights = self._flat(group).numpy()
+            state = state_to_numpy({i: sd["state"][i] for i in ids if i in sd["state"]})
+            refs.append(server.load.remote(world_size, weights, state, sd["param_groups"], scheduler))
+        self._get(refs)
+
+    def _get(self, refs: list[Any]) -> list[Any]:
+        """The answers, or PeerLostError when the shards do not answer in time: a sync update waits for
+        every rank's gradient, so a dead or stopped peer shows up here."""
+        try:
+            return ray.get(refs, timeout=self.timeout_s)
+        except ray.exceptions.GetTimeoutError:
+            raise process_group.PeerLostError(
+                f"Timed out waiting {self.timeout_s:.0f} s for the parameter servers: a peer died or stopped answering"
+            ) from None
+
+    @staticmethod
+    def _flat(group: list[torch.nn.Parameter], grads: bool = False) -> torch.Tensor:
+        parts = []
+        for p in group:
+            t = p.grad if grads else p
+            parts.append(torch.zeros(p.numel()) if t is None else t.detach().to("cpu", torch.float32).reshape(-1))
+        return torch.cat(parts) if parts else torch.zeros(0)
+
+    def zero_grad(self, task: Task) -> None:
+        task.model.zero_grad(set_to_none=True)
+
+    def step(self, task: Task, local_stats: torch.Tensor, weight: float) -> StepOutcome:
+        t0 = time.perf_counter()
+        grads = [self._flat(group, grads=True) for group in self.slices]
+        finite = all(bool(torch.isfinite(g).all()) for g in grads) and bool(torch.isfinite(local_stats).all())
+        stats = local_stats.float().numpy()
+        scale = self.loss_scale.scale
+        step = self.next_step
+        staleness = step - self.version
+        refs = []
+        sent = 0
+        for server, g in zip(self.servers, grads):
+            wire = encode(g, self.config.compress)
+            sent += wire.nbytes
+            refs.append(server.push.remote(step, self.rank, wire, scale, finite, stats))
+        self.pending.append((step, refs))
+        self.next_step += 1
+        done = self._collect(task, must_have=self.next_step - self.staleness)
+        return StepOutcome(done, time.perf_counter() - t0, sent, staleness)
+
+    def _collect(self, task: Task, must_have: int) -> list[StepResult]:
+        """Take in answered pushes, oldest first: wait for those needed to hold weights of at least
+        version `must_have`, take the others only if they are already answered."""
+        done = []
+        while self.pending:
+            step, refs = self.pending[0]
+            if step >= must_have:
+                ready, _ = ray.wait(refs, num_returns=len(refs), timeout=0)
+                if len(ready) < len(refs):
+                    break
+            answers = self._get(refs)
+            self.pending.popleft()
+            applied = bool(answers[0][0])
+            with torch.no_grad():
+                for group, (_, _, _, weights) in zip(self.slices, answers):
+                    offset = 0
+                    flat = torch.from_numpy(np.asarray(weights))
+                    for p in group:
+                        p.copy_(flat[offset : offset + p.numel()].view_as(p))
+                        offset += p.numel()
+            self.version = int(answers[0][2])
+            self.loss_scale.update(applied)  # every rank sees the same verdicts in the same order
+            if applied and task.scheduler is not None:
+                task.scheduler.step()  # the local copy follows the shards' (for checkpoints)
+            done.append(StepResult(applied, torch.from_numpy(np.asarray(answers[0][1]).copy())))
+        return done
+
+    def end_round(self, task: Task, weight: float, drift_tolerance: float) -> RoundSync:
+        t0 = time.perf_counter()
+        done = self._collect(task, must_have=self.next_step)
+        states = self._get([s.optimizer_state.remote() for s in self.servers])
+        sd = task.optimizer.state_dict()
+        for state in states:
+            sd["state"].update(state_from_numpy(state))
+        task.optimizer.load_state_dict(sd)
+        replicas.average_buffers(task.model, weight)
+        d, rebroadcast = replicas.resync_if_drifted(task.model, task.optimizer, drift_tolerance)
+        return RoundSync(d, rebroadcast, time.perf_counter() - t0, done)
+
+    def measure_comm(self, task: Task, repeats: int) -> float:
+        wires = [encode(self._flat(group), self.config.compress) for group in self.slices]
+        times = []
+        for _ in range(repeats + 1):  # the first is a warm-up
+            t0 = time.perf_counter()
+            self._get([s.echo.remote(w) for s, w in zip(self.servers, wires)])
+            times.append(time.perf_counter() - t0)
+        return statistics.median(times[1:])
+
+    def exchange_bytes(self, task: Task) -> int:
+        itemsize = encode(torch.zeros(1), self.config.compress).itemsize
+        return itemsize * sum(p.numel() for group in self.slices for p in group)

@@ -1,0 +1,196 @@
+"""Parameter-server shards: Ray actors that hold a slice of the parameters and their optimizer state.
+
+The parameters are split over the shards by size (largest first, each to the lightest shard),
+so no single actor carries the whole model's traffic. Every worker pushes, for each step, its
+sample-weighted gradient for the shard's slice; when all of a step's gradients are in (and the
+step before it is applied), the shard sums them in rank order, steps the user's optimizer and
+scheduler on its slice and answers every waiting push with the new weights. That is the
+all-reduce's math: the synchronous parameter server trains exactly like one device.
+
+Bounded staleness is the workers' side: a worker does not wait for its own push's answer until
+it would be more than S updates ahead of the newest weights it holds (`ps.py`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+from mixtrain.comm.compress import decode
+from mixtrain.task import Task, build_task
+
+SHARD_BYTES = 16 * 2**20
+"""shards="auto": one shard per this many bytes of trainable parameters, at most MAX_SHARDS."""
+MAX_SHARDS = 4
+
+
+def num_shards(requested: int | str, trainable_bytes: int) -> int:
+    if requested != "auto":
+        return int(requested)
+    return max(1, min(MAX_SHARDS, math.ceil(trainable_bytes / SHARD_BYTES)))
+
+
+def partition(sizes: list[int], shards: int) -> list[list[int]]:
+    """Indices of `sizes` per shard: largest first, each to the shard with the fewest elements so
+    far (ties to the lower shard); each shard's indices in ascending order. Deterministic, so the
+    workers and the shards compute the same split."""
+    loads = [0] * shards
+    out: list[list[int]] = [[] for _ in range(shards)]
+    for i in sorted(range(len(sizes)), key=lambda i: (-sizes[i], i)):
+        s = min(range(shards), key=lambda s: (loads[s], s))
+        out[s].append(i)
+        loads[s] += sizes[i]
+    return [sorted(ix) for ix in out]
+
+
+def trainable(model: torch.nn.Module) -> list[torch.nn.Parameter]:
+    return [p for p in model.parameters() if p.requires_grad]
+
+
+def optimizer_index(optimizer: torch.optim.Optimizer) -> dict[int, int]:
+    """id(parameter) -> the parameter's number in optimizer.state_dict()."""
+    params = [p for g in optimizer.param_groups for p in g["params"]]
+    return {id(p): i for i, p in enumerate(params)}
+
+
+def state_to_numpy(state: dict[int, dict[str, Any]]) -> dict[int, dict[str, Any]]:
+    return {
+        i: {k: v.detach().cpu().numpy() if torch.is_tensor(v) else v for k, v in s.items()} for i, s in state.items()
+    }
+
+
+def state_from_numpy(state: dict[int, dict[str, Any]]) -> dict[int, dict[str, Any]]:
+    return {
+        int(i): {k: torch.from_numpy(np.array(v)) if isinstance(v, np.ndarray) else v for k, v in s.items()}
+        for i, s in state.items()
+    }
+
+
+@dataclass
+class _Step:
+    grads: dict[int, tuple[torch.Tensor, float, bool, np.ndarray]] = field(default_factory=dict)
+    done: asyncio.Event = field(default_factory=asyncio.Event)
+    result: tuple | None = None
+
+
+class ParameterServer:
+    """One shard. All methods are coroutines: pushes for the same step wait together on one event."""
+
+    def __init__(self, factory: Callable[[], Task], index: int, shards: int, seed: int, compress: str) -> None:
+        torch.set_num_threads(1)
+        torch.manual_seed(seed)
+        self.task = build_task(factory)
+        self.task.model.to("cpu")
+        params = trainable(self.task.model)
+        self.owned = partition([p.numel() for p in params], shards)[index]
+        self.params = [params[i] for i in self.owned]
+        mine = {id(p) for p in self.params}
+        with torch.no_grad():
+            for p in params:  # the other shards' parameters are never stepped here: free their memory
+                if id(p) not in mine:
+                    p.data = torch.empty(0)
+        index_of = optimizer_index(self.task.optimizer)
+        self.opt_ids = [index_of[id(p)] for p in self.params]
+        self.numel = sum(p.numel() for p in self.params)
+        self.compress = compress
+        self.world_size = 0
+        self.version = 0
+        self.steps: dict[int, _Step] = {}
+
+    async def load(
+        self, world_size: int, weights: np.ndarray, opt_state: dict, param_groups: list, scheduler: Any
+    ) -> int:
+        """A group formed: start from rank 0's complete state; pushes of an older group are voided."""
+        for step in self.steps.values():
+            step.result = ("void",)
+            step.done.set()
+        self.steps = {}
+        self.world_size, self.version = world_size, 0
+        self._set_weights(torch.from_numpy(np.array(weights)))
+        sd = self.task.optimizer.state_dict()
+        sd["state"] = state_from_numpy(opt_state)
+        sd["param_groups"] = param_groups  # the same model and optimizer: the same parameter numbers
+        self.task.optimizer.load_state_dict(sd)
+        if scheduler is not None and self.task.scheduler is not None:
+            self.task.scheduler.load_state_dict(scheduler)
+        return self.numel
+
+    def _set_weights(self, flat: torch.Tensor) -> None:
+        offset = 0
+        with torch.no_grad():
+            for p in self.params:
+                p.copy_(flat[offset : offset + p.numel()].view_as(p))
+                offset += p.numel()
+
+    def _weights(self) -> np.ndarray:
+        return torch.cat([p.detach().reshape(-1) for p in self.params]).numpy()
+
+    async def push(
+        self, step: int, rank: int, grad: np.ndarray, scale: float, finite: bool, stats: np.ndarray
+    ) -> tuple:
+        """Rank `rank`'s gradient for global update `step`. Answers once that update is applied:
+        (applied, summed stats, version, the shard's weights after it)."""
+        if step < self.version:
+            raise RuntimeError(f"push for update {step} after update {self.version - 1} was applied (a stale group)")
+        entry = self.steps.setdefault(step, _Step())
+        entry.grads[rank] = (decode(grad, self.compress), scale, finite, stats)
+        self._apply_ready()
+        await entry.done.wait()
+        assert entry.result is not None
+        if entry.result[0] == "void":
+            raise RuntimeError("the group was re-formed while this push waited")
+        return entry.result
+
+    def _apply_ready(self) -> None:
+        while (entry := self.steps.get(self.version)) is not None and len(entry.grads) == self.world_size:
+            contributions = [entry.grads[r] for r in sorted(entry.grads)]
+            applied = all(finite for _, _, finite, _ in contributions)
+            stats = np.sum([s for *_, s in contributions], axis=0)
+            if applied:
+                total = torch.zeros(self.numel)
+                for grad, scale, _, _ in contributions:  # each rank's own loss scale comes off its own gradient
+                    total.add_(grad, alpha=1.0 / scale)
+                offset = 0
+                for p in self.params:
+                    p.grad = total[offset : offset + p.numel()].view_as(p)
+                    offset += p.numel()
+                self.task.optimizer.step()
+                if self.task.scheduler is not None:
+                    self.task.scheduler.step()
+            self.version += 1
+            entry.result = (applied, stats, self.version, self._weights())
+            entry.done.set()
+            del self.steps[self.version - 1]
+
+    async def optimizer_state(self) -> dict[int, dict[str, Any]]:
+        """This shard's optimizer state (by the optimizer's parameter numbers), as numpy."""
+        state = self.task.optimizer.state_dict()["state"]
+        return state_to_numpy({i: state[i] for i in self.opt_ids if i in state})
+
+    async def echo(self, grad: np.ndarray) -> np.ndarray:
+        """A push's traffic without an update (the planner's measurement)."""
+        decode(grad, self.compress)
+        return self._weights()
+
+    async def ready(self) -> int:
+        return self.numel
+
+
+def start(factory: Callable[[], Task], shards: int, seed: int, compress: str, node_id: str | None) -> list[Any]:
+    """The shard actors, on `node_id` (default: the driver's node, normally the head). They reserve no
+    CPU, so they never keep a worker from its bundle; each runs torch on one thread."""
+    import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    node = node_id or ray.get_runtime_context().get_node_id()
+    cls: Any = ray.remote(num_cpus=0, max_restarts=0)(ParameterServer)
+    where = NodeAffinitySchedulingStrategy(node, soft=False)
+    actors = [cls.options(scheduling_strategy=where).remote(factory, i, shards, seed, compress) for i in range(shards)]
+    ray.get([a.ready.remote() for a in actors])
+    return actors

@@ -1,0 +1,77 @@
+"""Pure parts of the strategies: wire encoding, the parameter split, the strategy advice, the config checks."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from mixtrain.advice import suggest
+from mixtrain.comm.compress import decode, encode
+from mixtrain.comm.ps_server import num_shards, partition
+from mixtrain.config import StrategyConfig
+
+
+@pytest.mark.parametrize("compress,itemsize,tol", [("none", 4, 0.0), ("bf16", 2, 2**-8), ("fp16", 2, 2**-11)])
+def test_wire_encoding_round_trips_at_its_precision(compress, itemsize, tol):
+    t = torch.randn(1000) * 3
+    wire = encode(t, compress)
+    assert isinstance(wire, np.ndarray) and wire.itemsize == itemsize and wire.size == 1000
+    back = decode(wire, compress)
+    assert back.dtype == torch.float32
+    assert float(((back - t).abs() / t.abs().clamp_min(1e-6)).max()) <= tol
+
+
+def test_bf16_keeps_fp32_range_where_fp16_overflows():
+    t = torch.tensor([1e6, 1e-20])
+    assert torch.isfinite(decode(encode(t, "bf16"), "bf16")).all()
+    assert not torch.isfinite(decode(encode(t, "fp16"), "fp16")).all()
+
+
+def test_partition_balances_by_size_deterministically_and_covers_every_parameter():
+    sizes = [1000, 10, 500, 500, 20, 990]
+    parts = partition(sizes, 2)
+    assert sorted(i for p in parts for i in p) == list(range(6))
+    loads = [sum(sizes[i] for i in p) for p in parts]
+    assert max(loads) - min(loads) <= 20
+    assert partition(sizes, 2) == parts and all(p == sorted(p) for p in parts)
+    assert partition([5], 3) == [[0], [], []]
+
+
+def test_auto_shards_follow_model_size():
+    assert num_shards("auto", 1000) == 1
+    assert num_shards("auto", 40 * 2**20) == 3
+    assert num_shards("auto", 10**10) == 4
+    assert num_shards(2, 10) == 2
+
+
+def test_advice_keeps_allreduce_on_a_fast_link():
+    line = suggest(0.050, 0.005, 2**20, StrategyConfig(), workers=2)
+    assert "allreduce suggested" in line and "1.0 MB per exchange took 5.0 ms (200 MB/s)" in line
+
+
+def test_advice_suggests_local_sgd_with_enough_local_steps_on_a_slow_link():
+    # 400 MB per step over 50 MB/s: 8 s of communication against 1 s of compute
+    line = suggest(1.0, 8.0, 400 * 2**20, StrategyConfig(), workers=2)
+    assert "local-sgd with H=64 suggested (--strategy local-sgd --local-steps 64)" in line
+    assert "400.0 MB per exchange" in line and "(50 MB/s)" in line and "--compress bf16" in line
+    line = suggest(0.1, 0.05, 2**20, StrategyConfig(compress="bf16"), workers=3)
+    assert "H=8" in line and "--compress" not in line  # 0.5 / 0.1 = 5 -> the next power of two
+    assert "nothing to exchange" in suggest(0.1, 0.0, 0, StrategyConfig(), workers=1)
+
+
+@pytest.mark.parametrize(
+    "kwargs,fragment",
+    [
+        ({"name": "gossip"}, "strategy='gossip': use one of allreduce, ps, ps-async, local-sgd"),
+        ({"compress": "int8"}, "StrategyConfig.compress='int8'"),
+        ({"staleness": -1}, "StrategyConfig.staleness=-1"),
+        ({"local_steps": 0}, "StrategyConfig.local_steps=0"),
+        ({"outer_momentum": 1.0}, "StrategyConfig.outer_momentum=1.0"),
+        ({"ps_shards": 0}, "StrategyConfig.ps_shards=0"),
+    ],
+)
+def test_bad_strategy_settings_name_the_field_and_the_fix(kwargs, fragment):
+    with pytest.raises(ValueError) as err:
+        StrategyConfig(**kwargs)
+    assert fragment in str(err.value)
