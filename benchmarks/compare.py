@@ -10,6 +10,10 @@ Command lines:
         # "ideal" = one worker alone + the slow worker alone = single1 x (1 + 1/3)
     python benchmarks/compare.py --emulate 1:3@4 --runners mixtrain-all --workloads cnn --repeats 1
         # a slowdown switched on at round 4: prints mixtrain's shares per round
+    python benchmarks/compare.py --workloads cnn --emulate 1:3 --runners ddp,mx:allreduce,mx:ps,mx:ps-async,\
+mx:local-sgd,mx:allreduce+bf16,mx:ps+bf16,mx:ps-async+bf16,mx:local-sgd+bf16
+        # mixtrain's strategies ("mx:NAME[+bf16]": every worker kept; ps-async with staleness 2,
+        # local-sgd with H=8); the link-limited comparison is benchmarks/slow_link.py
 
 Emulation rule, the same in every runner: before computing a step, a slow rank sleeps
 (factor - 1) x the plain compute time of its samples (DDP: calibrated once for its fixed slice;
@@ -210,10 +214,12 @@ def run_raytrain(workload: str) -> dict:
         return json.loads(out_file.read_text())
 
 
-def run_mixtrain(workload: str, shares: str = "auto", keep_all: bool = False) -> dict:
+def run_mixtrain(workload: str, shares: str = "auto", keep_all: bool = False, strategy: str = "allreduce") -> dict:
     import functools
 
-    from mixtrain import RunConfig, ScalingConfig, Trainer
+    from mixtrain import RunConfig, ScalingConfig, StrategyConfig, Trainer
+
+    name, _, compress = strategy.partition("+")
 
     x, y = make_data(workload)
     n, epochs, warmup = WORKLOADS[workload]
@@ -225,6 +231,7 @@ def run_mixtrain(workload: str, shares: str = "auto", keep_all: bool = False) ->
             global_batch=GLOBAL_BATCH,
             scaling=ScalingConfig(num_workers=NUM_WORKERS, shares=shares, leave_out_slow=not keep_all),
             run=RunConfig(run_dir=tmp, progress=False),
+            strategy=StrategyConfig(name=name, compress=compress or "none", staleness=2, local_steps=8),
         ).fit(epochs=epochs)
     steps_per_epoch = n // GLOBAL_BATCH
     measured = [r for r in result.history if r["epoch"] * steps_per_epoch + r["first_step"] >= warmup]
@@ -335,7 +342,9 @@ def shares_per_round(results: dict) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--runner", choices=[*RUNNERS, "single1", "mixtrain-equal", "mixtrain-all", "ddp-rank"])
+    parser.add_argument(
+        "--runner", help=f"one of {', '.join(RUNNERS)}, single1, mixtrain-equal, mixtrain-all, mx:NAME[+bf16]"
+    )
     parser.add_argument("--workload", choices=list(WORKLOADS))
     parser.add_argument("--out", help="(ddp-rank) where rank 0 writes its result")
     parser.add_argument("--workloads", default="mlp,cnn")
@@ -350,6 +359,9 @@ def main() -> None:
         out = run_ddp_rank(args.workload)
         if int(os.environ.get("RANK", "0")) == 0:
             Path(args.out).write_text(json.dumps(out))
+        return
+    if args.runner and args.runner.startswith("mx:"):
+        print(json.dumps(run_mixtrain(args.workload, keep_all=True, strategy=args.runner[3:])))
         return
     if args.runner:
         runner = {

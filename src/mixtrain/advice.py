@@ -6,8 +6,9 @@ import math
 
 from mixtrain.config import StrategyConfig
 
-ALLREDUCE_MAX_RATIO = 0.25
-"""All-reduce is suggested while one exchange costs at most this fraction of a step's compute."""
+ALLREDUCE_MAX_RATIO = 0.5
+"""All-reduce is suggested while one exchange costs at most this fraction of a step's compute (it keeps the
+exact math, and its exchange partly overlaps backward)."""
 LOCAL_SGD_TARGET = 0.10
 """local-sgd's H is chosen so communication is at most this fraction of compute (H a power of 2, 2..64)."""
 

@@ -6,7 +6,7 @@ import functools
 
 import pytest
 
-from mixtrain import RunConfig, ScalingConfig, Trainer
+from mixtrain import RunConfig, ScalingConfig, StrategyConfig, Trainer
 from mixtrain.checkpoint import CheckpointStore
 from mixtrain.controller import TrainingStopped
 from tests.conftest import run_records
@@ -16,7 +16,7 @@ from tests.ray.test_exactness import GLOBAL_BATCH, NUM_SAMPLES, SEED, assert_sam
 pytestmark = pytest.mark.usefixtures("ray_session")
 
 
-def fit(task_factory, tmp_path, workers=3, epochs=1, resume=None, **run):
+def fit(task_factory, tmp_path, workers=3, epochs=1, resume=None, strategy="allreduce", **run):
     x, y = data("mlp", NUM_SAMPLES)
     trainer = Trainer(
         task_factory,
@@ -26,6 +26,7 @@ def fit(task_factory, tmp_path, workers=3, epochs=1, resume=None, **run):
         run=RunConfig(
             run_dir=str(tmp_path / "run"), seed=SEED, steps_per_round=2, progress=False, checkpoint_every_s=0, **run
         ),
+        strategy=strategy,
     )
     return trainer.fit(epochs=epochs, resume=resume), (x, y)
 
@@ -56,6 +57,29 @@ def test_a_worker_lost_mid_round_is_survived_and_training_stays_exact(tmp_path, 
     steps = [(r["first_step"], r["num_steps"]) for r in result.history]
     assert sum(n for _, n in steps) == 30 and sorted(steps) == steps  # every step once, in order
     assert_same_weights(result.state_dict, reference("mlp", "sgd", x, y))
+    all_checkpoints_verify(result.run_dir)
+
+
+@pytest.mark.parametrize(
+    "strategy,opt",
+    [
+        (StrategyConfig(name="ps", ps_shards=2), "sgd"),
+        (StrategyConfig(name="local-sgd", local_steps=1, outer_lr=1.0, outer_momentum=0.0), "sgd0"),
+    ],
+    ids=["ps", "local-sgd"],
+)
+def test_a_worker_killed_under_another_strategy_is_survived_exactly(tmp_path, monkeypatch, strategy, opt):
+    # With parameter servers the survivors notice through the shards, which wait for the dead worker's
+    # gradient until the collective timeout; the re-formed group reloads the shards from rank 0.
+    monkeypatch.setenv("MIXTRAIN_COLLECTIVE_TIMEOUT_S", "5")
+    task = functools.partial(faulty_task, "mlp", opt, "kill", 1, 7, str(tmp_path / "fired"))
+    result, (x, y) = fit(task, tmp_path, rejoin=False, strategy=strategy)
+    [failure] = run_records(result.run_dir, "failure")
+    assert [w["worker"]["rank"] for w in failure["lost"]] == [1]
+    widths = [len(r["shares"]) for r in result.history]
+    assert widths[0] == 3 and widths[-1] == 2, widths
+    assert sum(r["num_steps"] for r in result.history) == 30
+    assert_same_weights(result.state_dict, reference("mlp", opt, x, y))
     all_checkpoints_verify(result.run_dir)
 
 

@@ -55,8 +55,9 @@ def test_advice_suggests_local_sgd_with_enough_local_steps_on_a_slow_link():
     line = suggest(1.0, 8.0, 400 * 2**20, StrategyConfig(), workers=2)
     assert "local-sgd with H=64 suggested (--strategy local-sgd --local-steps 64)" in line
     assert "400.0 MB per exchange" in line and "(50 MB/s)" in line and "--compress bf16" in line
-    line = suggest(0.1, 0.05, 2**20, StrategyConfig(compress="bf16"), workers=3)
-    assert "H=8" in line and "--compress" not in line  # 0.5 / 0.1 = 5 -> the next power of two
+    line = suggest(0.1, 0.07, 2**20, StrategyConfig(compress="bf16"), workers=3)
+    assert "H=8" in line and "--compress" not in line  # 0.7 / 0.1 = 7 -> the next power of two
+    assert "allreduce suggested" in suggest(0.1, 0.05, 2**20, StrategyConfig(), workers=2)  # at most half
     assert "nothing to exchange" in suggest(0.1, 0.0, 0, StrategyConfig(), workers=1)
 
 
