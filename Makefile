@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 # The pinned CPU build of torch first: an unpinned torch pulls several GB of CUDA packages.
 TORCH ?= torch==2.13.0
 
-.PHONY: install install-dev demo test test-fast lint bench clean
+.PHONY: install install-dev demo test test-fast lint bench bench-strategies clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -34,6 +34,17 @@ bench: install
 	$(BIN)/python benchmarks/compare.py
 	$(BIN)/python benchmarks/compare.py --emulate 1:3 --runners single1,ddp,mixtrain,mixtrain-all,mixtrain-equal \
 		--json bench_results/emulate_1to3.json
+
+# mixtrain's strategies beside a 3x slower worker (emulated), the parameter server against all-reduce,
+# and all-reduce vs local SGD between two network namespaces over a 100 Mbit/s link (needs root)
+STRATEGY_RUNNERS := single1,ddp,mx:allreduce,mx:ps,mx:ps-async,mx:local-sgd,mx:allreduce+bf16,mx:ps+bf16,mx:ps-async+bf16,mx:local-sgd+bf16
+bench-strategies: install
+	$(BIN)/pip install -q -e ".[bench]"
+	$(BIN)/python benchmarks/compare.py --workloads cnn --emulate 1:3 --runners $(STRATEGY_RUNNERS) \
+		--json bench_results/strategies_1to3.json
+	$(BIN)/python benchmarks/compare.py --workloads mlp,cnn --runners ddp,mx:allreduce,mx:ps \
+		--json bench_results/ps_vs_allreduce.json
+	$(BIN)/python benchmarks/slow_link.py --strategies allreduce,allreduce+bf16,ps,ps-async:2,local-sgd:8,local-sgd:8+bf16
 
 clean:
 	rm -rf $(VENV) mixtrain_runs bench_results
