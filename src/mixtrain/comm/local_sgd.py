@@ -12,7 +12,6 @@ a checkpoint keeps rank 0's.
 
 from __future__ import annotations
 
-import statistics
 import time
 from typing import Any
 
@@ -21,7 +20,7 @@ import torch.distributed as dist
 
 from mixtrain.comm import replicas
 from mixtrain.comm.compress import wire_dtype
-from mixtrain.comm.strategy import JoinContext, RoundSync, StepOutcome, StepResult, SyncStrategy
+from mixtrain.comm.strategy import JoinContext, RoundSync, StepOutcome, StepResult, SyncStrategy, median_seconds
 from mixtrain.precision import LossScale
 from mixtrain.task import Task
 
@@ -43,7 +42,7 @@ class LocalSGDStrategy(SyncStrategy):
         self._weights: list[float] = []
 
     def _flat_params(self) -> torch.Tensor:
-        return torch.cat([p.detach().to("cpu", torch.float32).reshape(-1) for p in self.params])
+        return replicas.flat_on_host(self.params, torch.float32)
 
     def zero_grad(self, task: Task) -> None:
         task.model.zero_grad(set_to_none=True)
@@ -84,17 +83,10 @@ class LocalSGDStrategy(SyncStrategy):
             mu = self.config.outer_momentum
             self.momentum.mul_(mu).add_(avg_delta)
             self.anchor.sub_(self.config.outer_lr * (avg_delta + mu * self.momentum))
-        self._load_anchor()
+        replicas.unflatten_into(self.anchor, self.params)
         self._pending, self._weights = [], []
         done = [StepResult(applied and float(s[-1]) == 0.0, s[:-1]) for s in stats]
         return done, buf.numel() * buf.element_size()
-
-    def _load_anchor(self) -> None:
-        offset = 0
-        with torch.no_grad():
-            for p in self.params:
-                p.copy_(self.anchor[offset : offset + p.numel()].view_as(p))
-                offset += p.numel()
 
     def end_round(self, task: Task, weight: float, drift_tolerance: float) -> RoundSync:
         t0 = time.perf_counter()
@@ -118,12 +110,7 @@ class LocalSGDStrategy(SyncStrategy):
     def measure_comm(self, task: Task, repeats: int) -> float:
         buf = torch.zeros(self.anchor.numel() + 2 * self.config.local_steps, dtype=self.wire)
         buf = buf.to(replicas.comm_device())
-        times = []
-        for _ in range(repeats + 1):  # the first is a warm-up
-            t0 = time.perf_counter()
-            dist.all_reduce(buf, op=dist.ReduceOp.SUM)
-            times.append(time.perf_counter() - t0)
-        return statistics.median(times[1:])
+        return median_seconds(lambda: dist.all_reduce(buf, op=dist.ReduceOp.SUM), repeats)
 
     def exchange_bytes(self, task: Task) -> int:
         return (self.anchor.numel() + 2 * self.config.local_steps) * self.wire.itemsize

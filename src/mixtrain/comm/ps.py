@@ -19,7 +19,6 @@ and re-forming the group work unchanged, and a re-formed group reloads the shard
 
 from __future__ import annotations
 
-import statistics
 import time
 from collections import deque
 from typing import Any
@@ -30,9 +29,9 @@ import torch
 import torch.distributed as dist
 
 from mixtrain.comm import process_group, replicas
-from mixtrain.comm.compress import encode
+from mixtrain.comm.compress import decode, encode, wire_dtype
 from mixtrain.comm.ps_server import optimizer_index, partition, state_from_numpy, state_to_numpy, trainable
-from mixtrain.comm.strategy import JoinContext, RoundSync, StepOutcome, StepResult, SyncStrategy
+from mixtrain.comm.strategy import JoinContext, RoundSync, StepOutcome, StepResult, SyncStrategy, median_seconds
 from mixtrain.precision import LossScale
 from mixtrain.task import Task
 
@@ -82,11 +81,9 @@ class ParameterServerStrategy(SyncStrategy):
 
     @staticmethod
     def _flat(group: list[torch.nn.Parameter], grads: bool = False) -> torch.Tensor:
-        parts = []
-        for p in group:
-            t = p.grad if grads else p
-            parts.append(torch.zeros(p.numel()) if t is None else t.detach().to("cpu", torch.float32).reshape(-1))
-        return torch.cat(parts) if parts else torch.zeros(0)
+        """The group's weights (or gradients, zeros where a parameter got none) as one fp32 CPU buffer."""
+        tensors = [(p.grad if p.grad is not None else torch.zeros_like(p)) if grads else p for p in group]
+        return replicas.flat_on_host(tensors, torch.float32)
 
     def zero_grad(self, task: Task) -> None:
         task.model.zero_grad(set_to_none=True)
@@ -114,27 +111,24 @@ class ParameterServerStrategy(SyncStrategy):
         """Take in answered pushes, oldest first: wait for those needed to hold weights of at least
         version `must_have`, take the others only if they are already answered."""
         done = []
+        latest = None  # the newest answers: their weights are the only ones worth copying in
         while self.pending:
             step, refs = self.pending[0]
             if step >= must_have:
                 ready, _ = ray.wait(refs, num_returns=len(refs), timeout=0)
                 if len(ready) < len(refs):
                     break
-            answers = self._get(refs)
+            answers = latest = self._get(refs)
             self.pending.popleft()
             applied = bool(answers[0][0])
-            with torch.no_grad():
-                for group, (_, _, _, weights) in zip(self.slices, answers):
-                    offset = 0
-                    flat = torch.from_numpy(np.asarray(weights))
-                    for p in group:
-                        p.copy_(flat[offset : offset + p.numel()].view_as(p))
-                        offset += p.numel()
             self.version = int(answers[0][2])
             self.loss_scale.update(applied)  # every rank sees the same verdicts in the same order
             if applied and task.scheduler is not None:
                 task.scheduler.step()  # the local copy follows the shards' (for checkpoints)
             done.append(StepResult(applied, torch.from_numpy(np.asarray(answers[0][1]).copy())))
+        if latest is not None:
+            for group, (_, _, _, weights) in zip(self.slices, latest):
+                replicas.unflatten_into(decode(weights, "none"), group)
         return done
 
     def end_round(self, task: Task, weight: float, drift_tolerance: float) -> RoundSync:
@@ -151,13 +145,8 @@ class ParameterServerStrategy(SyncStrategy):
 
     def measure_comm(self, task: Task, repeats: int) -> float:
         wires = [encode(self._flat(group), self.config.compress) for group in self.slices]
-        times = []
-        for _ in range(repeats + 1):  # the first is a warm-up
-            t0 = time.perf_counter()
-            self._get([s.echo.remote(w) for s, w in zip(self.servers, wires)])
-            times.append(time.perf_counter() - t0)
-        return statistics.median(times[1:])
+        return median_seconds(lambda: self._get([s.echo.remote(w) for s, w in zip(self.servers, wires)]), repeats)
 
     def exchange_bytes(self, task: Task) -> int:
-        itemsize = encode(torch.zeros(1), self.config.compress).itemsize
+        itemsize = (wire_dtype(self.config.compress) or torch.float32).itemsize
         return itemsize * sum(p.numel() for group in self.slices for p in group)

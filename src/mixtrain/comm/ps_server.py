@@ -22,6 +22,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from mixtrain.comm import replicas
 from mixtrain.comm.compress import decode
 from mixtrain.task import Task, build_task
 
@@ -112,7 +113,7 @@ class ParameterServer:
             step.done.set()
         self.steps = {}
         self.world_size, self.version = world_size, 0
-        self._set_weights(torch.from_numpy(np.array(weights)))
+        replicas.unflatten_into(decode(weights, "none"), self.params)
         sd = self.task.optimizer.state_dict()
         sd["state"] = state_from_numpy(opt_state)
         sd["param_groups"] = param_groups  # the same model and optimizer: the same parameter numbers
@@ -121,15 +122,8 @@ class ParameterServer:
             self.task.scheduler.load_state_dict(scheduler)
         return self.numel
 
-    def _set_weights(self, flat: torch.Tensor) -> None:
-        offset = 0
-        with torch.no_grad():
-            for p in self.params:
-                p.copy_(flat[offset : offset + p.numel()].view_as(p))
-                offset += p.numel()
-
     def _weights(self) -> np.ndarray:
-        return torch.cat([p.detach().reshape(-1) for p in self.params]).numpy()
+        return replicas.flat_on_host(self.params).numpy()
 
     async def push(
         self, step: int, rank: int, grad: np.ndarray, scale: float, finite: bool, stats: np.ndarray

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 import torch.distributed as dist
 
@@ -18,12 +20,20 @@ def _to_host(t: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
     return t.detach().to("cpu").to(dtype or t.dtype)
 
 
+def flat_on_host(tensors: Sequence[torch.Tensor], dtype: torch.dtype | None = None) -> torch.Tensor:
+    """One CPU buffer holding `tensors` back to back (converted to `dtype` when given); empty for none."""
+    if not tensors:
+        return torch.zeros(0, dtype=dtype or torch.float32)
+    return torch.cat([_to_host(t, dtype).reshape(-1) for t in tensors])
+
+
 def _flatten(tensors: list[torch.Tensor], dtype: torch.dtype | None = None) -> torch.Tensor:
     """One buffer on the comm device holding `tensors` back to back."""
-    return torch.cat([_to_host(t, dtype).reshape(-1) for t in tensors]).to(comm_device())
+    return flat_on_host(tensors, dtype).to(comm_device())
 
 
-def _unflatten_into(flat: torch.Tensor, tensors: list[torch.Tensor]) -> None:
+def unflatten_into(flat: torch.Tensor, tensors: Sequence[torch.Tensor]) -> None:
+    """Copy consecutive slices of `flat` into `tensors` (each keeps its own device and dtype)."""
     flat = flat.to("cpu")
     offset = 0
     for t in tensors:
@@ -41,7 +51,7 @@ def _flat_broadcast(tensors: list[torch.Tensor], src: int = 0) -> None:
     for group in by_dtype.values():
         flat = _flatten(group)
         dist.broadcast(flat, src=src)
-        _unflatten_into(flat, group)
+        unflatten_into(flat, group)
 
 
 def optimizer_tensors(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
@@ -70,7 +80,7 @@ def average_buffers(model: torch.nn.Module, weight: float) -> None:
     if floats:
         flat = _flatten(floats, torch.float64) * weight
         dist.all_reduce(flat, op=dist.ReduceOp.SUM)
-        _unflatten_into(flat, floats)
+        unflatten_into(flat, floats)
     if ints:
         _flat_broadcast(ints)
 

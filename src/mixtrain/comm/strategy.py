@@ -9,6 +9,7 @@ from __future__ import annotations
 import statistics
 import time
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -70,6 +71,16 @@ class JoinContext:
     """How long to wait for peers or parameter servers before the round is given up as failed."""
     servers: tuple[Any, ...] = ()
     """The parameter-server actors (ps, ps-async)."""
+
+
+def median_seconds(exchange: Callable[[], object], repeats: int) -> float:
+    """Median wall time of `exchange` over `repeats` calls, after one warm-up call (measure_comm)."""
+    times = []
+    for _ in range(repeats + 1):
+        t0 = time.perf_counter()
+        exchange()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times[1:])
 
 
 class SyncStrategy(ABC):
@@ -165,14 +176,13 @@ class AllReduceStrategy(SyncStrategy):
         return RoundSync(d, rebroadcast, time.perf_counter() - t0)
 
     def measure_comm(self, task: Task, repeats: int) -> float:
-        times = []
-        for _ in range(repeats + 1):  # the first is a warm-up
+        def exchange() -> None:
             self.buckets.zero_()
-            t0 = time.perf_counter()
             self.buckets.all_reduce_(torch.zeros(self.buckets.num_extras))
-            times.append(time.perf_counter() - t0)
+
+        seconds = median_seconds(exchange, repeats)
         self.buckets.zero_()
-        return statistics.median(times[1:])
+        return seconds
 
     def exchange_bytes(self, task: Task) -> int:
         return self.buckets.wire_bytes
