@@ -70,8 +70,8 @@ def drive(address: str, spec: str, out: Path, epochs: int) -> None:
     run_dir = out / re.sub(r"[^\w.-]", "_", spec)
     result = Trainer(
         ex.task_factory,
-        ex.train,
-        eval_data=ex.eval,
+        ex.train_data,
+        eval_data=ex.eval_data,
         global_batch=ex.global_batch,
         scaling=ScalingConfig(
             num_workers=2, shares="equal", placement_strategy="STRICT_SPREAD", address=address, leave_out_slow=False

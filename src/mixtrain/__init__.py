@@ -2,6 +2,7 @@
 
 from mixtrain.checkpoint import load_weights
 from mixtrain.config import DeviceGroup, RunConfig, ScalingConfig, StrategyConfig
+from mixtrain.job import Job
 from mixtrain.result import Result
 from mixtrain.task import Task
 from mixtrain.trainer import Trainer
@@ -9,6 +10,7 @@ from mixtrain.worker_group import WorkerError
 
 __all__ = [
     "DeviceGroup",
+    "Job",
     "Result",
     "RunConfig",
     "ScalingConfig",

@@ -282,6 +282,9 @@ class RunConfig:
     joins at a round boundary with the current state."""
     max_nonfinite_steps: int = 10
     """Stop after this many steps in a row whose gradient was NaN/Inf (skipped on every worker)."""
+    tensorboard: bool | None = None
+    """TensorBoard event files in run_dir/tensorboard: None writes them when tensorboardX (or tensorboard)
+    is installed, True requires it, False writes none."""
 
     def __post_init__(self) -> None:
         if self.steps_per_round is not None and self.steps_per_round < 1:

@@ -31,7 +31,7 @@ from mixtrain.planner import (
     plan_record,
     plan_table,
 )
-from mixtrain.progress import ProgressView
+from mixtrain.progress import ProgressView, worker_label
 from mixtrain.rounds import RoundPlan, next_round_steps, summarize_round
 from mixtrain.runlog import RunLog
 from mixtrain.worker_group import WorkerError, WorkerGroup
@@ -108,6 +108,7 @@ class Controller:
         self.num_steps = steps_per_epoch(plan.num_samples, plan.global_batch)
         self.max_failures = max_failures
         self.failures = 0
+        self.epochs = 0  # set by run()
         self.max_nonfinite_steps = max_nonfinite_steps
         self._nonfinite_streak = 0
         self._culprits: dict[int, int] = {}  # rank -> first step of the current streak with a NaN/Inf loss
@@ -120,6 +121,7 @@ class Controller:
         round_timeout = env_float(ROUND_TIMEOUT_S) + env_float(COLLECTIVE_TIMEOUT_S)
         grace = env_float(COLLECTIVE_TIMEOUT_S) + LOST_GRACE_S
         self._checkpointed_at = time.monotonic()
+        self.epochs = epochs
         for epoch in range(start[0], epochs):
             step = start[1] if epoch == start[0] else 0
             while step < num_steps:
@@ -140,6 +142,9 @@ class Controller:
                     self._recover(lost, reports, epoch, step)
                     continue  # the same steps again, with the workers that are left
                 record = summarize_round(rplan, list(reports.values()), time.perf_counter() - t0)
+                for entry, info in zip(record["workers"], self.workers):  # who, for the report and progress rows
+                    entry.update(worker=worker_label(info), device=info["device"], device_name=info["device_name"])
+                    entry["host"] = info.get("hostname") or info["host"]
                 self.history.append(record)
                 self.log.write("round", record)
                 self.view.round_done(record)
@@ -371,7 +376,7 @@ class Controller:
         rounds = [r for r in self.history if r["epoch"] == epoch]
         samples = sum(r["samples"] for r in rounds)
         wall = sum(r["wall_s"] for r in rounds)
-        line = f"epoch {epoch}: loss {rounds[-1]['last_loss']:.4f}  {samples / wall:,.0f} samples/s"
+        line = f"epoch {epoch + 1}/{self.epochs}: loss {rounds[-1]['last_loss']:.4f}  {samples / wall:,.0f} samples/s"
         if self.plan.num_eval:
             ev = self._between_rounds("evaluate", self.evaluate, epoch + 1, 0)
             ev["epoch"] = epoch

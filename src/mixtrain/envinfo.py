@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import platform
 import sys
+from typing import Any
 
 import torch
 
@@ -36,3 +37,85 @@ def model_signature(model: torch.nn.Module) -> str:
     """A short hash of parameter and buffer names, shapes and dtypes: equal models, equal hashes."""
     parts = [f"{n}:{tuple(t.shape)}:{t.dtype}" for n, t in (*model.named_parameters(), *model.named_buffers())]
     return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:12]
+
+
+SETTINGS = (
+    "RAY_ADDRESS",
+    "PYTORCH_ENABLE_MPS_FALLBACK",
+    "CUDA_VISIBLE_DEVICES",
+    "GLOO_SOCKET_IFNAME",
+    "NCCL_SOCKET_IFNAME",
+    "OMP_NUM_THREADS",
+)
+"""Environment variables that change what mixtrain, torch or Ray do (plus every MIXTRAIN_* one)."""
+OPTIONAL = ("matplotlib", "tensorboardX", "tensorboard", "scikit-learn", "rich")
+"""Distributions some features use: report plots, TensorBoard files, the digits data, live progress."""
+
+
+def bug_report() -> dict[str, Any]:
+    """Everything a bug report needs, from this machine: `mixtrain env`."""
+    import os
+    import socket
+    from importlib import metadata
+
+    from mixtrain import devices
+    from mixtrain.comm.netif import hostname_trap, ipv4_addresses
+    from mixtrain.headnode import load_state
+
+    optional: dict[str, str | None] = {}
+    for name in OPTIONAL:
+        try:
+            optional[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            optional[name] = None
+    state = load_state()
+    return {
+        "versions": versions(),
+        "python_implementation": platform.python_implementation(),
+        "platform": platform_info(),
+        "torch_build": {
+            "cuda": torch.version.cuda,
+            "cuda_available": torch.cuda.is_available(),
+            "mps_built": torch.backends.mps.is_built(),
+            "mps_available": torch.backends.mps.is_available(),
+            "gloo": torch.distributed.is_available() and torch.distributed.is_gloo_available(),
+            "threads": torch.get_num_threads(),
+        },
+        "devices": [d.as_dict() for d in devices.local_devices()],
+        "network": {
+            "hostname": socket.gethostname(),
+            "hostname_warning": hostname_trap(),
+            "interfaces": {k: v for k, v in ipv4_addresses().items() if v},
+        },
+        "cluster": None if state is None else {"role": state.role, "address": state.address, "node_ip": state.node_ip},
+        "settings": {k: v for k, v in sorted(os.environ.items()) if k in SETTINGS or k.startswith("MIXTRAIN_")},
+        "optional_packages": optional,
+    }
+
+
+def format_bug_report(r: dict[str, Any]) -> str:
+    from mixtrain.headnode import format_devices
+
+    v, t, net = r["versions"], r["torch_build"], r["network"]
+    lines = [
+        f"mixtrain {v['mixtrain']}",
+        f"python   {v['python']} ({r['python_implementation']}) at {r['platform']['executable']}",
+        f"torch    {v['torch']} (cuda {t['cuda'] or 'none'}, cuda available {t['cuda_available']}, "
+        f"mps built {t['mps_built']}, mps available {t['mps_available']}, gloo {t['gloo']}, {t['threads']} threads)",
+        f"ray      {v['ray']}",
+        f"numpy    {v['numpy']}",
+        f"os       {r['platform']['os']} ({r['platform']['machine']})",
+        "devices:",
+        *format_devices(r["devices"]),
+        f"network: hostname {net['hostname']}; "
+        + ", ".join(f"{k} {' '.join(ips)}" for k, ips in sorted(net["interfaces"].items())),
+    ]
+    if net["hostname_warning"]:
+        lines.append(f"  warning: {net['hostname_warning']}; give `cluster up/join` --interface or --node-ip")
+    c = r["cluster"]
+    lines.append(f"cluster: {c['role']} of {c['address']} as {c['node_ip']}" if c else "cluster: none started here")
+    settings = r["settings"]
+    lines.append("settings: " + (", ".join(f"{k}={val}" for k, val in settings.items()) or "none set"))
+    opt = r["optional_packages"]
+    lines.append("optional: " + ", ".join(f"{k} {val or 'missing'}" for k, val in opt.items()))
+    return "\n".join(lines)

@@ -45,11 +45,13 @@ class WorkerReport:
     """Per step: how many updates old the weights its gradient was computed on were (ps-async)."""
     sent_bytes: int = 0
     """Gradient or delta bytes this worker sent (wire size; buffers and drift checks not counted)."""
+    memory_bytes: int | None = None
+    """Memory this worker held on its device at the round's end (CUDA: the round's peak; CPU: the RSS)."""
     peer_lost: str = ""
     """Set when a collective failed because a peer died or stopped answering; the round is void."""
 
 
-def worker_times(reports: list[WorkerReport]) -> list[dict[str, float]]:
+def worker_times(reports: list[WorkerReport]) -> list[dict[str, float | None]]:
     """Compute, wait and communication seconds per worker for a round.
 
     Waiting is not measured inside the all-reduce (that would cost another collective per
@@ -70,6 +72,7 @@ def worker_times(reports: list[WorkerReport]) -> list[dict[str, float]]:
                 "samples": r.samples,
                 "sent_bytes": r.sent_bytes,
                 "max_staleness": max(r.staleness, default=0),
+                "memory_bytes": r.memory_bytes,
             }
         )
     return out

@@ -20,7 +20,7 @@ from mixtrain.data import to_arrays
 from mixtrain.planner import plan_record, plan_table, resolve_shares
 from mixtrain.progress import ProgressView
 from mixtrain.result import Result
-from mixtrain.runlog import RunLog, make_run_dir
+from mixtrain.runlog import RunLog, check_tensorboard, make_run_dir
 from mixtrain.task import Task
 from mixtrain.worker_group import WorkerGroup
 
@@ -60,6 +60,7 @@ class Trainer:
             raise TypeError(f"strategy={strategy!r}: give a name or a mixtrain.StrategyConfig")
         scaling = scaling or ScalingConfig()
         run = run or RunConfig()
+        check_tensorboard(run.tensorboard)
         if not scaling.is_auto:  # check now; with groups="auto" the worker count comes from the cluster
             resolve_shares(scaling.shares, global_batch, scaling.num_workers)
         self.train_arrays = to_arrays(train_data)
@@ -94,6 +95,7 @@ class Trainer:
         log: RunLog | None = None
         cluster.ensure_ray(self.scaling.address, _cpus_needed(self.scaling))
         group = self.worker_group_cls(self.scaling, self.run.seed)
+        group.log_dir = run_dir / "logs"
         try:
             group.start()
             up = self._bring_up(group)
@@ -112,11 +114,12 @@ class Trainer:
                     "shares": shares,
                     "num_samples": num_samples,
                 },
+                self.run.tensorboard,
             )
             log.write("workers", {"workers": up.workers})
             log.write("preflight", up.checks)
             log.write("plan", {"after_round": 0, **plan_record(up.plan)})
-            view = ProgressView(self.run.progress, num_samples * epochs)
+            view = ProgressView(self.run.progress, num_samples * epochs, epochs)
             view.log(
                 f"mixtrain: {len(up.workers)} workers, global batch {self.global_batch}, "
                 f"{num_samples} samples x {epochs} epochs, {up.backend}; run folder {run_dir}"
@@ -133,6 +136,7 @@ class Trainer:
                 group.call("leave", timeout_s=env_float(COLLECTIVE_TIMEOUT_S))
                 form_group(group, up.strategy, up.backend, up.loss_scaling)
                 view.log(f"resumed from {resumed[2]} at epoch {start[0]}, step {start[1]}")
+                view.start_at(min(num_samples, start[1] * self.global_batch) + start[0] * num_samples)
             if up.slowdown:
                 view.log(f"EMULATION: rank -> (times slower, from round) {up.slowdown} (MIXTRAIN_EMULATE_SLOWDOWN)")
             plan = EpochPlan(

@@ -9,11 +9,12 @@ import socket
 import time
 from collections import deque
 from collections.abc import Callable
+from pathlib import Path
 
 import numpy as np
 import torch
 
-from mixtrain import checkpoint, devices, envinfo, precision, probe
+from mixtrain import checkpoint, devices, envinfo, precision, probe, worker_log
 from mixtrain.comm import netif, process_group, registry
 from mixtrain.comm.strategy import JoinContext, StepResult, SyncStrategy
 from mixtrain.config import StrategyConfig
@@ -51,7 +52,17 @@ class TrainWorker:
         seed: int,
         device_request: str = "cpu",
         precision_request: str = "fp32",
+        log_to: tuple[str, str] | None = None,
     ) -> None:
+        """`log_to`: (the run's log folder, the driver's node id); see worker_log."""
+        self.log_file: Path | None = None
+        if log_to is not None:
+            name = f"worker-{rank}-{device_request.replace(':', '')}-pid{os.getpid()}.log"
+            self.log_file = worker_log.log_path(log_to[0], log_to[1], _node_id(), name)
+            worker_log.redirect_output(self.log_file)
+            worker_log.log.info(
+                "worker %d of %d on %s, asking for %s", rank, world_size, socket.gethostname(), device_request
+            )
         torch.set_num_threads(num_threads)
         self.rank = rank
         self.world_size = world_size
@@ -272,6 +283,8 @@ class TrainWorker:
     def _run_round(self, plan: RoundPlan) -> WorkerReport:
         t_round = time.perf_counter()
         report = WorkerReport(rank=self.rank)
+        index = self.device.index or 0
+        self.kind.reset_peak_memory(index)
         perm = self._permutation(plan.epoch)
         waiting: deque[int] = deque()  # steps whose global result (loss, applied) is not known yet
         self.task.model.train()
@@ -307,6 +320,17 @@ class TrainWorker:
         report.sent_bytes += sync.sent_bytes
         report.drift, report.rebroadcast, report.round_comm_s = sync.drift, sync.rebroadcast, sync.comm_s
         report.wall_s = time.perf_counter() - t_round
+        report.memory_bytes = self.kind.memory_in_use(index)
+        worker_log.log.info(
+            "epoch %d steps %d-%d: %d samples, %.3f s compute, %.3f s in collectives, %.3f s wall",
+            plan.epoch,
+            plan.first_step,
+            plan.first_step + plan.num_steps - 1,
+            report.samples,
+            sum(report.compute_s),
+            sum(report.comm_s) + report.round_comm_s,
+            report.wall_s,
+        )
         return report
 
     @staticmethod
@@ -414,6 +438,12 @@ class TrainWorker:
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         return {k: v.detach().to("cpu").clone() for k, v in self.task.model.state_dict().items()}
+
+    def log_text(self) -> tuple[str, str] | None:
+        """(file name, the end of this worker's log), for the driver to copy into the run folder."""
+        if self.log_file is None or not self.log_file.is_file():
+            return None
+        return self.log_file.name, worker_log.read_tail(self.log_file)
 
     def shutdown(self) -> None:
         process_group.leave_group()

@@ -5,6 +5,7 @@ from __future__ import annotations
 import re
 import time
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 import ray
@@ -52,6 +53,8 @@ class WorkerGroup:
         self._pending: dict[int, tuple[placement.WorkerSpec, Any, Any]] = {}  # bundle -> (spec, actor, build ref)
         self.servers: list[Any] = []
         """Parameter-server actors the job started (ps strategies); stopped with the workers."""
+        self.log_dir: Path | None = None
+        """Where the workers' output goes (RUN_DIR/logs); None leaves it to Ray's log files."""
 
     @property
     def num_workers(self) -> int:
@@ -87,6 +90,19 @@ class WorkerGroup:
         n = len(self.specs)
         self.actors = [self._make_actor(spec, spec.rank, n) for spec in self.specs]
 
+    def _fetch_remote_logs(self) -> None:
+        if self.log_dir is None or not self.actors:
+            return
+        refs = [a.log_text.remote() for a in self.actors]
+        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=5.0)
+        for ref in ready:
+            try:
+                got = ray.get(ref)
+            except ray.exceptions.RayError:
+                continue  # a dead worker: its file stays on its machine
+            if got is not None and not (self.log_dir / got[0]).exists():
+                (self.log_dir / got[0]).write_text(got[1])
+
     def _make_actor(self, spec: placement.WorkerSpec, rank: int, world_size: int) -> Any:
         """A worker actor in its own bundle of the placement group (the bundle index is its starting rank)."""
         env = {}
@@ -101,7 +117,13 @@ class WorkerGroup:
             num_gpus=spec.bundle.get("GPU", 0.0),
             runtime_env={"env_vars": env} if env else None,
             scheduling_strategy=PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=spec.rank),
-        ).remote(rank, world_size, spec.threads, self.seed, spec.device, spec.precision)
+        ).remote(rank, world_size, spec.threads, self.seed, spec.device, spec.precision, self._log_to())
+
+    def _log_to(self) -> tuple[str, str] | None:
+        if self.log_dir is None:
+            return None
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        return str(self.log_dir), ray.get_runtime_context().get_node_id()
 
     def drop(self, ranks: Sequence[int], replaceable: bool = False) -> None:
         """Stop the workers at (current) `ranks`, outside any process group; the rest are renumbered
@@ -217,7 +239,9 @@ class WorkerGroup:
         self.vacant.remove(spec)
 
     def shutdown(self) -> None:
-        """Leave the process group where possible, then kill the actors and free the resources."""
+        """Leave the process group where possible, copy the logs of workers on other machines into the run
+        folder, then kill the actors and free the resources."""
+        self._fetch_remote_logs()
         for _, actor, _ in self._pending.values():
             ray.kill(actor)
         self._pending = {}

@@ -28,7 +28,7 @@ def test_digits_main_job_end_to_end(tmp_path):
     assert accuracy >= 0.95, proc.stdout
     assert f"run folder: {run_dir}" in proc.stdout
     # live progress and per-epoch lines go to the terminal (stderr), Ray's own logs do not
-    assert "epoch 9: loss" in proc.stderr and "samples/s" in proc.stderr
+    assert "epoch 10/10: loss" in proc.stderr and "samples/s" in proc.stderr
     assert "INFO" not in proc.stderr and "raylet" not in proc.stderr
     config = json.loads((run_dir / "config.json").read_text())
     assert sum(config["shares"]) == 64 and config["scaling"]["num_workers"] == 2
@@ -43,6 +43,114 @@ def test_digits_main_job_end_to_end(tmp_path):
     assert workers == 2 or "left out worker 1" in proc.stderr
     state = torch.load(run_dir / "model.pt", weights_only=True)
     assert "head.3.weight" in state
+    assert len(list((run_dir / "logs").glob("worker-*.log"))) == 2  # worker output: in the run folder only
+
+    report = run_cli("report", str(run_dir))
+    assert report.returncode == 0, report.stderr
+    assert f"accuracy {evals[-1]['accuracy']:.4f}" in report.stdout and "per device" in report.stdout
+    for name in ("loss.png", "throughput.png", "shares.png", "summary.txt"):
+        assert f"wrote {run_dir / 'report' / name}" in report.stdout
+        assert (run_dir / "report" / name).stat().st_size > 1000 or name == "summary.txt"
+    proc = run_cli("report", str(tmp_path))
+    assert proc.returncode == 2 and "no metrics.jsonl there" in proc.stderr
+
+
+def test_env_prints_what_a_bug_report_needs():
+    proc = run_cli("env")
+    assert proc.returncode == 0, proc.stderr
+    for pattern in (
+        r"^mixtrain \d",
+        r"^python   3\.\d+",
+        r"^torch    2\.\d+",
+        r"^ray      2\.\d+",
+        r"^os       ",
+        r"^  cpu:0  ",
+        r"^network: hostname ",
+        r"^cluster: ",
+        r"^settings: ",
+        r"^optional: matplotlib \d",
+    ):
+        assert re.search(pattern, proc.stdout, re.M), (pattern, proc.stdout)
+    proc = run_cli("env", "--json", env={"MIXTRAIN_COLLECTIVE_TIMEOUT_S": "30"})
+    report = json.loads(proc.stdout)
+    assert report["versions"]["torch"] == torch.__version__ and report["devices"][0]["kind"] == "cpu"
+    assert report["settings"] == {"MIXTRAIN_COLLECTIVE_TIMEOUT_S": "30"}
+
+
+def test_a_toml_config_trains_the_character_transformer_with_job_arguments(tmp_path):
+    config = tmp_path / "chars.toml"
+    config.write_text('task = "chars"\nworkers = 2\nepochs = 2\nquiet = true\n[args]\nmax_chars = 120000\n')
+    run_dir = tmp_path / "run"
+    proc = run_cli("train", str(config), "--run-dir", str(run_dir))
+    assert proc.returncode == 0, proc.stderr
+    loss, accuracy = map(float, re.search(r"held-out loss (\d\.\d+), accuracy (\d\.\d+)", proc.stdout).groups())
+    # 103 characters: uniform guessing is ln(103) = 4.6 nats, the best single character ("space") ~17%
+    assert loss < 2.8 and accuracy > 0.22, proc.stdout
+    config_json = json.loads((run_dir / "config.json").read_text())
+    assert config_json["epochs"] == 2 and config_json["num_samples"] == 120000 * 9 // 10 // 64
+    assert json.loads((run_dir / "command.json").read_text())["argv"] == ["--config", str(config)]
+
+
+USER_JOB = """
+import functools
+
+import torch
+from torch import nn
+
+import mixtrain
+
+
+def make_task(hidden, lr):
+    model = nn.Sequential(nn.Linear(2, hidden), nn.Tanh(), nn.Linear(hidden, 2))
+    return mixtrain.Task(model=model, optimizer=torch.optim.Adam(model.parameters(), lr=lr),
+                         loss_fn=nn.functional.cross_entropy)
+
+
+def make_job(hidden: int = 32, lr: float = 0.01, seed: int = 0) -> mixtrain.Job:
+    x = torch.randn(2000, 2, generator=torch.Generator().manual_seed(seed))
+    y = (x[:, 0] * x[:, 1] > 0).long()  # XOR of the signs: a hidden layer is needed
+    return mixtrain.Job(functools.partial(make_task, hidden, lr), (x[:1600], y[:1600]), (x[1600:], y[1600:]),
+                        global_batch=64, epochs=6)
+"""
+
+
+def test_a_users_module_function_job_trains_from_its_folder(tmp_path):
+    (tmp_path / "xorjob.py").write_text(USER_JOB)
+    proc = subprocess.run(
+        [MIXTRAIN, "train", "xorjob:make_job", "--workers", "2", "--lr", "0.02", "--run-dir", "run", "--quiet"],
+        capture_output=True, text=True, timeout=300, cwd=tmp_path,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    accuracy = float(re.search(r"accuracy (\d\.\d+)", proc.stdout).group(1))
+    assert accuracy > 0.9, proc.stdout  # a linear model cannot pass 0.5 on XOR
+    assert json.loads((tmp_path / "run" / "config.json").read_text())["epochs"] == 6  # the job's default
+    proc = subprocess.run(
+        [MIXTRAIN, "train", "xorjob:make_job", "--data-dir", "."], capture_output=True, text=True, cwd=tmp_path
+    )
+    assert proc.returncode == 2 and "--data-dir '.': xorjob:make_job takes no 'data_dir' argument" in proc.stderr
+
+
+def test_mnist_trains_from_idx_files(tmp_path):
+    """Real handwritten digits (scikit-learn's, scaled to 28x28) written as the four MNIST IDX files."""
+    import numpy as np
+    from sklearn.datasets import load_digits
+
+    from mixtrain.idx import write_idx
+
+    digits = load_digits()
+    images = (np.kron(digits.images, np.ones((3, 3))) * (255 / 16)).astype(np.uint8)  # 24x24
+    images = np.pad(images, ((0, 0), (2, 2), (2, 2)))
+    labels = digits.target.astype(np.uint8)
+    write_idx(tmp_path / "train-images-idx3-ubyte.gz", images[:1400])
+    write_idx(tmp_path / "train-labels-idx1-ubyte.gz", labels[:1400])
+    write_idx(tmp_path / "t10k-images-idx3-ubyte", images[1400:])
+    write_idx(tmp_path / "t10k-labels-idx1-ubyte", labels[1400:])
+    proc = run_cli("train", "mnist", "--data-dir", str(tmp_path), "--workers", "2", "--epochs", "4",
+                   "--global-batch", "64", "--quiet", "--run-dir", str(tmp_path / "run"))  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    accuracy = float(re.search(r"accuracy (\d\.\d+)", proc.stdout).group(1))
+    assert accuracy > 0.85, proc.stdout
+    assert json.loads((tmp_path / "run" / "config.json").read_text())["num_samples"] == 1400
 
 
 def test_bad_flags_name_the_flag_and_the_fix(tmp_path):
@@ -53,7 +161,15 @@ def test_bad_flags_name_the_flag_and_the_fix(tmp_path):
     proc = run_cli("train", "--precision", "fp8")
     assert proc.returncode == 2 and "--precision" in proc.stderr and "'fp32', 'auto', 'bf16', 'fp16'" in proc.stderr
     proc = run_cli("train", "--example", "imagenet")
-    assert proc.returncode == 2 and "--example 'imagenet': choose one of digits" in proc.stderr
+    assert proc.returncode == 2
+    assert "--example 'imagenet': choose a built-in example (digits, chars, mnist)" in proc.stderr
+    proc = run_cli("train", "imagenet")
+    assert proc.returncode == 2 and "TASK 'imagenet': choose a built-in example" in proc.stderr
+    (tmp_path / "bad.toml").write_text('strategy = "gossip"\n')
+    proc = run_cli("train", str(tmp_path / "bad.toml"))
+    assert proc.returncode == 2 and f"{tmp_path / 'bad.toml'}: strategy = 'gossip': choose one of" in proc.stderr
+    proc = run_cli("train", "mnist", "--data-dir", str(tmp_path / "nothing"))
+    assert proc.returncode == 2 and "no such folder" in proc.stderr
     proc = run_cli("train", "--shares", "40,20", "--run-dir", str(tmp_path))
     assert proc.returncode == 2 and "shares=[40, 20] sum to 60 but global_batch=64" in proc.stderr
     proc = run_cli("train", "--shares", "4x")

@@ -71,8 +71,8 @@ def _digits(tmp_path, name: str, strategy: StrategyConfig, steps_per_round: int 
     ex = example()
     return Trainer(
         ex.task_factory,
-        ex.train,
-        eval_data=ex.eval,
+        ex.train_data,
+        eval_data=ex.eval_data,
         global_batch=ex.global_batch,
         scaling=ScalingConfig(num_workers=2, shares=[32, 32]),
         run=RunConfig(run_dir=str(tmp_path / name), steps_per_round=steps_per_round, progress=False),

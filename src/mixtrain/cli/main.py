@@ -1,16 +1,21 @@
 """`mixtrain` subcommands.
 
 Command lines:
-    mixtrain train --example digits --workers 2
-    mixtrain train --example digits --workers 2 --shares 40,24 --global-batch 64 --epochs 5 --run-dir runs/a
-    mixtrain train --example digits --workers cuda:1,mps:1,cpu:2 --precision auto --address 192.168.1.10:6379
-    mixtrain train --resume mixtrain_runs/run-20261121-101500 --epochs 20   # continue a stopped run
-    mixtrain train --example digits --strategy local-sgd --local-steps 16 --compress bf16   # a slow link
-    mixtrain train --example digits --strategy ps-async --staleness 2
-    mixtrain plan --example digits --workers cuda:1,mps:1      # measure and show the split, no training
+    mixtrain train digits --workers 2                      # a built-in example: digits, chars, mnist
+    mixtrain train chars --workers 2 --epochs 3            # a character-level transformer
+    mixtrain train mnist --data-dir ~/data/mnist           # MNIST IDX files you have
+    mixtrain train mypkg.jobs:make_job --lr 1e-3           # your own job function (returns mixtrain.Job)
+    mixtrain train run.toml --epochs 5                     # a TOML config file; flags override it
+    mixtrain train digits --workers 3 --shares 30,20,14 --global-batch 64 --epochs 5 --run-dir runs/a
+    mixtrain train digits --workers cuda:1,mps:1,cpu:2 --precision auto --address 192.168.1.10:6379
+    mixtrain train --resume runs/a --epochs 20             # continue a stopped run
+    mixtrain train digits --strategy local-sgd --local-steps 16 --compress bf16   # a slow link
+    mixtrain plan digits --workers cuda:1,mps:1            # measure and show the split, no training
+    mixtrain report runs/a                                 # plots and a summary of a run
     mixtrain devices
-    mixtrain cluster up --interface eth0          # on the desktop: prints the join command
-    mixtrain cluster join 192.168.1.10:6379 --token TOKEN   # on the Mac
+    mixtrain env                                           # everything a bug report needs
+    mixtrain cluster up --interface eth0                   # on the desktop: prints the join command
+    mixtrain cluster join 192.168.1.10:6379 --token TOKEN  # on the Mac
     mixtrain cluster status
     mixtrain cluster down
 """
@@ -66,8 +71,15 @@ _non_negative_int = _int_at_least(0)
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="mixtrain", description="Train one PyTorch model on every device you own.")
+    parser.add_argument("--version", action="version", version=f"mixtrain {_version()}")
     sub = parser.add_subparsers(dest="command", required=True)
-    train = sub.add_parser("train", help="train a built-in example", description="Train a built-in example.")
+    train = sub.add_parser(
+        "train",
+        help="train a built-in example, your own job function, or a TOML config",
+        description="Train a job on every worker: a built-in example (digits, chars, mnist), your own "
+        "package.module:function that returns mixtrain.Job, or a TOML file whose keys are these flags' long "
+        "names (flags given here override it).",
+    )
     _job_flags(train)
     train.add_argument("--epochs", type=_positive_int, help="passes over the training data")
     train.add_argument("--steps-per-round", type=_positive_int, help="steps per driver call (default: about 1.5 s)")
@@ -98,13 +110,38 @@ def build_parser() -> argparse.ArgumentParser:
     _job_flags(plan)
 
     sub.add_parser("devices", help="list this machine's devices", description="List this machine's devices.")
+    env = sub.add_parser(
+        "env",
+        help="everything a bug report needs: OS, Python, torch, Ray, mixtrain, devices, network",
+        description="Print the platform, versions, devices, this machine's cluster and the settings that "
+        "change mixtrain's behaviour; paste it into a bug report.",
+    )
+    env.add_argument("--json", action="store_true", help="one JSON object instead of text")
+    report = sub.add_parser(
+        "report",
+        help="plots and a summary of a run",
+        description="Write PNG plots of a run (loss and held-out metric vs. samples seen; samples/s per device; "
+        "shares over time) and a short text summary, from its metrics.jsonl.",
+    )
+    report.add_argument("run_dir", metavar="RUN_DIR", help="the run folder (it holds metrics.jsonl)")
+    report.add_argument("--out", help="folder for the files (default RUN_DIR/report)")
     _add_cluster_parser(sub)
     return parser
 
 
 def _job_flags(p: argparse.ArgumentParser) -> None:
     """What a job is made of: shared by `train` and `plan`."""
-    p.add_argument("--example", default="digits", help="built-in example to train (digits)")
+    p.add_argument(
+        "task",
+        nargs="?",
+        metavar="TASK",
+        help="a built-in example (digits, the default; chars; mnist), package.module:function returning "
+        "mixtrain.Job, or a .toml config file",
+    )
+    p.add_argument("--example", help="the same as TASK (a built-in example's name)")
+    p.add_argument("--config", metavar="FILE.toml", help="read the flags from a TOML file (flags given here win)")
+    p.add_argument("--data-dir", help="data folder for jobs that read files (the mnist example: its IDX files)")
+    p.set_defaults(job_args={})
     p.add_argument(
         "--workers",
         type=_workers,
@@ -203,10 +240,19 @@ def _workers(text: str) -> int | str | list:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
+def _task(args: argparse.Namespace) -> tuple[str, str]:
+    """(target, the flag it came from)."""
+    if args.task and args.example and args.task != args.example:
+        raise ValueError(f"TASK {args.task!r} and --example {args.example!r} disagree: give one of them")
+    if args.example:
+        return args.example, "--example"
+    return args.task or "digits", "TASK"
+
+
 def _trainer(args: argparse.Namespace, run_dir: str | None = None, steps_per_round: int | None = None):
     from mixtrain import RunConfig, ScalingConfig, StrategyConfig, Trainer
-    from mixtrain.examples import load_example
     from mixtrain.headnode import use_cluster_token
+    from mixtrain.job import load_job
 
     if args.address:
         use_cluster_token(args.address)
@@ -214,12 +260,13 @@ def _trainer(args: argparse.Namespace, run_dir: str | None = None, steps_per_rou
     micro = args.max_micro_batch
     if micro is not None and len(micro) == 1 and isinstance(args.workers, int):
         micro = micro * num_workers  # one value for every worker
-    ex = load_example(args.example, lr=args.lr, seed=args.seed)
-    return ex, Trainer(
-        ex.task_factory,
-        ex.train,
-        eval_data=ex.eval,
-        global_batch=args.global_batch or ex.global_batch,
+    target, flag = _task(args)
+    job = load_job(target, lr=args.lr, seed=args.seed, data_dir=args.data_dir, args=args.job_args, flag=flag)
+    return job, Trainer(
+        job.task_factory,
+        job.train_data,
+        eval_data=job.eval_data,
+        global_batch=args.global_batch or job.global_batch,
         scaling=ScalingConfig(
             num_workers=num_workers,
             groups=None if isinstance(args.workers, int) else args.workers,
@@ -255,15 +302,58 @@ COMMAND_FILE = "command.json"
 """In the run folder: the flags a CLI run was started with, so `--resume RUN_DIR` needs no others."""
 
 
-def _with_saved_flags(raw: list[str]) -> argparse.Namespace:
+def _with_saved_flags(raw: list[str], resume: str) -> list[str]:
     """`train --resume RUN_DIR [flags]`: the run's saved flags, then the ones given now (later ones win)."""
-    args = build_parser().parse_args(raw)
-    saved = Path(args.resume) / COMMAND_FILE
-    if not Path(args.resume).is_dir():
-        raise ValueError(f"--resume {args.resume!r}: no such run folder")
+    saved = Path(resume) / COMMAND_FILE
+    if not Path(resume).is_dir():
+        raise ValueError(f"--resume {resume!r}: no such run folder")
     if saved.is_file():
-        args = build_parser().parse_args(["train", *json.loads(saved.read_text())["argv"], *raw[1:]])
-    return args
+        argv = json.loads(saved.read_text())["argv"]
+        given = build_parser().parse_args(raw)
+        if given.task or given.example:  # one task: the one given now replaces the saved one
+            argv = _without_task(argv)
+        return ["train", *argv, *raw[1:]]
+    return raw
+
+
+def _without_task(argv: list[str]) -> list[str]:
+    saved = build_parser().parse_args(["train", *argv])
+    out = [a for a in argv if a != saved.task]
+    if saved.example:
+        i = out.index("--example") if "--example" in out else -1
+        out = out[:i] + out[i + 2 :] if i >= 0 else [a for a in out if not a.startswith("--example=")]
+    return out
+
+
+def _parse(raw: list[str]) -> tuple[argparse.Namespace, list[str]]:
+    """Parse, reading a TOML config (`--config FILE` or a TASK ending in .toml) into the defaults first."""
+    args = build_parser().parse_args(raw)
+    if args.command == "train" and args.resume:
+        raw = _with_saved_flags(raw, args.resume)
+        args = build_parser().parse_args(raw)
+    if args.command not in ("train", "plan"):
+        return args, raw
+    config = args.config
+    if config is None and args.task and args.task.endswith(".toml"):
+        config = args.task
+        i = raw.index(args.task)
+        raw = [*raw[:i], "--config", config, *raw[i + 1 :]]
+    if config is None:
+        return args, raw
+    from mixtrain.cli.config_file import apply_config
+
+    parser = build_parser()
+    other = "plan" if args.command == "train" else "train"
+    also_valid = {a.dest for a in _subparser(parser, other)._actions}
+    job_args = apply_config(_subparser(parser, args.command), config, also_valid)
+    args = parser.parse_args(raw)
+    args.job_args = job_args
+    return args, raw
+
+
+def _subparser(parser: argparse.ArgumentParser, name: str) -> argparse.ArgumentParser:
+    action = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    return action.choices[name]
 
 
 def _save_flags(raw: list[str], run_dir: Path) -> None:
@@ -275,6 +365,9 @@ def _save_flags(raw: list[str], run_dir: Path) -> None:
             skip = True
         elif not item.startswith(("--resume=", "--run-dir=")):
             keep.append(item)
+    for i, item in enumerate(keep[:-1]):  # a config file found again from any folder
+        if item in ("--config", "--data-dir"):
+            keep[i + 1] = str(Path(keep[i + 1]).expanduser().resolve())
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / COMMAND_FILE).write_text(json.dumps({"argv": keep}) + "\n")
 
@@ -283,10 +376,10 @@ def cmd_train(args: argparse.Namespace, raw: list[str]) -> int:
     import time
 
     run_dir = Path(args.run_dir or args.resume or time.strftime("mixtrain_runs/run-%Y%m%d-%H%M%S"))
-    ex, trainer = _trainer(args, str(run_dir), args.steps_per_round)  # checks the flags first
+    job, trainer = _trainer(args, str(run_dir), args.steps_per_round)  # checks the flags first
     if not args.resume:
         _save_flags(raw, run_dir)
-    result = trainer.fit(epochs=args.epochs or ex.epochs, resume=args.resume)
+    result = trainer.fit(epochs=args.epochs or job.epochs, resume=args.resume)
     metrics = result.metrics
     summary = ", ".join(f"{k} {v:.4f}" for k, v in metrics.items() if k in ("loss", "accuracy"))
     print(f"held-out {summary}")
@@ -299,7 +392,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
     _, trainer = _trainer(args)
     up = trainer.plan()
-    print(f"{args.example}: global batch {trainer.global_batch}, {up.backend}")
+    print(f"{_task(args)[0]}: global batch {trainer.global_batch}, {up.backend}")
     print(plan_table(up.plan, up.workers, "plan", up.left_out))
     print(f"strategy: {up.strategy.describe()}; measured: {up.advice}")
     for note in up.notes:
@@ -361,13 +454,35 @@ def cmd_cluster(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_env(args: argparse.Namespace) -> int:
+    from mixtrain import envinfo
+
+    report = envinfo.bug_report()
+    print(json.dumps(report, indent=2) if args.json else envinfo.format_bug_report(report))
+    return 0
+
+
+def cmd_report(args: argparse.Namespace) -> int:
+    from mixtrain.report import write_report
+
+    out = write_report(args.run_dir, args.out)
+    print(out.summary)
+    for path in out.files:
+        print(f"wrote {path}")
+    return 0
+
+
+def _version() -> str:
+    from mixtrain import __version__
+
+    return __version__
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     raw = list(sys.argv[1:] if argv is None else argv)
-    args = build_parser().parse_args(raw)
     try:
+        args, raw = _parse(raw)
         if args.command == "train":
-            if args.resume:
-                args = _with_saved_flags(raw)
             return cmd_train(args, raw)
         if args.command == "plan":
             return cmd_plan(args)
@@ -375,6 +490,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             return cmd_devices(args)
         if args.command == "cluster":
             return cmd_cluster(args)
+        if args.command == "env":
+            return cmd_env(args)
+        if args.command == "report":
+            return cmd_report(args)
     except (ValueError, TypeError) as exc:  # bad input: nothing started
         print(f"mixtrain: error: {exc}", file=sys.stderr)
         return 2

@@ -67,6 +67,14 @@ class DeviceKind(ABC):
         """Restore what rng_state returned."""
 
     @abstractmethod
+    def memory_in_use(self, index: int = 0) -> int | None:
+        """Bytes this process holds on the device now (None where the platform does not tell); the
+        progress rows and metrics.jsonl show it per round."""
+
+    def reset_peak_memory(self, index: int = 0) -> None:  # noqa: B027 - only CUDA tracks a resettable peak
+        """Start a new peak for memory_in_use (called at the start of each round)."""
+
+    @abstractmethod
     def is_oom(self, exc: BaseException) -> bool:
         """True when `exc` is this device's out-of-memory error."""
 

@@ -42,6 +42,15 @@ class CpuDevice(DeviceKind):
         except ImportError:
             return None, None
 
+    def memory_in_use(self, index: int = 0) -> int | None:
+        """The process's resident set: model, optimizer state, activations and the Python heap."""
+        try:
+            import psutil
+
+            return int(psutil.Process().memory_info().rss)
+        except ImportError:
+            return None
+
     def supports_bf16(self, index: int = 0) -> bool:
         return True  # autocast on CPU runs bf16 (slowly where the CPU lacks AVX512-BF16/AMX)
 

@@ -23,6 +23,13 @@ class CudaDevice(DeviceKind):
         free, total = torch.cuda.mem_get_info(index)
         return int(total), int(free)
 
+    def memory_in_use(self, index: int = 0) -> int | None:
+        """The round's peak of tensor memory (reset at each round start), the figure that runs out first."""
+        return int(torch.cuda.max_memory_allocated(index))
+
+    def reset_peak_memory(self, index: int = 0) -> None:
+        torch.cuda.reset_peak_memory_stats(index)
+
     def supports_bf16(self, index: int = 0) -> bool:
         # Ampere (compute capability 8.0) and newer run bf16 natively.
         return torch.cuda.get_device_capability(index)[0] >= 8

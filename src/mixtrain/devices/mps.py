@@ -38,6 +38,9 @@ class MpsDevice(DeviceKind):
         total = int(torch.mps.recommended_max_memory())
         return total, max(0, total - int(torch.mps.driver_allocated_memory()))
 
+    def memory_in_use(self, index: int = 0) -> int | None:
+        return int(torch.mps.driver_allocated_memory())  # what Metal holds for this process, caches included
+
     def supports_bf16(self, index: int = 0) -> bool:
         try:  # macOS 14+ has bf16 on MPS; older systems raise
             torch.zeros(1, dtype=torch.bfloat16, device="mps")

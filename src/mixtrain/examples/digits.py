@@ -1,9 +1,10 @@
 """A small CNN on scikit-learn's handwritten digits (1,797 real 8x8 images, shipped with the package).
 
 Command lines:
-    mixtrain train --example digits --workers 2                 # any laptop, no GPU needed
-    mixtrain train --example digits --workers 3 --shares 30,20,14 --global-batch 64
-    python -c "from mixtrain.examples.digits import main; main()" # the same through the Python API
+    mixtrain train digits --workers 2                 # any laptop, no GPU needed; held-out accuracy ~0.98
+    mixtrain train digits --workers 3 --shares 30,20,14 --global-batch 64 --epochs 5
+    mixtrain train digits --workers cuda:1,cpu:1 --precision auto   # a GPU and the CPU beside it
+    python -m mixtrain.examples.digits                # the same job through the Python API
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from mixtrain.job import Job
 from mixtrain.task import Task
 
 DEFAULT_LR = 2e-3
@@ -55,18 +57,25 @@ def load_digits(
     return (x[train], y[train]), (x[held], y[held])
 
 
-def example(lr: float | None = None, seed: int = 0):
-    from mixtrain.examples import Example
-
+def example(lr: float = DEFAULT_LR, seed: int = 0) -> Job:
     train, held = load_digits(seed)
-    return Example(functools.partial(make_task, lr or DEFAULT_LR), train, held, global_batch=64, epochs=10)
+    return Job(functools.partial(make_task, lr), train, held, global_batch=64, epochs=10)
 
 
 def main() -> None:
     from mixtrain import ScalingConfig, Trainer
 
-    ex = example()
-    result = Trainer(
-        ex.task_factory, ex.train, eval_data=ex.eval, global_batch=ex.global_batch, scaling=ScalingConfig(num_workers=2)
-    ).fit(epochs=ex.epochs)
+    job = example()
+    trainer = Trainer(
+        job.task_factory,
+        job.train_data,
+        eval_data=job.eval_data,
+        global_batch=job.global_batch,
+        scaling=ScalingConfig(num_workers=2),
+    )
+    result = trainer.fit(epochs=job.epochs)
     print(f"held-out accuracy {result.metrics['accuracy']:.4f}; files in {result.run_dir}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,134 @@
+"""What `mixtrain train` trains: a built-in example or a user's `package.module:function`, as one Job.
+
+A job function returns `mixtrain.Job(task_factory=..., train_data=..., eval_data=..., global_batch=...)`.
+It runs on the driver (it loads the data); the task factory it names runs on every worker. It may take
+any of the keyword arguments `lr`, `seed` and `data_dir` (the CLI flags of those names) and any others
+a TOML config lists under `[args]`.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import sys
+import sysconfig
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from mixtrain.task import Task
+
+BUILTIN = {
+    "digits": "mixtrain.examples.digits:example",
+    "chars": "mixtrain.examples.chars:example",
+    "mnist": "mixtrain.examples.mnist:example",
+}
+"""Built-in examples by name: each a job function like a user's."""
+
+
+@dataclass(frozen=True)
+class Job:
+    """A training job: the replica each worker builds, the data, and the defaults the CLI starts from."""
+
+    task_factory: Callable[[], Task]
+    """Called on every worker; returns mixtrain.Task(model=..., optimizer=..., loss_fn=...)."""
+    train_data: Any
+    """A tuple of tensors/arrays (inputs..., target) or a map-style Dataset."""
+    eval_data: Any = None
+    """Held-out data in the same form (optional): loss and, for class targets, accuracy after each epoch."""
+    global_batch: int = 64
+    """Samples per step over all workers (--global-batch overrides)."""
+    epochs: int = 1
+    """Epochs when --epochs is not given."""
+
+    def __post_init__(self) -> None:
+        if not callable(self.task_factory):
+            raise TypeError("Job.task_factory must be a callable that returns mixtrain.Task(...)")
+        if not isinstance(self.global_batch, int) or self.global_batch < 1:
+            raise ValueError(f"Job.global_batch={self.global_batch!r}: must be an integer >= 1")
+        if not isinstance(self.epochs, int) or self.epochs < 1:
+            raise ValueError(f"Job.epochs={self.epochs!r}: must be an integer >= 1")
+
+
+def load_job(
+    target: str,
+    *,
+    lr: float | None = None,
+    seed: int = 0,
+    data_dir: str | None = None,
+    args: dict[str, Any] | None = None,
+    flag: str = "task",
+) -> Job:
+    """Build the job named by `target`: a built-in example name or `package.module:function`.
+    `flag` names where the target came from, for error messages."""
+    if ":" not in target:
+        if target not in BUILTIN:
+            raise ValueError(
+                f"{flag} {target!r}: choose a built-in example ({', '.join(BUILTIN)}) or give your own job "
+                "function as package.module:function"
+            )
+        fn = _import(BUILTIN[target], flag)
+    else:
+        fn = _import(target, flag)
+    given: dict[str, Any] = {"seed": seed}
+    if lr is not None:
+        given["lr"] = lr
+    if data_dir is not None:
+        given["data_dir"] = data_dir
+    job = _call(fn, target, given, dict(args or {}), flag)
+    if not isinstance(job, Job):
+        raise TypeError(
+            f"{flag} {target!r} returned {type(job).__name__}; a job function returns "
+            "mixtrain.Job(task_factory=..., train_data=..., eval_data=..., global_batch=...)"
+        )
+    return job
+
+
+def _import(target: str, flag: str) -> Callable[..., Any]:
+    module_name, _, attr = target.partition(":")
+    if not module_name or not attr:
+        raise ValueError(f"{flag} {target!r}: write package.module:function, e.g. mytrain.jobs:make_job")
+    if "" not in sys.path and str(Path.cwd()) not in sys.path:
+        sys.path.insert(0, str(Path.cwd()))  # like `python -m`: the current folder's modules import
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise ValueError(
+            f"{flag} {target!r}: cannot import {module_name!r} ({exc}); run from the folder that holds it "
+            "or install its package"
+        ) from None
+    fn = getattr(module, attr, None)
+    if not callable(fn):
+        raise ValueError(f"{flag} {target!r}: module {module_name!r} has no function {attr!r}")
+    _ship_by_value(module)
+    return fn
+
+
+def _ship_by_value(module: Any) -> None:
+    """A user's own module (not an installed package) travels to the workers with the job, so a
+    single-file job runs on other machines without copying the file there."""
+    path = getattr(module, "__file__", None)
+    if path is None or module.__name__.startswith("mixtrain."):
+        return
+    installed = {sysconfig.get_paths()[k] for k in ("purelib", "platlib", "stdlib")}
+    if any(Path(path).resolve().is_relative_to(Path(p).resolve()) for p in installed):
+        return
+    from ray import cloudpickle
+
+    cloudpickle.register_pickle_by_value(module)
+
+
+def _call(fn: Callable[..., Any], target: str, given: dict[str, Any], args: dict[str, Any], flag: str) -> Any:
+    params = inspect.signature(fn).parameters
+    takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
+    for name in args:
+        if name not in params and not takes_any:
+            raise ValueError(f"[args] {name} = {args[name]!r}: {target} takes no argument {name!r}")
+    kwargs = dict(args)
+    for name, value in given.items():
+        if name in params or takes_any:
+            kwargs[name] = value
+        elif name != "seed":  # the seed also seeds the workers; a job need not take it
+            raise ValueError(f"--{name.replace('_', '-')} {value!r}: {target} takes no {name!r} argument")
+    return fn(**kwargs)

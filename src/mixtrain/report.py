@@ -1,0 +1,228 @@
+"""`mixtrain report RUN_DIR`: PNG plots and a short text summary of a run, from its metrics.jsonl.
+
+loss.png        training loss and held-out loss vs. samples seen; held-out accuracy vs. samples seen
+throughput.png  samples/s per device over time (and the job's total), with failures and leave-outs marked
+shares.png      each device's share of the global batch over time
+summary.txt     the run in a few lines
+"""
+
+from __future__ import annotations
+
+import json
+from collections import defaultdict
+from dataclasses import dataclass, field
+from pathlib import Path
+from statistics import fmean
+from typing import Any
+
+from mixtrain.progress import format_bytes
+from mixtrain.runlog import samples_seen
+
+
+@dataclass
+class Report:
+    files: list[Path]
+    summary: str
+    panels: dict[str, list[str]] = field(default_factory=dict)
+    """Per PNG file name, the titles of its panels."""
+
+
+def read_run(run_dir: str | Path) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    run = Path(run_dir)
+    metrics = run / "metrics.jsonl"
+    if not metrics.is_file():
+        raise ValueError(f"report {str(run_dir)!r}: no metrics.jsonl there; give the folder a run wrote")
+    config = json.loads((run / "config.json").read_text()) if (run / "config.json").is_file() else {}
+    records = []
+    for n, line in enumerate(metrics.read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError:  # a run killed mid-write leaves a partial last line
+            if n != len(metrics.read_text().splitlines()):
+                raise ValueError(f"{metrics}: line {n} is not JSON") from None
+    rounds = [r for r in records if r["kind"] == "round"]
+    if not rounds:
+        raise ValueError(f"report {str(run_dir)!r}: the run has no finished round yet; nothing to plot")
+    return config, records
+
+
+def write_report(run_dir: str | Path, out: str | Path | None = None) -> Report:
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only, no display needed
+    config, records = read_run(run_dir)
+    folder = Path(out) if out is not None else Path(run_dir) / "report"
+    folder.mkdir(parents=True, exist_ok=True)
+    size = (int(config.get("num_samples", 0)), int(config.get("global_batch", 1)))
+    rounds = [r for r in records if r["kind"] == "round"]
+    evals = [r for r in records if r["kind"] == "eval"]
+    events = [r for r in records if r["kind"] in ("failure", "left_out", "rejoined")]
+    t0 = rounds[0]["time"] - rounds[0]["wall_s"]
+    report = Report(files=[], summary="")
+    _plot_loss(folder / "loss.png", rounds, evals, size, report)
+    _plot_throughput(folder / "throughput.png", rounds, events, t0, report)
+    _plot_shares(folder / "shares.png", rounds, t0, report)
+    report.summary = summarize(Path(run_dir), config, records)
+    (folder / "summary.txt").write_text(report.summary + "\n")
+    report.files.append(folder / "summary.txt")
+    return report
+
+
+def _save(fig: Any, path: Path, report: Report) -> None:
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    report.panels[path.name] = [ax.get_title() for ax in fig.axes if ax.get_title()]
+    report.files.append(path)
+    import matplotlib.pyplot as plt
+
+    plt.close(fig)
+
+
+def _plot_loss(path: Path, rounds: list[dict], evals: list[dict], size: tuple[int, int], report: Report) -> None:
+    import matplotlib.pyplot as plt
+
+    has_acc = any("accuracy" in e for e in evals)
+    fig, axes = plt.subplots(1, 2 if has_acc else 1, figsize=(12 if has_acc else 7, 4.5), squeeze=False)
+    ax = axes[0][0]
+    ax.plot([samples_seen(r, *size) for r in rounds], [r["loss"] for r in rounds], label="training (per round)")
+    if evals:
+        ax.plot([samples_seen(e, *size) for e in evals], [e["loss"] for e in evals], "o-", label="held-out")
+    ax.set(title="Loss vs. samples seen", xlabel="samples seen", ylabel="loss")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    if has_acc:
+        ax = axes[0][1]
+        acc = [(samples_seen(e, *size), e["accuracy"]) for e in evals if "accuracy" in e]
+        ax.plot(*zip(*acc), "o-", color="tab:green")
+        best = max(acc, key=lambda p: p[1])
+        ax.annotate(f"best {best[1]:.4f}", best, textcoords="offset points", xytext=(-8, -16), ha="right")
+        ax.set(title="Held-out accuracy vs. samples seen", xlabel="samples seen", ylabel="accuracy")
+        ax.grid(alpha=0.3)
+    _save(fig, path, report)
+
+
+def _per_worker(rounds: list[dict], value: Any) -> dict[str, list[tuple[dict, float]]]:
+    """Per worker label (stable when ranks change), (round, value) for the rounds it took part in."""
+    series: dict[str, list[tuple[dict, float]]] = defaultdict(list)
+    for r in rounds:
+        for rank, (w, share) in enumerate(zip(r["workers"], r["shares"])):
+            series[w.get("worker", f"worker {rank}")].append((r, value(r, w, share)))
+    return series
+
+
+def _segments(points: list[tuple[dict, float]], t0: float) -> tuple[list[float], list[float]]:
+    """One flat segment per round, from its start to its end; gaps (evaluation, checkpoints) stay empty."""
+    xs: list[float] = []
+    ys: list[float] = []
+    for r, v in points:
+        xs += [r["time"] - r["wall_s"] - t0, r["time"] - t0, float("nan")]
+        ys += [v, v, float("nan")]
+    return xs, ys
+
+
+def _legend_right(fig: Any, ax: Any) -> None:
+    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0)
+
+
+def _plot_throughput(path: Path, rounds: list[dict], events: list[dict], t0: float, report: Report) -> None:
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(12, 4.5))
+    series = _per_worker(rounds, lambda r, w, _: w["samples"] / r["wall_s"] if r["wall_s"] else 0.0)
+    for i, (name, points) in enumerate(series.items()):  # styles differ: equal speeds would hide each other
+        ax.plot(*_segments(points, t0), lw=3, ls=("-", "--", ":", "-.")[i % 4], label=name)
+    ax.plot(*_segments([(r, r["samples_per_s"]) for r in rounds], t0), "k", lw=1.2, label="job total")
+    ax.set_ylim(0, max(r["samples_per_s"] for r in rounds) * 1.15)
+    for e in events:
+        what = {"failure": "worker lost", "left_out": "left out", "rejoined": "rejoined"}[e["kind"]]
+        ax.axvline(e["time"] - t0, color="tab:red", ls=":", lw=1)
+        ax.annotate(what, (e["time"] - t0, ax.get_ylim()[1]), rotation=90, va="top", ha="right", fontsize=8)
+    ax.set(
+        title="Samples/s per device over time (one segment per round)",
+        xlabel="seconds since the first step (gaps: evaluation and checkpoints)",
+        ylabel="samples/s",
+    )
+    ax.grid(alpha=0.3)
+    _legend_right(fig, ax)
+    _save(fig, path, report)
+
+
+def _plot_shares(path: Path, rounds: list[dict], t0: float, report: Report) -> None:
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(12, 4.5))
+    names = list(_per_worker(rounds, lambda *_: 0.0))
+    times = [r["time"] - r["wall_s"] - t0 for r in rounds] + [rounds[-1]["time"] - t0]  # each round's start, the end
+    stacks = []
+    for name in names:
+        shares = [next((s for w, s in zip(r["workers"], r["shares"]) if w.get("worker") == name), 0) for r in rounds]
+        stacks.append([*shares, shares[-1]])
+    ax.stackplot(times, stacks, labels=names, step="post", alpha=0.85)
+    ax.set(
+        title="Share of the global batch per device over time",
+        xlabel="seconds since the first step",
+        ylabel="samples per step",
+    )
+    ax.set_ylim(0, max(sum(r["shares"]) for r in rounds) * 1.05)
+    ax.grid(alpha=0.3)
+    _legend_right(fig, ax)
+    _save(fig, path, report)
+
+
+def summarize(run_dir: Path, config: dict[str, Any], records: list[dict[str, Any]]) -> str:
+    rounds = [r for r in records if r["kind"] == "round"]
+    evals = [r for r in records if r["kind"] == "eval"]
+    size = (int(config.get("num_samples", 0)), int(config.get("global_batch", 1)))
+    wall = sum(r["wall_s"] for r in rounds)
+    samples = sum(r["samples"] for r in rounds)
+    strategy = config.get("strategy", {})
+    lines = [
+        f"run {run_dir}",
+        f"  {len(rounds)} rounds, {samples:,} samples in {wall:.1f} s of training ({samples / wall:,.0f} samples/s); "
+        f"reached epoch {rounds[-1]['epoch'] + 1} of {config.get('epochs', '?')}, "
+        f"{samples_seen(rounds[-1], *size):,} samples seen",
+        f"  global batch {config.get('global_batch', '?')}, strategy {strategy.get('name', '?')}, "
+        f"backend {config.get('backend', '?')}",
+        f"  training loss {rounds[0]['loss']:.4f} (first round) -> {rounds[-1]['loss']:.4f} (last round)",
+    ]
+    if evals:
+        last = evals[-1]
+        line = f"  held-out loss {last['loss']:.4f}"
+        if "accuracy" in last:
+            best = max(evals, key=lambda e: e.get("accuracy", 0.0))
+            line += f", accuracy {last['accuracy']:.4f} (best {best['accuracy']:.4f} after epoch {best['epoch'] + 1})"
+        lines.append(line)
+    lines.append("  per device (mean over rounds): share, samples/s, busy / waiting / communicating, peak memory")
+    stats: dict[str, dict[str, list[float]]] = defaultdict(lambda: defaultdict(list))
+    for r in rounds:
+        total = sum(r["shares"]) or 1
+        for rank, (w, share) in enumerate(zip(r["workers"], r["shares"])):
+            s = stats[w.get("worker", f"worker {rank}")]
+            spent = w["compute_s"] + w["wait_s"] + w["comm_s"] or 1.0
+            s["share"].append(share / total)
+            s["rate"].append(w["samples"] / r["wall_s"] if r["wall_s"] else 0.0)
+            for key in ("compute_s", "wait_s", "comm_s"):
+                s[key].append(w[key] / spent)
+            if w.get("memory_bytes") is not None:
+                s["memory"].append(w["memory_bytes"])
+    for name, s in stats.items():
+        memory = format_bytes(int(max(s["memory"]))) if s["memory"] else "?"
+        n = len(s["share"])
+        lines.append(
+            f"    {name}: {fmean(s['share']):.0%}, {fmean(s['rate']):,.0f} samples/s, "
+            f"{fmean(s['compute_s']):.0%} / {fmean(s['wait_s']):.0%} / {fmean(s['comm_s']):.0%}, {memory}"
+            + ("" if n == len(rounds) else f" (in {n} of {len(rounds)} rounds)")
+        )
+    for r in records:
+        if r["kind"] == "left_out":
+            lines.append(f"  left out {r['worker']['device_name']} on {r['worker']['host']}: {r['reason']}")
+        elif r["kind"] == "failure":
+            lost = ", ".join(f"{x['worker']['device_name']} on {x['worker']['host']}" for x in r["lost"])
+            lines.append(f"  failure {r['failures']} at epoch {r['epoch'] + 1}, step {r['step']}: lost {lost}")
+        elif r["kind"] == "rejoined":
+            lines.append(f"  {r['worker']['device_name']} on {r['worker']['host']} rejoined at step {r['step']}")
+    checkpoints = sum(r["kind"] == "checkpoint" for r in records)
+    lines.append(f"  {checkpoints} checkpoints written")
+    return "\n".join(lines)
