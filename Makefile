@@ -19,7 +19,7 @@ install-dev: install
 	$(BIN)/pip install -q -e ".[dev]"
 
 demo: install
-	$(BIN)/mixtrain train --example digits --workers 2
+	$(BIN)/mixtrain train digits --workers 2
 
 test: install-dev
 	$(BIN)/python -m pytest -q tests

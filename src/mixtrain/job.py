@@ -15,9 +15,12 @@ import sysconfig
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from mixtrain.task import Task
+
+if TYPE_CHECKING:
+    from mixtrain.trainer import Trainer
 
 BUILTIN = {
     "digits": "mixtrain.examples.digits:example",
@@ -49,6 +52,19 @@ class Job:
             raise ValueError(f"Job.global_batch={self.global_batch!r}: must be an integer >= 1")
         if not isinstance(self.epochs, int) or self.epochs < 1:
             raise ValueError(f"Job.epochs={self.epochs!r}: must be an integer >= 1")
+
+    def trainer(self, global_batch: int | None = None, **options: Any) -> Trainer:
+        """A Trainer for this job; `options` are Trainer's (scaling=, run=, strategy=).
+        `job.trainer(scaling=ScalingConfig(num_workers=2)).fit(epochs=job.epochs)` trains it."""
+        from mixtrain.trainer import Trainer
+
+        return Trainer(
+            self.task_factory,
+            self.train_data,
+            eval_data=self.eval_data,
+            global_batch=global_batch or self.global_batch,
+            **options,
+        )
 
 
 def load_job(

@@ -104,6 +104,9 @@ def test_cluster_up_join_train_across_two_hosts_and_refuse_a_client_without_toke
             assert train.returncode == 0, train.stderr[-4000:]
             workers = json.loads((out / "workers.json").read_text())
             assert sorted(w["host"] for w in workers) == [head.ip, other.ip]
+            # both workers' output is in the run folder: the head's written there, the other node's copied back
+            logs = sorted((out / "run" / "logs").glob("worker-*.log"))
+            assert len(logs) == 2 and all("asking for cpu" in p.read_text() for p in logs), logs
             x, y = data("mlp", NUM_SAMPLES)
             assert_same_weights(torch.load(out / "weights.pt", weights_only=True), reference("mlp", "sgd", x, y))
 

@@ -100,6 +100,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     train.add_argument("--max-failures", type=int, default=3, help="lost workers survived before stopping (default 3)")
     train.add_argument("--quiet", action="store_true", help="no live progress")
+    train.add_argument(
+        "--tensorboard",
+        action="store_true",
+        help="require TensorBoard event files in RUN_DIR/tensorboard (default: written when tensorboardX is installed)",
+    )
     plan = sub.add_parser(
         "plan",
         help="measure every device and show how the batch would be split, without training",
@@ -250,7 +255,7 @@ def _task(args: argparse.Namespace) -> tuple[str, str]:
 
 
 def _trainer(args: argparse.Namespace, run_dir: str | None = None, steps_per_round: int | None = None):
-    from mixtrain import RunConfig, ScalingConfig, StrategyConfig, Trainer
+    from mixtrain import RunConfig, ScalingConfig, StrategyConfig
     from mixtrain.headnode import use_cluster_token
     from mixtrain.job import load_job
 
@@ -262,11 +267,8 @@ def _trainer(args: argparse.Namespace, run_dir: str | None = None, steps_per_rou
         micro = micro * num_workers  # one value for every worker
     target, flag = _task(args)
     job = load_job(target, lr=args.lr, seed=args.seed, data_dir=args.data_dir, args=args.job_args, flag=flag)
-    return job, Trainer(
-        job.task_factory,
-        job.train_data,
-        eval_data=job.eval_data,
-        global_batch=args.global_batch or job.global_batch,
+    return job, job.trainer(
+        args.global_batch,
         scaling=ScalingConfig(
             num_workers=num_workers,
             groups=None if isinstance(args.workers, int) else args.workers,
@@ -294,6 +296,7 @@ def _trainer(args: argparse.Namespace, run_dir: str | None = None, steps_per_rou
             progress=not getattr(args, "quiet", True),
             checkpoint_every_s=getattr(args, "checkpoint_every", 60.0),
             max_failures=getattr(args, "max_failures", 3),
+            tensorboard=True if getattr(args, "tensorboard", False) else None,
         ),
     )
 

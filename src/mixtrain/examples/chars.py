@@ -3,7 +3,7 @@ ships with every CPython: about 465,000 characters of English prose and code). I
 the next character; the held-out metric is next-character accuracy on the last 10% of the text.
 
 Command lines:
-    mixtrain train chars --workers 2                        # any laptop, ~30 s: held-out next-char accuracy ~0.48
+    mixtrain train chars --workers 2                        # any laptop, ~30 s: held-out next-char accuracy 0.48
     mixtrain train chars --workers 2 --epochs 6 --lr 2e-3
     mixtrain train chars --workers cuda:1,mps:1 --precision auto --address HEAD:6379   # your GPUs
     python -m mixtrain.examples.chars                       # the Python API; prints a sample of text
@@ -105,17 +105,10 @@ def sample(model: nn.Module, alphabet: str, prompt: str, length: int = 200, temp
 
 
 def main() -> None:
-    from mixtrain import ScalingConfig, Trainer
+    from mixtrain import ScalingConfig
 
     job = example()
-    trainer = Trainer(
-        job.task_factory,
-        job.train_data,
-        eval_data=job.eval_data,
-        global_batch=job.global_batch,
-        scaling=ScalingConfig(num_workers=2),
-    )
-    result = trainer.fit(epochs=job.epochs)
+    result = job.trainer(scaling=ScalingConfig(num_workers=2)).fit(epochs=job.epochs)
     loss = result.metrics["loss"]
     print(f"held-out accuracy {result.metrics['accuracy']:.4f}, {loss / math.log(2):.2f} bits per character")
     _, alphabet = encode(python_docs_text())

@@ -63,17 +63,10 @@ def example(lr: float = DEFAULT_LR, seed: int = 0) -> Job:
 
 
 def main() -> None:
-    from mixtrain import ScalingConfig, Trainer
+    from mixtrain import ScalingConfig
 
     job = example()
-    trainer = Trainer(
-        job.task_factory,
-        job.train_data,
-        eval_data=job.eval_data,
-        global_batch=job.global_batch,
-        scaling=ScalingConfig(num_workers=2),
-    )
-    result = trainer.fit(epochs=job.epochs)
+    result = job.trainer(scaling=ScalingConfig(num_workers=2)).fit(epochs=job.epochs)
     print(f"held-out accuracy {result.metrics['accuracy']:.4f}; files in {result.run_dir}")
 
 

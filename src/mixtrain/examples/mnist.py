@@ -93,17 +93,10 @@ def example(data_dir: str | None = None, lr: float = DEFAULT_LR) -> Job:
 
 
 def main(data_dir: str) -> None:
-    from mixtrain import ScalingConfig, Trainer
+    from mixtrain import ScalingConfig
 
     job = example(data_dir)
-    trainer = Trainer(
-        job.task_factory,
-        job.train_data,
-        eval_data=job.eval_data,
-        global_batch=job.global_batch,
-        scaling=ScalingConfig(num_workers=2),
-    )
-    result = trainer.fit(epochs=job.epochs)
+    result = job.trainer(scaling=ScalingConfig(num_workers=2)).fit(epochs=job.epochs)
     print(f"test accuracy {result.metrics['accuracy']:.4f}; files in {result.run_dir}")
 
 
