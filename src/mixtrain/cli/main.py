@@ -311,21 +311,14 @@ def _with_saved_flags(raw: list[str], resume: str) -> list[str]:
     if not Path(resume).is_dir():
         raise ValueError(f"--resume {resume!r}: no such run folder")
     if saved.is_file():
-        argv = json.loads(saved.read_text())["argv"]
         given = build_parser().parse_args(raw)
-        if given.task or given.example:  # one task: the one given now replaces the saved one
-            argv = _without_task(argv)
-        return ["train", *argv, *raw[1:]]
+        if given.task or given.example or given.config:
+            raise ValueError(
+                f"--resume {resume!r} continues the run's own job ({saved} holds its flags); leave out "
+                "TASK, --example and --config (other flags given now override the saved ones)"
+            )
+        return ["train", *json.loads(saved.read_text())["argv"], *raw[1:]]
     return raw
-
-
-def _without_task(argv: list[str]) -> list[str]:
-    saved = build_parser().parse_args(["train", *argv])
-    out = [a for a in argv if a != saved.task]
-    if saved.example:
-        i = out.index("--example") if "--example" in out else -1
-        out = out[:i] + out[i + 2 :] if i >= 0 else [a for a in out if not a.startswith("--example=")]
-    return out
 
 
 def _parse(raw: list[str]) -> tuple[argparse.Namespace, list[str]]:
