@@ -9,6 +9,8 @@ from rich.live import Live
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 from rich.table import Table
 
+from mixtrain.rounds import device_samples_per_s, time_split
+
 
 def worker_label(info: dict[str, Any]) -> str:
     """A worker's name in records and plots: stable across renumbering (rank changes when others leave)."""
@@ -38,16 +40,13 @@ def device_table(record: dict[str, Any]) -> Table:
         table.add_column(name, justify=justify, no_wrap=True, overflow="ellipsis")  # type: ignore[arg-type]
     total = sum(record["shares"]) or 1
     for rank, (w, share) in enumerate(zip(record["workers"], record["shares"])):
-        spent = w["compute_s"] + w["wait_s"] + w["comm_s"] or 1.0
         table.add_row(
             str(rank),
             f"{w.get('device', '?')}  {w.get('device_name', '')[:24]}",
             str(w.get("host", "")),
             f"{share} ({share / total:.0%})",
-            f"{w['samples'] / record['wall_s'] if record['wall_s'] else 0:,.0f}",
-            f"{w['compute_s'] / spent:.0%}",
-            f"{w['wait_s'] / spent:.0%}",
-            f"{w['comm_s'] / spent:.0%}",
+            f"{device_samples_per_s(record, w):,.0f}",
+            *(f"{part:.0%}" for part in time_split(w)),
             format_bytes(w.get("memory_bytes")),
         )
     return table

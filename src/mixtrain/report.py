@@ -16,6 +16,7 @@ from statistics import fmean
 from typing import Any
 
 from mixtrain.progress import format_bytes
+from mixtrain.rounds import device_samples_per_s, time_split, worker_name
 from mixtrain.runlog import samples_seen
 
 
@@ -34,13 +35,14 @@ def read_run(run_dir: str | Path) -> tuple[dict[str, Any], list[dict[str, Any]]]
         raise ValueError(f"report {str(run_dir)!r}: no metrics.jsonl there; give the folder a run wrote")
     config = json.loads((run / "config.json").read_text()) if (run / "config.json").is_file() else {}
     records = []
-    for n, line in enumerate(metrics.read_text().splitlines(), 1):
+    lines = metrics.read_text().splitlines()
+    for n, line in enumerate(lines, 1):
         if not line.strip():
             continue
         try:
             records.append(json.loads(line))
         except json.JSONDecodeError:  # a run killed mid-write leaves a partial last line
-            if n != len(metrics.read_text().splitlines()):
+            if n != len(lines):
                 raise ValueError(f"{metrics}: line {n} is not JSON") from None
     rounds = [r for r in records if r["kind"] == "round"]
     if not rounds:
@@ -108,7 +110,7 @@ def _per_worker(rounds: list[dict], value: Any) -> dict[str, list[tuple[dict, fl
     series: dict[str, list[tuple[dict, float]]] = defaultdict(list)
     for r in rounds:
         for rank, (w, share) in enumerate(zip(r["workers"], r["shares"])):
-            series[w.get("worker", f"worker {rank}")].append((r, value(r, w, share)))
+            series[worker_name(w, rank)].append((r, value(r, w, share)))
     return series
 
 
@@ -130,7 +132,7 @@ def _plot_throughput(path: Path, rounds: list[dict], events: list[dict], t0: flo
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(12, 4.5))
-    series = _per_worker(rounds, lambda r, w, _: w["samples"] / r["wall_s"] if r["wall_s"] else 0.0)
+    series = _per_worker(rounds, lambda r, w, _: device_samples_per_s(r, w))
     for i, (name, points) in enumerate(series.items()):  # styles differ: equal speeds would hide each other
         ax.plot(*_segments(points, t0), lw=3, ls=("-", "--", ":", "-.")[i % 4], label=name)
     ax.plot(*_segments([(r, r["samples_per_s"]) for r in rounds], t0), "k", lw=1.2, label="job total")
@@ -153,11 +155,12 @@ def _plot_shares(path: Path, rounds: list[dict], t0: float, report: Report) -> N
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(12, 4.5))
-    names = list(_per_worker(rounds, lambda *_: 0.0))
     times = [r["time"] - r["wall_s"] - t0 for r in rounds] + [rounds[-1]["time"] - t0]  # each round's start, the end
+    per_round = [{worker_name(w, i): s for i, (w, s) in enumerate(zip(r["workers"], r["shares"]))} for r in rounds]
+    names = list(dict.fromkeys(name for shares in per_round for name in shares))
     stacks = []
     for name in names:
-        shares = [next((s for w, s in zip(r["workers"], r["shares"]) if w.get("worker") == name), 0) for r in rounds]
+        shares = [by_name.get(name, 0) for by_name in per_round]
         stacks.append([*shares, shares[-1]])
     ax.stackplot(times, stacks, labels=names, step="post", alpha=0.85)
     ax.set(
@@ -199,12 +202,11 @@ def summarize(run_dir: Path, config: dict[str, Any], records: list[dict[str, Any
     for r in rounds:
         total = sum(r["shares"]) or 1
         for rank, (w, share) in enumerate(zip(r["workers"], r["shares"])):
-            s = stats[w.get("worker", f"worker {rank}")]
-            spent = w["compute_s"] + w["wait_s"] + w["comm_s"] or 1.0
+            s = stats[worker_name(w, rank)]
             s["share"].append(share / total)
-            s["rate"].append(w["samples"] / r["wall_s"] if r["wall_s"] else 0.0)
-            for key in ("compute_s", "wait_s", "comm_s"):
-                s[key].append(w[key] / spent)
+            s["rate"].append(device_samples_per_s(r, w))
+            for key, part in zip(("compute_s", "wait_s", "comm_s"), time_split(w)):
+                s[key].append(part)
             if w.get("memory_bytes") is not None:
                 s["memory"].append(w["memory_bytes"])
     for name, s in stats.items():

@@ -100,6 +100,22 @@ def summarize_round(plan: RoundPlan, reports: list[WorkerReport], wall_s: float)
     }
 
 
+def worker_name(entry: dict, rank: int) -> str:
+    """A round record's name for one of its workers (records written before workers were named: the rank)."""
+    return entry.get("worker", f"worker {rank}")
+
+
+def device_samples_per_s(record: dict, entry: dict) -> float:
+    """What one worker contributed to a round's speed: its samples over the round's wall time."""
+    return entry["samples"] / record["wall_s"] if record["wall_s"] else 0.0
+
+
+def time_split(entry: dict) -> tuple[float, float, float]:
+    """A worker's round as fractions busy (compute), waiting for slower peers, and communicating."""
+    spent = entry["compute_s"] + entry["wait_s"] + entry["comm_s"] or 1.0
+    return entry["compute_s"] / spent, entry["wait_s"] / spent, entry["comm_s"] / spent
+
+
 def next_round_steps(step_s: float, target_s: float, fixed: int | None, max_steps: int = 10_000) -> int:
     """Steps for the next round: the user's fixed number, or enough for about `target_s` seconds."""
     if fixed is not None:

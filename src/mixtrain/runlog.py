@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from mixtrain.config import RunConfig
+from mixtrain.rounds import device_samples_per_s, worker_name
 
 TENSORBOARD_DIR = "tensorboard"
 
@@ -101,9 +102,9 @@ class RunLog:
             return
         add("train/loss", r["loss"], step)
         add("train/samples_per_s", r["samples_per_s"], step)
-        for w, share in zip(r["workers"], r["shares"]):
-            name = re.sub(r"[^\w.\-]+", "_", w.get("worker", "?")).strip("_")  # TensorBoard's tag alphabet
-            add(f"samples_per_s/{name}", w["samples"] / r["wall_s"] if r["wall_s"] else 0.0, step)
+        for rank, (w, share) in enumerate(zip(r["workers"], r["shares"])):
+            name = re.sub(r"[^\w.\-]+", "_", worker_name(w, rank)).strip("_")  # TensorBoard's tag alphabet
+            add(f"samples_per_s/{name}", device_samples_per_s(r, w), step)
             add(f"share/{name}", share, step)
 
     def close(self) -> None:

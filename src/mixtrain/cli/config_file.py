@@ -72,7 +72,7 @@ def _convert(action: argparse.Action, key: str, value: Any, path: str | Path) ->
             raise ValueError(f"{where}: must be true or false")
         return value
     if isinstance(value, (dict, bool)):
-        raise ValueError(f"{where}: must be a {'list, ' if key != 'workers' else ''}number or string")
+        raise ValueError(f"{where}: must be a number, a string or a list, like the flag's value")
     text = ",".join(str(v) for v in value) if isinstance(value, list) else str(value)
     if action.type is not None:
         try:
