@@ -56,9 +56,11 @@ class TrainWorker:
     ) -> None:
         """`log_to`: (the run's log folder, the driver's node id); see worker_log."""
         self.log_file: Path | None = None
+        self._log_elsewhere = False  # written outside the run folder (another node): the driver copies it back
         if log_to is not None:
             name = f"worker-{rank}-{device_request.replace(':', '')}-pid{os.getpid()}.log"
             self.log_file = worker_log.log_path(log_to[0], log_to[1], _node_id(), name)
+            self._log_elsewhere = self.log_file.parent != Path(log_to[0])
             worker_log.redirect_output(self.log_file)
             worker_log.log.info(
                 "worker %d of %d on %s, asking for %s", rank, world_size, socket.gethostname(), device_request
@@ -440,8 +442,9 @@ class TrainWorker:
         return {k: v.detach().to("cpu").clone() for k, v in self.task.model.state_dict().items()}
 
     def log_text(self) -> tuple[str, str] | None:
-        """(file name, the end of this worker's log), for the driver to copy into the run folder."""
-        if self.log_file is None or not self.log_file.is_file():
+        """(file name, the end of this worker's log) when it was written on another node than the driver's,
+        for the driver to copy into the run folder; None when it is there already."""
+        if self.log_file is None or not self._log_elsewhere or not self.log_file.is_file():
             return None
         return self.log_file.name, worker_log.read_tail(self.log_file)
 
