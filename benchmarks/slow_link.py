@@ -62,8 +62,8 @@ def _strategy(spec: str) -> dict:
 def drive(address: str, spec: str, out: Path, epochs: int) -> None:
     """In the head's namespace: train digits with one worker per host and write the figures."""
     from mixtrain import RunConfig, ScalingConfig, StrategyConfig, Trainer
+    from mixtrain.cluster.headnode import use_cluster_token
     from mixtrain.examples.digits import example
-    from mixtrain.headnode import use_cluster_token
 
     use_cluster_token(address)
     ex = example()

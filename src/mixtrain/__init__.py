@@ -2,11 +2,11 @@
 
 from mixtrain.checkpoint import load_weights
 from mixtrain.config import DeviceGroup, RunConfig, ScalingConfig, StrategyConfig
+from mixtrain.core.worker_group import WorkerError
 from mixtrain.job import Job
 from mixtrain.result import Result
 from mixtrain.task import Task
 from mixtrain.trainer import Trainer
-from mixtrain.worker_group import WorkerError
 
 __all__ = [
     "DeviceGroup",

@@ -6,7 +6,7 @@ import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from mixtrain.precision import PRECISIONS
+from mixtrain.devices.precision import PRECISIONS
 
 _PLACEMENT_STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
 _DEVICE_KINDS = ("cpu", "gpu", "cuda", "mps")

@@ -10,19 +10,19 @@ from typing import Any
 
 import ray
 
-from mixtrain import cluster
 from mixtrain._constants import COLLECTIVE_TIMEOUT_S, env_float
-from mixtrain.bringup import Bringup, admit_replacements, bring_up, form_group, leave_out
 from mixtrain.checkpoint import MANIFEST, CheckpointStore, atomic_save
+from mixtrain.cluster import connect
 from mixtrain.config import RunConfig, ScalingConfig, StrategyConfig
-from mixtrain.controller import Controller, EpochPlan
-from mixtrain.data import to_arrays
-from mixtrain.planner import plan_record, plan_table, resolve_shares
-from mixtrain.progress import ProgressView
+from mixtrain.core.bringup import Bringup, admit_replacements, bring_up, form_group, leave_out
+from mixtrain.core.controller import Controller, EpochPlan
+from mixtrain.core.worker_group import WorkerGroup
+from mixtrain.data.sampling import to_arrays
+from mixtrain.observe.progress import ProgressView
+from mixtrain.observe.runlog import RunLog, check_tensorboard, make_run_dir
+from mixtrain.policies.planner import plan_record, plan_table, resolve_shares
 from mixtrain.result import Result
-from mixtrain.runlog import RunLog, check_tensorboard, make_run_dir
 from mixtrain.task import Task
-from mixtrain.worker_group import WorkerGroup
 
 
 class Trainer:
@@ -93,7 +93,7 @@ class Trainer:
         num_samples = len(self.train_arrays[0])
         view = ProgressView(False, 0)
         log: RunLog | None = None
-        cluster.ensure_ray(self.scaling.address, _cpus_needed(self.scaling))
+        connect.ensure_ray(self.scaling.address, _cpus_needed(self.scaling))
         group = self.worker_group_cls(self.scaling, self.run.seed)
         group.log_dir = run_dir / "logs"
         try:
@@ -196,7 +196,7 @@ class Trainer:
     def plan(self) -> Bringup:
         """Start the workers, measure every device and the communication, make the first plan, and stop:
         what `fit` would do before its first step, without training. `plan_table` prints the result."""
-        cluster.ensure_ray(self.scaling.address, _cpus_needed(self.scaling))
+        connect.ensure_ray(self.scaling.address, _cpus_needed(self.scaling))
         group = self.worker_group_cls(self.scaling, self.run.seed)
         try:
             group.start()

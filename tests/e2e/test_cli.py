@@ -135,7 +135,7 @@ def test_mnist_trains_from_idx_files(tmp_path):
     import numpy as np
     from sklearn.datasets import load_digits
 
-    from mixtrain.idx import write_idx
+    from mixtrain.examples.idx import write_idx
 
     digits = load_digits()
     images = (np.kron(digits.images, np.ones((3, 3))) * (255 / 16)).astype(np.uint8)  # 24x24

@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 
 from mixtrain import RunConfig, ScalingConfig, Trainer
-from mixtrain.headnode import use_cluster_token
+from mixtrain.cluster.headnode import use_cluster_token
 from tests.models import data, factory
 from tests.ray.test_exactness import GLOBAL_BATCH, NUM_SAMPLES, SEED
 

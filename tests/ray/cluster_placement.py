@@ -13,7 +13,7 @@ from ray.cluster_utils import Cluster
 
 from mixtrain import ScalingConfig
 from mixtrain.config import parse_workers
-from mixtrain.worker_group import WorkerGroup
+from mixtrain.core.worker_group import WorkerGroup
 
 
 def landed(scaling: ScalingConfig, names: dict[str, str]) -> list[dict]:

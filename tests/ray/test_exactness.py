@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from mixtrain import RunConfig, ScalingConfig, Trainer
-from mixtrain.data import epoch_permutation, steps_per_epoch
+from mixtrain.data.sampling import epoch_permutation, steps_per_epoch
 from tests.models import data, factory, make_task
 
 pytestmark = pytest.mark.usefixtures("ray_session")

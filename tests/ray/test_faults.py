@@ -8,7 +8,7 @@ import pytest
 
 from mixtrain import RunConfig, ScalingConfig, StrategyConfig, Trainer
 from mixtrain.checkpoint import CheckpointStore
-from mixtrain.controller import TrainingStopped
+from mixtrain.core.controller import TrainingStopped
 from tests.conftest import run_records
 from tests.models import data, factory, faulty_task
 from tests.ray.test_exactness import GLOBAL_BATCH, NUM_SAMPLES, SEED, assert_same_weights, reference

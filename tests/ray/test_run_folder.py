@@ -8,7 +8,7 @@ import pytest
 
 from mixtrain import RunConfig, ScalingConfig, Trainer
 from mixtrain.job import load_job
-from mixtrain.report import write_report
+from mixtrain.observe.report import write_report
 from tests.conftest import run_records
 
 pytestmark = pytest.mark.usefixtures("ray_session")

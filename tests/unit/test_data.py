@@ -3,7 +3,7 @@ import pytest
 import torch
 from torch.utils.data import Dataset, TensorDataset
 
-from mixtrain.data import epoch_permutation, step_size, steps_per_epoch, to_arrays, worker_indices
+from mixtrain.data.sampling import epoch_permutation, step_size, steps_per_epoch, to_arrays, worker_indices
 
 
 @pytest.mark.parametrize("num_samples", [64 * 5, 64 * 5 + 17, 3, 1000])

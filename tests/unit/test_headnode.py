@@ -7,7 +7,7 @@ import stat
 
 import pytest
 
-from mixtrain import headnode
+from mixtrain.cluster import headnode
 
 HEAD = {"python": "3.11.9", "torch": "2.13.0+cu128", "ray": "2.60.0", "mixtrain": "0.1.0"}
 

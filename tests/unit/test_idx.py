@@ -5,7 +5,7 @@ import gzip
 import numpy as np
 import pytest
 
-from mixtrain.idx import read_idx, write_idx
+from mixtrain.examples.idx import read_idx, write_idx
 
 
 @pytest.mark.parametrize("suffix", ["", ".gz"])

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from mixtrain import DeviceGroup, ScalingConfig
+from mixtrain.cluster.placement import NodeInfo, auto_groups, infeasible, resolve_scaling, worker_specs
 from mixtrain.config import parse_workers
-from mixtrain.placement import NodeInfo, auto_groups, infeasible, resolve_scaling, worker_specs
 
 HEAD = {"node:__internal_head__": 1.0}
 LINUX_GPU = NodeInfo("n-cuda", "10.0.0.1", {"CPU": 8, "GPU": 2, "accelerator_type:A100": 1, **HEAD})

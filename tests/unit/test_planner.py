@@ -1,6 +1,6 @@
 import pytest
 
-from mixtrain.planner import equal_shares, largest_remainder, resolve_shares, shares_for_step
+from mixtrain.policies.planner import equal_shares, largest_remainder, resolve_shares, shares_for_step
 
 
 @pytest.mark.parametrize(
@@ -43,7 +43,7 @@ def test_partial_step_scales_shares():
 
 
 def test_balanced_shares_follow_speed_and_keep_everyone_measured():
-    from mixtrain.planner import balanced_shares
+    from mixtrain.policies.planner import balanced_shares
 
     assert balanced_shares([3000, 1000], 64) == [48, 16]
     assert sum(balanced_shares([5.0, 3.0, 1.0], 97)) == 97
@@ -51,7 +51,7 @@ def test_balanced_shares_follow_speed_and_keep_everyone_measured():
 
 
 def test_plan_splits_shares_over_memory_caps_into_accumulation():
-    from mixtrain.planner import make_plan
+    from mixtrain.policies.planner import make_plan
 
     plan = make_plan([3000, 1000], 64, memory_caps=[None, 5])
     assert plan.shares == [48, 16]
@@ -62,7 +62,7 @@ def test_plan_splits_shares_over_memory_caps_into_accumulation():
 
 
 def test_plan_marks_a_device_that_slows_the_job_down():
-    from mixtrain.planner import make_plan
+    from mixtrain.policies.planner import make_plan
 
     # alone: 128 / 20000 = 6.4 ms; together: shares [121, 7], the slow one takes 7 ms, + 10 ms = 17 ms
     plan = make_plan([20000, 1000], 128, comm_s=0.010, min_gain=0.3)
@@ -73,7 +73,7 @@ def test_plan_marks_a_device_that_slows_the_job_down():
 
 
 def test_exclusion_needs_the_margin_and_prefers_the_slowest():
-    from mixtrain.planner import exclusion, make_plan
+    from mixtrain.policies.planner import exclusion, make_plan
 
     # two equal workers, communication as long as half the compute: alone 6.4 ms vs 3.2 + 3.2 ms, no gain
     assert make_plan([20000, 20000], 128, comm_s=0.0032, min_gain=0.3).excluded == {}
@@ -87,14 +87,14 @@ def test_exclusion_needs_the_margin_and_prefers_the_slowest():
 
 
 def test_step_time_has_no_communication_for_one_worker():
-    from mixtrain.planner import step_seconds
+    from mixtrain.policies.planner import step_seconds
 
     assert step_seconds([64], [6400.0], comm_s=0.5) == 0.01
     assert abs(step_seconds([32, 32], [6400.0, 3200.0], comm_s=0.5) - 0.51) < 1e-12
 
 
 def test_plan_table_shows_every_column_and_who_was_left_out():
-    from mixtrain.planner import make_plan, plan_table
+    from mixtrain.policies.planner import make_plan, plan_table
 
     plan = make_plan([3000, 1000], 64, memory_caps=[None, 5], comm_s=0.004)
     workers = [
@@ -112,7 +112,7 @@ def test_plan_table_shows_every_column_and_who_was_left_out():
 
 
 def test_rebalance_only_past_the_threshold():
-    from mixtrain.planner import needs_rebalance
+    from mixtrain.policies.planner import needs_rebalance
 
     assert not needs_rebalance([0.100, 0.105], 0.10)
     assert needs_rebalance([0.100, 0.300], 0.10)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mixtrain import precision
+from mixtrain.devices import precision
 
 
 @pytest.mark.parametrize(
@@ -61,7 +61,7 @@ def test_two_ranks_fed_the_same_verdicts_keep_the_same_scale():
 
 
 def test_loss_scale_state_round_trips():
-    from mixtrain.precision import LossScale
+    from mixtrain.devices.precision import LossScale
 
     a = LossScale(enabled=True, growth_interval=3)
     for verdict in (False, True, True):

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from mixtrain import preflight
 from mixtrain.comm.process_group import choose_backend
+from mixtrain.core import preflight
 
 DRIVER = {"python": "3.11.9", "torch": "2.13.0", "ray": "2.60.0", "mixtrain": "0.1.0", "numpy": "2.1"}
 

@@ -4,7 +4,7 @@ import io
 
 from rich.console import Console
 
-from mixtrain.progress import ProgressView, device_table
+from mixtrain.observe.progress import ProgressView, device_table
 
 RECORD = {
     "epoch": 1,

@@ -2,7 +2,7 @@
 
 import json
 
-from mixtrain.report import write_report
+from mixtrain.observe.report import write_report
 
 
 def test_a_run_without_worker_names_reports_per_rank(tmp_path):

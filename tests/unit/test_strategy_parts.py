@@ -6,10 +6,10 @@ import numpy as np
 import pytest
 import torch
 
-from mixtrain.advice import suggest
 from mixtrain.comm.compress import decode, encode
 from mixtrain.comm.ps_server import num_shards, partition
 from mixtrain.config import StrategyConfig
+from mixtrain.policies.advice import suggest
 
 
 @pytest.mark.parametrize("compress,itemsize,tol", [("none", 4, 0.0), ("bf16", 2, 2**-8), ("fp16", 2, 2**-11)])

@@ -256,7 +256,7 @@ def _task(args: argparse.Namespace) -> tuple[str, str]:
 
 def _trainer(args: argparse.Namespace, run_dir: str | None = None, steps_per_round: int | None = None):
     from mixtrain import RunConfig, ScalingConfig, StrategyConfig
-    from mixtrain.headnode import use_cluster_token
+    from mixtrain.cluster.headnode import use_cluster_token
     from mixtrain.job import load_job
 
     if args.address:
@@ -384,7 +384,7 @@ def cmd_train(args: argparse.Namespace, raw: list[str]) -> int:
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
-    from mixtrain.planner import plan_table
+    from mixtrain.policies.planner import plan_table
 
     _, trainer = _trainer(args)
     up = trainer.plan()
@@ -399,17 +399,17 @@ def cmd_plan(args: argparse.Namespace) -> int:
 def cmd_devices(args: argparse.Namespace) -> int:
     import socket
 
-    from mixtrain import devices, envinfo
-    from mixtrain.headnode import format_devices
+    from mixtrain import compat, devices
+    from mixtrain.cluster.headnode import format_devices
 
-    v = envinfo.versions()
+    v = compat.versions()
     print(f"{socket.gethostname()}: python {v['python']}, torch {v['torch']}, ray {v['ray']}, mixtrain {v['mixtrain']}")
     print("\n".join(format_devices([d.as_dict() for d in devices.local_devices()])))
     return 0
 
 
 def cmd_cluster(args: argparse.Namespace) -> int:
-    from mixtrain import headnode
+    from mixtrain.cluster import headnode
 
     if args.verb == "up":
         state = headnode.up(
@@ -451,7 +451,7 @@ def cmd_cluster(args: argparse.Namespace) -> int:
 
 
 def cmd_env(args: argparse.Namespace) -> int:
-    from mixtrain import envinfo
+    from mixtrain.cli import envinfo
 
     report = envinfo.bug_report()
     print(json.dumps(report, indent=2) if args.json else envinfo.format_bug_report(report))
@@ -459,7 +459,7 @@ def cmd_env(args: argparse.Namespace) -> int:
 
 
 def cmd_report(args: argparse.Namespace) -> int:
-    from mixtrain.report import write_report
+    from mixtrain.observe.report import write_report
 
     out = write_report(args.run_dir, args.out)
     print(out.summary)

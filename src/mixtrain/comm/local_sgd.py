@@ -21,7 +21,7 @@ import torch.distributed as dist
 from mixtrain.comm import replicas
 from mixtrain.comm.compress import wire_dtype
 from mixtrain.comm.strategy import JoinContext, RoundSync, StepOutcome, StepResult, SyncStrategy, median_seconds
-from mixtrain.precision import LossScale
+from mixtrain.devices.precision import LossScale
 from mixtrain.task import Task
 
 

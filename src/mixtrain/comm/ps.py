@@ -32,7 +32,7 @@ from mixtrain.comm import process_group, replicas
 from mixtrain.comm.compress import decode, encode, wire_dtype
 from mixtrain.comm.ps_server import optimizer_index, partition, state_from_numpy, state_to_numpy, trainable
 from mixtrain.comm.strategy import JoinContext, RoundSync, StepOutcome, StepResult, SyncStrategy, median_seconds
-from mixtrain.precision import LossScale
+from mixtrain.devices.precision import LossScale
 from mixtrain.task import Task
 
 

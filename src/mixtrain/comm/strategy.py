@@ -19,7 +19,7 @@ from mixtrain.comm import replicas
 from mixtrain.comm.buckets import GradBuckets
 from mixtrain.comm.compress import wire_dtype
 from mixtrain.config import StrategyConfig
-from mixtrain.precision import LossScale
+from mixtrain.devices.precision import LossScale
 from mixtrain.task import Task
 
 

@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from mixtrain.idx import read_idx
+from mixtrain.examples.idx import read_idx
 from mixtrain.job import Job
 from mixtrain.task import Task
 

@@ -14,12 +14,15 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from mixtrain import checkpoint, devices, envinfo, precision, probe, worker_log
+from mixtrain import checkpoint, compat, devices
 from mixtrain.comm import netif, process_group, registry
 from mixtrain.comm.strategy import JoinContext, StepResult, SyncStrategy
 from mixtrain.config import StrategyConfig
-from mixtrain.data import Arrays, as_tensors, epoch_permutation, step_size, worker_indices
-from mixtrain.rounds import RoundPlan, WorkerReport
+from mixtrain.core import probe
+from mixtrain.core.rounds import RoundPlan, WorkerReport
+from mixtrain.data.sampling import Arrays, as_tensors, epoch_permutation, step_size, worker_indices
+from mixtrain.devices import precision
+from mixtrain.observe import worker_log
 from mixtrain.task import Task, build_task
 
 NUMERICS_TOLERANCE = {"fp32": 1e-3, "fp16": 2e-2, "bf16": 6e-2}
@@ -105,7 +108,7 @@ class TrainWorker:
             "rank": self.rank,
             "host": self.host,
             "requested": self.device_request,
-            "versions": envinfo.versions(),
+            "versions": compat.versions(),
         }
         try:
             self.kind = devices.resolve(self.device_request)
@@ -126,7 +129,7 @@ class TrainWorker:
             **report,
             "device": info.as_dict(),
             "precision": self.precision,
-            "signature": envinfo.model_signature(model),
+            "signature": compat.model_signature(model),
             "num_params": sum(p.numel() for p in model.parameters()),
             "trainable_bytes": sum(p.numel() * 4 for p in model.parameters() if p.requires_grad),
             "nccl": torch.distributed.is_nccl_available(),

@@ -9,7 +9,7 @@ from rich.live import Live
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 from rich.table import Table
 
-from mixtrain.rounds import device_samples_per_s, time_split
+from mixtrain.core.rounds import device_samples_per_s, time_split
 
 
 def worker_label(info: dict[str, Any]) -> str:

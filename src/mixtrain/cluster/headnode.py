@@ -22,10 +22,10 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from mixtrain import envinfo
-from mixtrain.cluster import check_reachable, device_resources
+from mixtrain import compat
+from mixtrain.cluster.connect import check_reachable, device_resources
 from mixtrain.comm.netif import hostname_trap, ipv4_addresses
-from mixtrain.preflight import version_mismatches
+from mixtrain.compat import version_mismatches
 
 CARD_KEY, CARD_NS = b"head", b"mixtrain"
 READY_TIMEOUT_S = 90.0
@@ -246,7 +246,7 @@ def up(
         try:
             check_reachable(address, timeout_s=0.5)
             gcs = _gcs(address)
-            card = json.dumps({**envinfo.versions(), "os": platform.system()}).encode()
+            card = json.dumps({**compat.versions(), "os": platform.system()}).encode()
             gcs.internal_kv_put(CARD_KEY, card, True, CARD_NS)
             return True
         except (ConnectionError, RuntimeError, OSError):
@@ -296,7 +296,7 @@ def join(
             f"could not read the head's version card at {address}: {exc}. Check the token that "
             "`mixtrain cluster up` printed (--token)."
         ) from exc
-    problems = parity_problems(card, envinfo.versions())
+    problems = parity_problems(card, compat.versions())
     if problems:
         raise ClusterError(
             "refusing to join: " + "; ".join(problems) + ". Install the same versions here (for Python: a "
@@ -346,7 +346,7 @@ def node_report() -> dict:
         "hostname": socket.gethostname(),
         "cpus": os.cpu_count(),
         "devices": [d.as_dict() for d in devices.local_devices()],
-        "versions": envinfo.versions(),
+        "versions": compat.versions(),
         "os": platform.system(),
     }
 

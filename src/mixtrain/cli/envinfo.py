@@ -1,43 +1,13 @@
-"""The versions and platform facts that must agree across nodes, and that a bug report needs."""
+"""`mixtrain env`: everything a bug report needs, from this machine."""
 
 from __future__ import annotations
 
-import hashlib
 import platform
-import sys
 from typing import Any
 
 import torch
 
-
-def versions() -> dict[str, str]:
-    import numpy
-    import ray
-
-    from mixtrain import __version__
-
-    return {
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "ray": ray.__version__,
-        "mixtrain": __version__,
-        "numpy": numpy.__version__,
-    }
-
-
-def platform_info() -> dict[str, str]:
-    return {
-        "os": platform.platform(),
-        "machine": platform.machine(),
-        "executable": sys.executable,
-    }
-
-
-def model_signature(model: torch.nn.Module) -> str:
-    """A short hash of parameter and buffer names, shapes and dtypes: equal models, equal hashes."""
-    parts = [f"{n}:{tuple(t.shape)}:{t.dtype}" for n, t in (*model.named_parameters(), *model.named_buffers())]
-    return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:12]
-
+from mixtrain.compat import platform_info, versions
 
 SETTINGS = (
     "RAY_ADDRESS",
@@ -59,8 +29,8 @@ def bug_report() -> dict[str, Any]:
     from importlib import metadata
 
     from mixtrain import devices
+    from mixtrain.cluster.headnode import load_state
     from mixtrain.comm.netif import hostname_trap, ipv4_addresses
-    from mixtrain.headnode import load_state
 
     optional: dict[str, str | None] = {}
     for name in OPTIONAL:
@@ -94,7 +64,7 @@ def bug_report() -> dict[str, Any]:
 
 
 def format_bug_report(r: dict[str, Any]) -> str:
-    from mixtrain.headnode import format_devices
+    from mixtrain.cluster.headnode import format_devices
 
     v, t, net = r["versions"], r["torch_build"], r["network"]
     lines = [

@@ -15,9 +15,9 @@ from pathlib import Path
 from statistics import fmean
 from typing import Any
 
-from mixtrain.progress import format_bytes
-from mixtrain.rounds import device_samples_per_s, time_split, worker_name
-from mixtrain.runlog import samples_seen
+from mixtrain.core.rounds import device_samples_per_s, time_split, worker_name
+from mixtrain.observe.progress import format_bytes
+from mixtrain.observe.runlog import samples_seen
 
 
 @dataclass

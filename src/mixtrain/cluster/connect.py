@@ -55,7 +55,7 @@ def device_resources() -> dict[str, float]:
 
 def inventory() -> str:
     """The cluster's total and free resources, for error messages."""
-    from mixtrain.placement import format_resources
+    from mixtrain.cluster.placement import format_resources
 
     nodes = [n for n in ray.nodes() if n.get("Alive")]
     total, free = format_resources(ray.cluster_resources()), format_resources(ray.available_resources())

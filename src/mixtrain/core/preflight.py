@@ -6,36 +6,11 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Sequence
 
+from mixtrain.compat import version_mismatches
+
 
 class PreflightError(RuntimeError):
     """Workers disagree on versions, model or devices; the message has a table naming node and value."""
-
-
-def _base(version: str) -> str:
-    return version.split("+", 1)[0]  # 2.13.0+cu128 and 2.13.0 are the same release
-
-
-def _minor(version: str) -> str:
-    return ".".join(version.split(".")[:2])
-
-
-# (field, how two values are compared, why it matters)
-_RULES = (
-    ("python", _minor, "Ray and pickled task factories need the same Python major.minor on every node"),
-    ("torch", lambda v: _minor(_base(v)), "the collectives and the model code need the same torch release line"),
-    ("ray", str, "Ray refuses nodes of another Ray version"),
-    ("mixtrain", str, "workers must run the same mixtrain as the driver"),
-)
-
-
-def version_mismatches(reference: dict[str, str], mine: dict[str, str]) -> list[tuple[str, str, str, str]]:
-    """(field, reference's version, mine, why it matters) for each field whose release differs."""
-    out = []
-    for field, key, why in _RULES:
-        theirs, ours = reference.get(field, "?"), mine.get(field, "?")
-        if key(ours) != key(theirs):
-            out.append((field, theirs, ours, why))
-    return out
 
 
 def problems(driver: dict[str, str], reports: Sequence[dict]) -> list[str]:

@@ -20,8 +20,12 @@ from mixtrain._constants import (
 )
 from mixtrain.checkpoint import CheckpointStore
 from mixtrain.config import Slowdown
-from mixtrain.data import steps_per_epoch
-from mixtrain.planner import (
+from mixtrain.core.rounds import RoundPlan, next_round_steps, summarize_round
+from mixtrain.core.worker_group import WorkerError, WorkerGroup
+from mixtrain.data.sampling import steps_per_epoch
+from mixtrain.observe.progress import ProgressView, worker_label
+from mixtrain.observe.runlog import RunLog
+from mixtrain.policies.planner import (
     Plan,
     equal_shares,
     largest_remainder,
@@ -31,10 +35,6 @@ from mixtrain.planner import (
     plan_record,
     plan_table,
 )
-from mixtrain.progress import ProgressView, worker_label
-from mixtrain.rounds import RoundPlan, next_round_steps, summarize_round
-from mixtrain.runlog import RunLog
-from mixtrain.worker_group import WorkerError, WorkerGroup
 
 EXCLUDE_ROUNDS = 2
 """Measured rounds in a row that must find a worker slowing the job down before it is left out."""

@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from mixtrain.config import RunConfig
-from mixtrain.rounds import device_samples_per_s, worker_name
+from mixtrain.core.rounds import device_samples_per_s, worker_name
 
 TENSORBOARD_DIR = "tensorboard"
 

@@ -14,17 +14,18 @@ from typing import Any
 
 import ray
 
-from mixtrain import envinfo, preflight
+from mixtrain import compat
 from mixtrain._constants import BUCKET_MB, COLLECTIVE_TIMEOUT_S, EXCLUDE_GAIN, RENDEZVOUS_TIMEOUT_S, env_float
-from mixtrain.advice import suggest
+from mixtrain.cluster.placement import WorkerSpec
 from mixtrain.comm import ps_server
 from mixtrain.comm.process_group import choose_backend
 from mixtrain.config import ScalingConfig, Slowdown, StrategyConfig
-from mixtrain.data import Arrays
-from mixtrain.placement import WorkerSpec
-from mixtrain.planner import Plan, largest_remainder, make_plan, resolve_shares
+from mixtrain.core import preflight
+from mixtrain.core.worker_group import WorkerGroup
+from mixtrain.data.sampling import Arrays
+from mixtrain.policies.advice import suggest
+from mixtrain.policies.planner import Plan, largest_remainder, make_plan, resolve_shares
 from mixtrain.task import Task
-from mixtrain.worker_group import WorkerGroup
 
 
 @dataclass
@@ -67,7 +68,7 @@ def bring_up(
     # leaving its peers waiting out the rendezvous timeout.
     reports = group.call("build", task_factory, timeout_s=wait_s)
     checks["reports"] = reports
-    preflight.check(envinfo.versions(), reports)
+    preflight.check(compat.versions(), reports)
     infos = group.call("info", timeout_s=wait_s)
     train_ref = ray.put(train)  # once; workers read it zero-copy from the object store
     eval_ref = ray.put(evaluation) if evaluation is not None else None
@@ -188,7 +189,7 @@ def admit_replacements(
         if "problem" in report:
             found = [report["problem"]]
         else:
-            found = preflight.problems(envinfo.versions(), [reference, report])
+            found = preflight.problems(compat.versions(), [reference, report])
         if found:
             up.notes.append(f"a replacement on {report.get('host')} was refused: {'; '.join(found)}")
             group.discard(spec, actor)

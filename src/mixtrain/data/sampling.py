@@ -18,7 +18,7 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
-from mixtrain.planner import shares_for_step
+from mixtrain.policies.planner import shares_for_step
 
 Arrays = tuple[np.ndarray, ...]
 

@@ -12,10 +12,10 @@ import ray
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from mixtrain import cluster, placement
 from mixtrain._constants import PLACEMENT_TIMEOUT_S, env_float
+from mixtrain.cluster import connect, placement
 from mixtrain.config import ScalingConfig
-from mixtrain.worker import TrainWorker
+from mixtrain.core.worker import TrainWorker
 
 
 class WorkerError(RuntimeError):
@@ -84,7 +84,7 @@ class WorkerGroup:
             self.pg = None
             raise RuntimeError(
                 f"Ray could not reserve {len(self.specs)} workers ({self.scaling.placement_strategy}) within "
-                f"{timeout:g} s (MIXTRAIN_PLACEMENT_TIMEOUT_S). Cluster: {cluster.inventory()}. Free resources "
+                f"{timeout:g} s (MIXTRAIN_PLACEMENT_TIMEOUT_S). Cluster: {connect.inventory()}. Free resources "
                 "held by other jobs, use fewer workers, or relax the placement strategy."
             )
         n = len(self.specs)

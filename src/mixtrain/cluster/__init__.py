@@ -1,0 +1,1 @@
+"""The Ray cluster: connecting, `mixtrain cluster up/join/status/down`, placing workers on nodes. Internal."""

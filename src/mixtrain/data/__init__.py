@@ -1,0 +1,1 @@
+"""Data for training: the step-indexed sampler."""
