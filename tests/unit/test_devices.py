@@ -93,3 +93,20 @@ def test_each_kind_owns_its_cache_and_random_stream(monkeypatch):
     mps.set_rng_state(torch.tensor([4], dtype=torch.uint8))
     cpu.set_rng_state(torch.tensor([5], dtype=torch.uint8))  # the CPU stream is torch's own: nothing to do
     assert calls == ["cuda.empty_cache", "mps.empty_cache", ("cuda.set", [3], 1), ("mps.set", [4])]
+
+
+def test_each_kind_answers_the_capability_questions_the_worker_asks():
+    cpu, cuda, mps = devices.get("cpu"), devices.get("cuda"), devices.get("mps")
+    assert [k.supports_float64 for k in (cpu, cuda, mps)] == [True, True, False]
+    assert [k.probes_memory for k in (cpu, cuda, mps)] == [False, True, True]
+    assert [k.has_own_random_stream for k in (cpu, cuda, mps)] == [False, True, True]
+    assert [k.auto_low_precision for k in (cpu, cuda, mps)] == [False, True, True]
+
+
+def test_make_current_sets_the_cuda_device_and_is_a_no_op_elsewhere(monkeypatch):
+    chosen = []
+    monkeypatch.setattr(torch.cuda, "set_device", chosen.append)
+    devices.get("cuda").make_current(1)
+    devices.get("cpu").make_current(0)
+    devices.get("mps").make_current(0)
+    assert chosen == [1]

@@ -120,10 +120,13 @@ class TrainWorker:
         torch.manual_seed(self.seed)
         self.task = build_task(factory)
         model = self.task.model
-        if self.device.type == "mps":
+        if not self.kind.supports_float64:
             wide = [n for n, t in (*model.named_parameters(), *model.named_buffers()) if t.dtype == torch.float64]
             if wide:
-                return {**report, "problem": f"float64 tensors {wide[:3]} cannot go to MPS; build the model in float32"}
+                return {
+                    **report,
+                    "problem": f"float64 tensors {wide[:3]} cannot go to {self.kind.kind}; build the model in float32",
+                }
         model.to(self.device)
         return {
             **report,
@@ -139,7 +142,7 @@ class TrainWorker:
         """The gradient of the first `count` training samples on this device (at its precision)
         against the same gradient computed on the CPU in fp32: the relative L2 difference."""
         tolerance = tolerance or NUMERICS_TOLERANCE[self.precision]
-        if self.device.type == "cpu" and self.precision == "fp32":
+        if self.kind.kind == "cpu" and self.precision == "fp32":
             return {"rank": self.rank, "error": 0.0, "tolerance": tolerance}  # the reference itself
         import copy
 
@@ -171,9 +174,9 @@ class TrainWorker:
         model = self.task.model
         buffers = {name: b.detach().clone() for name, b in model.named_buffers()}
         cap = memory_cap
-        rng_devices = [self.device] if self.device.type in ("cuda", "mps") else []
+        rng_devices = [self.device] if self.kind.has_own_random_stream else []
         with torch.random.fork_rng(devices=rng_devices, device_type=self.device.type):
-            if cap is None and self.device.type != "cpu":
+            if cap is None and self.kind.probes_memory:
                 found = probe.largest_fitting(
                     self._probe_step, guess, limit, self.kind.is_oom, after_oom=self._free_cached_memory
                 )
@@ -238,7 +241,7 @@ class TrainWorker:
         store = self._rendezvous.store if self.rank == 0 else None
         netif.pin_interface(self.host, backend)
         if backend == "nccl":
-            torch.cuda.set_device(self.device)
+            self.kind.make_current(self.device.index or 0)
         process_group.join_group(
             backend=backend,
             rank=self.rank,
@@ -268,8 +271,8 @@ class TrainWorker:
         return len(self.train[0])
 
     def _narrow(self, fields: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
-        """MPS has no float64: such fields become float32 here, on the CPU, once."""
-        if self.device.type != "mps":
+        """A device without float64 (MPS): such fields become float32 here, on the CPU, once."""
+        if self.kind.supports_float64:
             return fields
         return tuple(f.float() if f.dtype == torch.float64 else f for f in fields)
 

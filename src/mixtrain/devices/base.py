@@ -30,6 +30,14 @@ class DeviceKind(ABC):
     so tests can patch torch's availability functions."""
 
     kind: str
+    supports_float64: bool = True
+    """Whether tensors may be float64 here (MPS has no float64: models and data must be float32)."""
+    probes_memory: bool = True
+    """Whether the start-up probe searches the largest micro-batch that fits (CPU memory is not searched)."""
+    has_own_random_stream: bool = False
+    """Whether the device has a random stream of its own beside the CPU's (dropout on a GPU)."""
+    auto_low_precision: bool = True
+    """Whether precision="auto" computes in bf16/fp16 here (the CPU stays fp32: low precision is slower there)."""
 
     @abstractmethod
     def available(self) -> bool: ...
@@ -52,6 +60,9 @@ class DeviceKind(ABC):
 
     @abstractmethod
     def supports_fp16(self, index: int = 0) -> bool: ...
+
+    def make_current(self, index: int = 0) -> None:  # noqa: B027 - only CUDA has a current device
+        """Make this the device that collectives and new allocations use (NCCL needs it)."""
 
     def synchronize(self, index: int = 0) -> None:  # noqa: B027 - CPU work is synchronous
         """Wait for queued kernels (for honest timings)."""

@@ -23,6 +23,8 @@ def _cpu_name() -> str:
 
 class CpuDevice(DeviceKind):
     kind = "cpu"
+    probes_memory = False
+    auto_low_precision = False
 
     def available(self) -> bool:
         return True

@@ -9,6 +9,7 @@ from mixtrain.devices.base import DeviceKind
 
 class CudaDevice(DeviceKind):
     kind = "cuda"
+    has_own_random_stream = True
 
     def available(self) -> bool:
         return torch.cuda.is_available()
@@ -36,6 +37,9 @@ class CudaDevice(DeviceKind):
 
     def supports_fp16(self, index: int = 0) -> bool:
         return True
+
+    def make_current(self, index: int = 0) -> None:
+        torch.cuda.set_device(index)
 
     def synchronize(self, index: int = 0) -> None:
         torch.cuda.synchronize(index)

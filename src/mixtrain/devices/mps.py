@@ -26,6 +26,8 @@ def _chip() -> str:
 
 class MpsDevice(DeviceKind):
     kind = "mps"
+    supports_float64 = False
+    has_own_random_stream = True
 
     def available(self) -> bool:
         return torch.backends.mps.is_available()

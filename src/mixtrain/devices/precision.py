@@ -27,7 +27,9 @@ def choose(requested: str, kind: str, bf16: bool, fp16: bool) -> str:
     """The precision a device of `kind` runs for the user's `requested` precision."""
     if requested not in PRECISIONS:
         raise ValueError(f"precision={requested!r}: use one of {', '.join(PRECISIONS)}")
-    if requested == "fp32" or (requested == "auto" and kind == "cpu"):
+    from mixtrain.devices import get
+
+    if requested == "fp32" or (requested == "auto" and not get(kind).auto_low_precision):
         return "fp32"
     if requested in ("auto", "bf16"):
         if bf16:
