@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 # The pinned CPU build of torch first: an unpinned torch pulls several GB of CUDA packages.
 TORCH ?= torch==2.13.0
 
-.PHONY: install install-dev demo test test-fast lint bench bench-strategies clean
+.PHONY: install install-dev demo test test-fast lint bench bench-strategies clean gpu-bundle gpu-check
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -25,8 +25,8 @@ test: install-dev
 	$(BIN)/python -m pytest -q tests
 
 lint: install-dev
-	$(BIN)/ruff check src tests benchmarks
-	$(BIN)/ruff format --check src tests benchmarks
+	$(BIN)/ruff check src tests benchmarks gpu
+	$(BIN)/ruff format --check src tests benchmarks gpu
 	$(BIN)/mypy
 
 bench: install
@@ -45,6 +45,20 @@ bench-strategies: install
 	$(BIN)/python benchmarks/compare.py --workloads mlp,cnn --runners ddp,mx:allreduce,mx:ps \
 		--json bench_results/ps_vs_allreduce.json
 	$(BIN)/python benchmarks/slow_link.py --strategies allreduce,allreduce+bf16,ps,ps-async:2,local-sgd:8,local-sgd:8+bf16
+
+# The GPU check (README, "What runs where"). Here, where pip works: `make gpu-bundle` builds .gpu-bundle/
+# (Ray without its unused parts, the few packages the GPU image lacks, mixtrain's wheel; about 20 MiB) for
+# CPython $(PYVER) manylinux x86-64. On the offline GPU machine, with .gpu-bundle carried along:
+# `make gpu-check` installs it into a throwaway folder over that machine's torch and writes
+# gpu-check.txt / gpu-check.json into $OUT (else mixtrain_runs/gpu-check-*/).
+PYVER ?= 3.12
+GPU_PYTHON ?= python3
+gpu-bundle: $(BIN)/python
+	$(BIN)/pip install -q packaging
+	$(BIN)/python -m gpu.bundle --python-version $(PYVER)
+
+gpu-check:
+	$(GPU_PYTHON) gpu/check.py
 
 clean:
 	rm -rf $(VENV) mixtrain_runs bench_results

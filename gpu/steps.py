@@ -1,0 +1,278 @@
+"""The check's steps that need the Python API; `gpu/check.py` runs each as its own process:
+
+    python -m gpu.steps env|exactness|overhead|nccl [--devices cpu|cuda] --out RESULT.json
+
+Only mixtrain's public API (`from mixtrain import ...`), its built-in examples and the tests' task
+factories (tests/models.py) are used, so this keeps working while mixtrain's modules move. Each step
+writes {"result", "figure", "detail": [...], "data": {...}} to --out; "result" is "pass", "fail", "below
+goal" (overhead) or "refused" (NCCL, when mixtrain stops with an error), never a guess.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import os
+import platform
+import sys
+import time
+import traceback
+from pathlib import Path
+from typing import Any
+
+import torch
+
+EXACT_SAMPLES = 640
+"""The exactness runs use the whole data set as the global batch: every step is the same B samples in every
+process, so single-process PyTorch needs no knowledge of mixtrain's sample order."""
+EXACT_STEPS = 30
+EXACT_TOL = {"cpu": 1e-5, "cuda": 1e-4}
+"""Relative L2 difference allowed per tensor: CPUs only (the README's promise), and with a CUDA rank
+(its fp32 kernels sum in another order than the CPU's; tests/gpu allows the same)."""
+OVERHEAD_GOAL = 0.95
+OVERHEAD_EPOCHS = 20
+
+
+def _nccl_version() -> str | None:
+    try:
+        v = torch.cuda.nccl.version()
+    except Exception as e:  # no NCCL in this build of torch
+        return f"none ({type(e).__name__})"
+    return ".".join(map(str, v)) if isinstance(v, tuple) else str(v)
+
+
+def env() -> dict[str, Any]:
+    import ray
+
+    import mixtrain
+
+    data: dict[str, Any] = {
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "torch_cuda": torch.version.cuda,
+        "cuda_available": torch.cuda.is_available(),
+        "ray": ray.__version__,
+        "ray_path": str(Path(ray.__file__).parent),
+        "mixtrain": mixtrain.__version__,
+        "mixtrain_path": str(Path(mixtrain.__file__).parent),
+        "cpus": os.cpu_count(),
+        "cpu": platform.processor() or platform.machine(),
+    }
+    if data["cuda_available"]:
+        props = torch.cuda.get_device_properties(0)
+        data.update(
+            gpu=torch.cuda.get_device_name(0),
+            gpus=torch.cuda.device_count(),
+            capability=".".join(map(str, torch.cuda.get_device_capability(0))),
+            gpu_memory_gib=round(props.total_memory / 2**30, 1),
+            nccl=_nccl_version(),
+            bf16=torch.cuda.is_bf16_supported(),
+        )
+        device = f"{data['gpu']} ({data['gpu_memory_gib']} GiB, CUDA {data['torch_cuda']})"
+    else:
+        device = f"no CUDA device (CPU only, {data['cpus']} cores)"
+    return {
+        "result": "pass",
+        "figure": f"{device}; torch {data['torch']}, Ray {data['ray']}, mixtrain {data['mixtrain']}",
+        "detail": [f"{k}: {v}" for k, v in data.items()],
+        "data": data,
+    }
+
+
+def _exact_run(groups, shares, opt: str, run_dir: Path, backend: str = "auto") -> tuple[dict, list[dict]]:
+    from mixtrain import RunConfig, ScalingConfig, Trainer
+    from tests.models import data, factory
+
+    x, y = data("mlp", EXACT_SAMPLES)
+    trainer = Trainer(
+        factory("mlp", opt),
+        (x, y),
+        global_batch=EXACT_SAMPLES,
+        scaling=ScalingConfig(groups=groups, shares=shares, backend=backend),
+        run=RunConfig(run_dir=str(run_dir), seed=7, progress=False, tensorboard=False),
+    )
+    result = trainer.fit(epochs=EXACT_STEPS)
+    return result.state_dict, result.workers
+
+
+def _reference(opt: str) -> dict[str, torch.Tensor]:
+    """Plain single-process PyTorch on the CPU: EXACT_STEPS steps of the whole data set."""
+    from tests.models import data, make_task
+
+    x, y = data("mlp", EXACT_SAMPLES)
+    torch.manual_seed(7)
+    task = make_task("mlp", opt)
+    for _ in range(EXACT_STEPS):
+        task.optimizer.zero_grad()
+        task.loss_fn(task.model(x), y).backward()
+        task.optimizer.step()
+    return task.model.state_dict()
+
+
+def _max_rel_diff(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> float:
+    assert got.keys() == want.keys(), (sorted(got), sorted(want))
+    return max(
+        float((got[k].double() - want[k].double()).norm() / want[k].double().norm().clamp_min(1e-12)) for k in want
+    )
+
+
+def exactness(devices: str, work: Path) -> dict[str, Any]:
+    from mixtrain import DeviceGroup
+
+    if devices == "cuda":
+        groups = [DeviceGroup(device="cuda", num_workers=1), DeviceGroup(device="cpu", num_workers=2)]
+        shares = [300, 200, 140]
+    else:
+        groups = [DeviceGroup(device="cpu", num_workers=2)]
+        shares = [400, 240]
+    tol = EXACT_TOL[devices]
+    detail, worst = [], 0.0
+    for opt in ("sgd", "adamw"):
+        got, workers = _exact_run(groups, shares, opt, work / f"exact-{devices}-{opt}")
+        err = _max_rel_diff(got, _reference(opt))
+        worst = max(worst, err)
+        where = ", ".join(f"{w.get('device')}:{s}" for w, s in zip(sorted(workers, key=lambda w: w["rank"]), shares))
+        detail.append(f"mlp + {opt}: shares {where}, {EXACT_STEPS} steps: max relative difference {err:.2e}")
+    detail.append(f"global batch = the whole data set ({EXACT_SAMPLES} samples); fp32; tolerance {tol:g} per tensor")
+    ok = worst <= tol
+    return {
+        "result": "pass" if ok else "fail",
+        "figure": f"max relative difference {worst:.1e} (tolerance {tol:g})",
+        "detail": detail,
+        "data": {"max_rel_diff": worst, "tolerance": tol},
+    }
+
+
+def overhead(work: Path, devices: str = "cuda", epochs: int = OVERHEAD_EPOCHS) -> dict[str, Any]:
+    """One CUDA worker under mixtrain against a plain PyTorch loop: the chars example's model, data and
+    global batch; both untimed for their first epoch (warm-up), then samples/s over the rest."""
+    from mixtrain import DeviceGroup, RunConfig, ScalingConfig, Trainer
+
+    job = importlib.import_module("mixtrain.examples.chars").example()
+    x, y = job.train_data
+    batch = job.global_batch
+    dev = torch.device("cuda", 0) if devices == "cuda" else torch.device("cpu")
+    sync = torch.cuda.synchronize if devices == "cuda" else (lambda: None)
+
+    if devices == "cpu":  # a smoke run of this step without a GPU: the worker computes on 1 thread, so here too
+        torch.set_num_threads(1)
+    # plain PyTorch: the batch indexed on the CPU and copied to the card each step (as from a DataLoader)
+    torch.manual_seed(0)
+    task = job.task_factory()
+    model = task.model.to(dev)
+    gen = torch.Generator().manual_seed(0)
+    steps = (len(y) + batch - 1) // batch
+    t_start = 0.0
+    timed_samples = 0
+    for epoch in range(epochs):
+        if epoch == 1:
+            sync()
+            t_start = time.perf_counter()
+        perm = torch.randperm(len(y), generator=gen)
+        for s in range(steps):
+            idx = perm[s * batch : (s + 1) * batch]
+            xb, yb = x[idx].to(dev), y[idx].to(dev)
+            task.optimizer.zero_grad(set_to_none=True)
+            task.loss_fn(model(xb), yb).backward()
+            task.optimizer.step()
+            timed_samples += len(idx) if epoch else 0
+    sync()
+    plain = timed_samples / (time.perf_counter() - t_start)
+    del task, model
+    if devices == "cuda":
+        torch.cuda.empty_cache()
+
+    trainer = Trainer(
+        job.task_factory,
+        job.train_data,
+        global_batch=batch,
+        scaling=ScalingConfig(groups=[DeviceGroup(device=devices, num_workers=1)]),
+        run=RunConfig(run_dir=str(work / "overhead"), seed=0, progress=False, tensorboard=False),
+    )
+    t0 = time.perf_counter()
+    result = trainer.fit(epochs=epochs)
+    fit_s = time.perf_counter() - t0
+    # the run folder's round records carry the time each round ended (Result.history has no clock)
+    lines = (Path(result.run_dir) / "metrics.jsonl").read_text().splitlines()
+    rounds = [r for r in map(json.loads, filter(None, lines)) if r.get("kind") == "round"]
+    first_epoch = [r for r in rounds if r["epoch"] == 0]
+    later = [r for r in rounds if r["epoch"] > 0]
+    samples = sum(r["samples"] for r in later)
+    # from the end of the first epoch's last round to the end of the last round: every cost between rounds
+    # (the driver's calls, checkpoints at epoch ends) counts
+    span = rounds[-1]["time"] - first_epoch[-1]["time"]
+    mx = samples / span
+    mx_rounds = samples / sum(r["wall_s"] for r in later)
+    ratio = mx / plain
+    return {
+        "result": "pass" if ratio >= OVERHEAD_GOAL else "below goal",
+        "figure": f"mixtrain {mx:,.0f} vs plain PyTorch {plain:,.0f} samples/s = {ratio:.2f}x (goal {OVERHEAD_GOAL}x)",
+        "detail": [
+            f"chars transformer, global batch {batch}, {epochs} epochs of {steps} steps; first epoch untimed",
+            f"plain loop: batch indexed on the CPU, copied to the card each step, no per-step host sync: "
+            f"{plain:,.0f} samples/s",
+            f"mixtrain, 1 {devices} worker: {mx:,.0f} samples/s from round ends (driver calls and epoch-end "
+            f"checkpoints included), {mx_rounds:,.0f} samples/s inside its rounds; fit() took {fit_s:.1f} s "
+            f"({result.seconds_to_first_step:.1f} s to the first step)",
+        ],
+        "data": {"plain": plain, "mixtrain": mx, "mixtrain_rounds": mx_rounds, "ratio": ratio},
+    }
+
+
+def nccl(work: Path) -> dict[str, Any]:
+    """--backend nccl with the CUDA workers that fit on one card: one worker, then two at half a GPU each,
+    each checked against single-process weights; a refusal is recorded with mixtrain's own message."""
+    from mixtrain import DeviceGroup
+
+    detail, outcomes = [], []
+    runs = [
+        ("1 CUDA worker", [DeviceGroup(device="cuda", num_workers=1)], [EXACT_SAMPLES]),
+        (
+            "2 CUDA workers on one card (GPU 0.5 each)",
+            [DeviceGroup(device="cuda", num_workers=2, resources_per_worker={"GPU": 0.5})],
+            [400, 240],
+        ),
+    ]
+    for i, (what, groups, shares) in enumerate(runs):
+        try:
+            got, _ = _exact_run(groups, shares, "sgd", work / f"nccl-{i}", backend="nccl")
+        except Exception as e:
+            message = " ".join(f"{type(e).__name__}: {e}".split())[:600]
+            detail.append(f"{what}: refused: {message}")
+            outcomes.append("refused")
+            continue
+        err = _max_rel_diff(got, _reference("sgd"))
+        ok = err <= EXACT_TOL["cuda"]
+        detail.append(f"{what}: trained; max relative difference to one process {err:.1e}")
+        outcomes.append("pass" if ok else "fail")
+    result = "fail" if "fail" in outcomes else ("refused" if "refused" in outcomes else "pass")
+    return {"result": result, "figure": "; ".join(f"{r[0]}: {o}" for r, o in zip(runs, outcomes)), "detail": detail}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="gpu.steps")
+    ap.add_argument("step", choices=["env", "exactness", "overhead", "nccl"])
+    ap.add_argument("--devices", choices=["cpu", "cuda"], default="cpu")
+    ap.add_argument("--epochs", type=int, default=OVERHEAD_EPOCHS, help="overhead: epochs (the first untimed)")
+    ap.add_argument("--work", type=Path, default=Path("."))
+    ap.add_argument("--out", type=Path, required=True)
+    args = ap.parse_args(argv)
+    try:
+        if args.step == "env":
+            out = env()
+        elif args.step == "exactness":
+            out = exactness(args.devices, args.work)
+        elif args.step == "overhead":
+            out = overhead(args.work, args.devices, args.epochs)
+        else:
+            out = nccl(args.work)
+    except Exception as e:
+        traceback.print_exc()
+        out = {"result": "fail", "figure": " ".join(f"{type(e).__name__}: {e}".split())[:300], "detail": []}
+    args.out.write_text(json.dumps(out, default=str))
+    return 0 if out["result"] in ("pass", "refused", "below goal") else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
