@@ -251,7 +251,9 @@ def build_mixtrain_wheel(dest_dir: Path) -> Path:
         return Path(shutil.copy2(wheels[0], dest_dir / wheels[0].name))
 
 
-def resolve(roots: Iterable[Requirement], ray_wheel: Path, wheel_cache: Path, python_version: str, log: list[str]):
+def resolve(
+    roots: Iterable[Requirement], ray_wheel: Path, wheel_cache: Path, python_version: str, log: list[str]
+) -> dict[str, tuple[Path, str]]:
     """Walk the requirements from `roots`: those in the GPU image are taken as there, Ray is `ray_wheel`
     (its extras are not followed), every other one is downloaded and its own requirements walked."""
     todo = list(roots)

@@ -80,7 +80,9 @@ def env() -> dict[str, Any]:
     }
 
 
-def _exact_run(groups, shares, opt: str, run_dir: Path, backend: str = "auto") -> tuple[dict, list[dict]]:
+def _exact_run(
+    groups: list, shares: list[int] | str, opt: str, run_dir: Path, backend: str = "auto"
+) -> tuple[dict, list[dict]]:
     from mixtrain import RunConfig, ScalingConfig, Trainer
     from tests.models import data, factory
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable, Iterable
 
 import torch
 from torch import nn
@@ -33,7 +34,7 @@ def bn_net() -> nn.Module:
 MODELS = {"mlp": mlp, "cnn": cnn, "bn": bn_net}
 
 
-def optimizer(name: str, params) -> torch.optim.Optimizer:
+def optimizer(name: str, params: Iterable[nn.Parameter]) -> torch.optim.Optimizer:
     if name == "sgd":
         return torch.optim.SGD(params, lr=0.05, momentum=0.9)
     if name == "sgd0":  # no momentum: local SGD with H=1 and a plain outer step is then exactly this
@@ -48,7 +49,7 @@ def make_task(model: str, opt: str) -> Task:
     return Task(model=m, optimizer=optimizer(opt, m.parameters()), loss_fn=nn.functional.cross_entropy)
 
 
-def factory(model: str, opt: str):
+def factory(model: str, opt: str) -> Callable[[], Task]:
     return functools.partial(make_task, model, opt)
 
 

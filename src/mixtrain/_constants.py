@@ -23,6 +23,16 @@ EXCLUDE_GAIN = ("MIXTRAIN_EXCLUDE_GAIN", 0.30)
 """Leave a worker out only when the job is predicted at least this fraction faster without it."""
 BUCKET_MB = ("MIXTRAIN_BUCKET_MB", 25.0)
 """Size of one gradient bucket (one all-reduce call)."""
+LOST_GRACE_S = ("MIXTRAIN_LOST_GRACE_S", 15.0)
+"""After a worker fails, the others get the collective timeout plus this long to report before they count as lost."""
+SETUP_EXTRA_S = ("MIXTRAIN_SETUP_EXTRA_S", 600.0)
+"""On top of the rendezvous timeout: how long building, loading and probing a worker may take (kernels compile)."""
+RAY_READY_TIMEOUT_S = ("MIXTRAIN_RAY_READY_TIMEOUT_S", 90.0)
+"""How long `cluster up/join` waits for the Ray processes it started to answer."""
+SHUTDOWN_WAIT_S = ("MIXTRAIN_SHUTDOWN_WAIT_S", 5.0)
+"""At shutdown: how long workers get to leave the group and send their logs before they are killed."""
+RENUMBER_TIMEOUT_S = ("MIXTRAIN_RENUMBER_TIMEOUT_S", 30.0)
+"""How long telling every worker its new rank may take."""
 
 
 def env_float(pair: tuple[str, float]) -> float:

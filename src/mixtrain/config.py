@@ -154,13 +154,7 @@ class ScalingConfig:
     """Ray cluster to connect to ("auto", "ray://...", "host:port"); None starts an embedded local Ray."""
 
     def __post_init__(self) -> None:
-        if isinstance(self.groups, str) and self.groups != "auto":
-            raise ValueError(f"ScalingConfig.groups={self.groups!r}: use 'auto' or a list of DeviceGroup")
-        if self.groups is not None and not isinstance(self.groups, str):
-            groups = list(self.groups)
-            if not groups or not all(isinstance(g, DeviceGroup) for g in groups):
-                raise ValueError(f"ScalingConfig.groups={groups!r}: give a non-empty list of mixtrain.DeviceGroup")
-            object.__setattr__(self, "num_workers", sum(g.num_workers for g in groups))
+        self._check_groups()
         for name, value, allowed in (
             ("backend", self.backend, BACKENDS),
             ("numerics_check", self.numerics_check, NUMERICS_CHECKS),
@@ -186,6 +180,21 @@ class ScalingConfig:
                 f"ScalingConfig.placement_strategy={self.placement_strategy!r}: "
                 f"use one of {', '.join(_PLACEMENT_STRATEGIES)}"
             )
+        self._check_shares()
+        self._check_per_worker()
+
+    def _check_groups(self) -> None:
+        """groups: 'auto' or DeviceGroups, whose sizes give num_workers."""
+        if isinstance(self.groups, str) and self.groups != "auto":
+            raise ValueError(f"ScalingConfig.groups={self.groups!r}: use 'auto' or a list of DeviceGroup")
+        if self.groups is not None and not isinstance(self.groups, str):
+            groups = list(self.groups)
+            if not groups or not all(isinstance(g, DeviceGroup) for g in groups):
+                raise ValueError(f"ScalingConfig.groups={groups!r}: give a non-empty list of mixtrain.DeviceGroup")
+            object.__setattr__(self, "num_workers", sum(g.num_workers for g in groups))
+
+    def _check_shares(self) -> None:
+        """shares: 'auto', 'equal' or one integer >= 1 per worker."""
         if isinstance(self.shares, str):
             if self.shares not in ("auto", "equal"):
                 raise ValueError(
@@ -201,6 +210,8 @@ class ScalingConfig:
             if any(not isinstance(s, int) or s < 1 for s in shares):
                 raise ValueError(f"ScalingConfig.shares={shares}: every share must be an integer >= 1")
 
+    def _check_per_worker(self) -> None:
+        """max_micro_batch and the emulated slowdown: one entry per worker, in range."""
         if self.max_micro_batch is not None and (
             len(self.max_micro_batch) != self.num_workers or any(c is not None and c < 1 for c in self.max_micro_batch)
         ):

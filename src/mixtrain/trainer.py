@@ -14,13 +14,13 @@ from mixtrain._constants import COLLECTIVE_TIMEOUT_S, env_float
 from mixtrain.checkpoint import MANIFEST, CheckpointStore, atomic_save
 from mixtrain.cluster import connect
 from mixtrain.config import RunConfig, ScalingConfig, StrategyConfig
-from mixtrain.core.bringup import Bringup, admit_replacements, bring_up, form_group, leave_out
-from mixtrain.core.controller import Controller, EpochPlan
+from mixtrain.core.bringup import Bringup, bring_up
+from mixtrain.core.controller import Controller, Roster, RunSettings
 from mixtrain.core.worker_group import WorkerGroup
 from mixtrain.data.sampling import to_arrays
-from mixtrain.observe.progress import ProgressView
+from mixtrain.observe.progress import ProgressView, plan_table
 from mixtrain.observe.runlog import RunLog, check_tensorboard, make_run_dir
-from mixtrain.policies.planner import plan_record, plan_table, resolve_shares
+from mixtrain.policies.planner import plan_record, resolve_shares
 from mixtrain.result import Result
 from mixtrain.task import Task
 
@@ -79,18 +79,8 @@ class Trainer:
             raise ValueError(f"epochs={epochs!r}: must be an integer >= 1")
         t_start = time.perf_counter()
         warnings: list[str] = []
-        resumed = load_resume(resume, warnings.append) if resume is not None else None
-        if resumed is not None:
-            _, manifest, ckpt_path = resumed
-            if (manifest["epoch"], manifest["step"]) >= (epochs, 0):
-                raise ValueError(
-                    f"resume={str(resume)!r}: its checkpoint is at epoch {manifest['epoch']}, step {manifest['step']}; "
-                    f"fit(epochs={epochs}) has nothing left to do: ask for more epochs"
-                )
-            if self.run.run_dir is None and self.run.name is None:
-                self.run = replace(self.run, run_dir=str(ckpt_path.parent.parent))
+        resumed = self._load_resume(resume, epochs, warnings) if resume is not None else None
         run_dir = make_run_dir(self.run)
-        num_samples = len(self.train_arrays[0])
         view = ProgressView(False, 0)
         log: RunLog | None = None
         connect.ensure_ray(self.scaling.address, _cpus_needed(self.scaling))
@@ -99,79 +89,20 @@ class Trainer:
         try:
             group.start()
             up = self._bring_up(group)
-            scaling = group.scaling  # resolved: groups="auto" became concrete groups
-            shares = up.plan.shares
-            log = RunLog(
-                run_dir,
-                {
-                    "scaling": scaling,
-                    "run": self.run,
-                    "global_batch": self.global_batch,
-                    "epochs": epochs,
-                    "strategy": self.strategy,
-                    "strategy_advice": up.advice,
-                    "backend": up.backend,
-                    "shares": shares,
-                    "num_samples": num_samples,
-                },
-                self.run.tensorboard,
-            )
-            log.write("workers", {"workers": up.workers})
-            log.write("preflight", up.checks)
-            log.write("plan", {"after_round": 0, **plan_record(up.plan)})
-            view = ProgressView(self.run.progress, num_samples * epochs, epochs)
-            view.log(
-                f"mixtrain: {len(up.workers)} workers, global batch {self.global_batch}, "
-                f"{num_samples} samples x {epochs} epochs, {up.backend}; run folder {run_dir}"
-            )
-            view.log(plan_table(up.plan, up.workers, "plan", up.left_out))
-            view.log(f"strategy: {self.strategy.describe()}; measured: {up.advice}")
-            for note in [*up.notes, *warnings]:
-                view.log(note)
-            start = (0, 0)
+            log = self._open_log(run_dir, up, epochs)
+            view = ProgressView(self.run.progress, self._num_samples * epochs, epochs)
+            self._announce(view, up, run_dir, epochs, warnings)
+            start, shares = (0, 0), up.plan.shares
             if resumed is not None:
-                start, shares = self._restore(group, scaling, resumed, shares)
-                # re-form, so the strategy starts from the loaded state (the parameter servers load it,
-                # local SGD takes it as its common point)
-                group.call("leave", timeout_s=env_float(COLLECTIVE_TIMEOUT_S))
-                form_group(group, up.strategy, up.backend, up.loss_scaling)
-                view.log(f"resumed from {resumed[2]} at epoch {start[0]}, step {start[1]}")
-                view.start_at(min(num_samples, start[1] * self.global_batch) + start[0] * num_samples)
-            if up.slowdown:
-                view.log(f"EMULATION: rank -> (times slower, from round) {up.slowdown} (MIXTRAIN_EMULATE_SLOWDOWN)")
-            plan = EpochPlan(
-                num_samples,
-                self.global_batch,
-                shares,
-                self.run.steps_per_round,
-                self.run.drift_tolerance,
-                len(self.eval_arrays[0]) if self.eval_arrays else 0,
-                balanced=scaling.balanced,
-                max_micro_batch=list(up.plan.memory_caps),  # the controller edits its own copy
-                slowdown=up.slowdown,
-                speeds=up.plan.speeds,
-                leave_out_slow=scaling.leave_out_slow,
-            )
-
-            def regroup(ranks: list[int], rollback: bool, lost: bool) -> None:
-                leave_out(group, ranks, rollback, lost)
-                form_group(group, up.strategy, up.backend, up.loss_scaling)
-
-            def admit() -> list[tuple[dict[str, Any], dict[str, Any]]]:
-                return admit_replacements(group, up, self.task_factory, self.global_batch)
-
+                start, shares = self._restore(group, up, resumed, view)
             controller = Controller(
                 group,
-                plan,
-                log,
-                view,
-                up.workers,
-                regroup,
-                admit=admit if self.run.rejoin else None,
+                up.ops,
+                self._settings(group.scaling),
+                Roster(list(up.workers), list(shares), list(up.plan.memory_caps), up.plan.speeds, up.slowdown),
+                log=log,
+                view=view,
                 checkpoints=CheckpointStore(run_dir, self.run.keep_checkpoints),
-                checkpoint_every_s=self.run.checkpoint_every_s,
-                max_failures=self.run.max_failures,
-                max_nonfinite_steps=self.run.max_nonfinite_steps,
             )
             to_first_step = time.perf_counter() - t_start
             controller.run(epochs, start)
@@ -189,8 +120,69 @@ class Trainer:
             state_dict=state,
             history=controller.history,
             evals=controller.evals,
-            workers=up.workers,
+            workers=[w.as_dict() for w in up.workers],
             seconds_to_first_step=to_first_step,
+        )
+
+    @property
+    def _num_samples(self) -> int:
+        return len(self.train_arrays[0])
+
+    def _load_resume(self, resume: str | Path, epochs: int, warnings: list[str]) -> Resumed:
+        resumed = load_resume(resume, warnings.append)
+        _, manifest, ckpt_path = resumed
+        if (manifest["epoch"], manifest["step"]) >= (epochs, 0):
+            raise ValueError(
+                f"resume={str(resume)!r}: its checkpoint is at epoch {manifest['epoch']}, step {manifest['step']}; "
+                f"fit(epochs={epochs}) has nothing left to do: ask for more epochs"
+            )
+        if self.run.run_dir is None and self.run.name is None:
+            self.run = replace(self.run, run_dir=str(ckpt_path.parent.parent))
+        return resumed
+
+    def _open_log(self, run_dir: Path, up: Bringup, epochs: int) -> RunLog:
+        config = {
+            "scaling": up.ops.group.scaling,  # resolved: groups="auto" became concrete groups
+            "run": self.run,
+            "global_batch": self.global_batch,
+            "epochs": epochs,
+            "strategy": self.strategy,
+            "strategy_advice": up.advice,
+            "backend": up.backend,
+            "shares": up.plan.shares,
+            "num_samples": self._num_samples,
+        }
+        log = RunLog(run_dir, config, self.run.tensorboard)
+        log.write("workers", {"workers": up.workers})
+        log.write("preflight", up.checks)
+        log.write("plan", {"after_round": 0, **plan_record(up.plan)})
+        return log
+
+    def _announce(self, view: ProgressView, up: Bringup, run_dir: Path, epochs: int, warnings: list[str]) -> None:
+        view.log(
+            f"mixtrain: {len(up.workers)} workers, global batch {self.global_batch}, "
+            f"{self._num_samples} samples x {epochs} epochs, {up.backend}; run folder {run_dir}"
+        )
+        view.log(plan_table(up.plan, up.workers, "plan", up.left_out))
+        view.log(f"strategy: {self.strategy.describe()}; measured: {up.advice}")
+        for note in [*up.notes, *warnings]:
+            view.log(note)
+        if up.slowdown:
+            view.log(f"EMULATION: rank -> (times slower, from round) {up.slowdown} (MIXTRAIN_EMULATE_SLOWDOWN)")
+
+    def _settings(self, scaling: ScalingConfig) -> RunSettings:
+        return RunSettings(
+            num_samples=self._num_samples,
+            global_batch=self.global_batch,
+            steps_per_round=self.run.steps_per_round,
+            drift_tolerance=self.run.drift_tolerance,
+            num_eval=len(self.eval_arrays[0]) if self.eval_arrays else 0,
+            balanced=scaling.balanced,
+            leave_out_slow=scaling.leave_out_slow,
+            rejoin=self.run.rejoin,
+            checkpoint_every_s=self.run.checkpoint_every_s,
+            max_failures=self.run.max_failures,
+            max_nonfinite_steps=self.run.max_nonfinite_steps,
         )
 
     def plan(self) -> Bringup:
@@ -205,11 +197,13 @@ class Trainer:
             group.shutdown()
 
     def _restore(
-        self, group: WorkerGroup, scaling: ScalingConfig, resumed: tuple, shares: list[int]
+        self, group: WorkerGroup, up: Bringup, resumed: Resumed, view: ProgressView
     ) -> tuple[tuple[int, int], list[int]]:
         """Every worker loads the checkpoint; with as many workers as before, each gets its own random
-        streams back and balanced shares continue where they were, so the run continues exactly."""
-        state, manifest, _ = resumed
+        streams back and balanced shares continue where they were, so the run continues exactly. The group
+        re-forms, so the strategy starts from the loaded state (the parameter servers load it, local SGD
+        takes it as its common point)."""
+        state, manifest, path = resumed
         rng = state.pop("rng", None)
         n = group.num_workers
         same = rng is not None and len(rng) == n
@@ -219,15 +213,24 @@ class Trainer:
             [(ref, rng[i] if same else None) for i in range(n)],
             timeout_s=env_float(COLLECTIVE_TIMEOUT_S),
         )
-        if same and scaling.balanced and sum(manifest["shares"]) == self.global_batch:
+        shares = up.plan.shares
+        if same and group.scaling.balanced and sum(manifest["shares"]) == self.global_batch:
             shares = list(manifest["shares"])
-        return (manifest["epoch"], manifest["step"]), shares
+        up.ops.reform()
+        start = (manifest["epoch"], manifest["step"])
+        view.log(f"resumed from {path} at epoch {start[0]}, step {start[1]}")
+        view.start_at(min(self._num_samples, start[1] * self.global_batch) + start[0] * self._num_samples)
+        return start, shares
 
     def _bring_up(self, group: WorkerGroup) -> Bringup:
         return bring_up(group, self.task_factory, self.train_arrays, self.eval_arrays, self.global_batch, self.strategy)
 
 
-def load_resume(resume: str | Path, warn: Callable[[str], None]) -> tuple[dict[str, Any], dict[str, Any], Path]:
+Resumed = tuple[dict[str, Any], dict[str, Any], Path]
+"""(state, manifest, path) of the checkpoint a run resumes from."""
+
+
+def load_resume(resume: str | Path, warn: Callable[[str], None]) -> Resumed:
     """(state, manifest, path) from a run folder's newest good checkpoint, or from one checkpoint folder."""
     path = Path(resume)
     if (path / MANIFEST).is_file():

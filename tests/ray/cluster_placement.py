@@ -22,9 +22,7 @@ def landed(scaling: ScalingConfig, names: dict[str, str]) -> list[dict]:
         group.start()
         infos = group.call("info", timeout_s=60)
         gpus = group.call("gpu_ids", timeout_s=60)
-        return [
-            {"device": s.device, "node": names[i["node_id"]], "gpus": g} for s, i, g in zip(group.specs, infos, gpus)
-        ]
+        return [{"device": s.device, "node": names[i.node_id], "gpus": g} for s, i, g in zip(group.specs, infos, gpus)]
     finally:
         group.shutdown()
 

@@ -94,14 +94,26 @@ def test_step_time_has_no_communication_for_one_worker():
 
 
 def test_plan_table_shows_every_column_and_who_was_left_out():
-    from mixtrain.policies.planner import make_plan, plan_table
+    from mixtrain.core.messages import LeftOut, WorkerInfo
+    from mixtrain.observe.progress import plan_table
+    from mixtrain.policies.planner import make_plan
+
+    def info(rank, host, name):
+        return WorkerInfo(
+            rank=rank,
+            host=host,
+            hostname="",
+            pid=1,
+            node_id="",
+            device="cpu",
+            device_name=name,
+            precision="fp32",
+            threads=1,
+        )
 
     plan = make_plan([3000, 1000], 64, memory_caps=[None, 5], comm_s=0.004)
-    workers = [
-        {"rank": r, "host": "10.0.0.2", "device_name": name, "precision": "fp32", "threads": 1}
-        for r, name in enumerate(["NVIDIA RTX 4090", "Apple M2 (MPS)"])
-    ]
-    gone = [{"worker": {"rank": 2, "host": "10.0.0.3", "device_name": "Intel i5"}, "reason": "too slow"}]
+    workers = [info(r, "10.0.0.2", name) for r, name in enumerate(["NVIDIA RTX 4090", "Apple M2 (MPS)"])]
+    gone = [LeftOut(info(2, "10.0.0.3", "Intel i5"), "too slow")]
     text = plan_table(plan, workers, "plan", gone)
     rows = text.splitlines()
     assert "share  micro x acc  compute/s  predicted/s  memory cap" in rows[1]

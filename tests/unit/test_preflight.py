@@ -2,23 +2,26 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from mixtrain.comm.process_group import choose_backend
 from mixtrain.core import preflight
+from mixtrain.core.messages import BuildReport, NumericsResult
+from mixtrain.devices import DeviceInfo
 
 DRIVER = {"python": "3.11.9", "torch": "2.13.0", "ray": "2.60.0", "mixtrain": "0.1.0", "numpy": "2.1"}
 
 
+def device(name="CPU", kind="cpu"):
+    return DeviceInfo(kind, 0, name, None, None, False, False)
+
+
 def report(rank, host="10.0.0.1", signature="abc", **versions):
-    return {
-        "rank": rank,
-        "host": host,
-        "requested": "cpu",
-        "versions": {**DRIVER, **versions},
-        "device": {"name": "CPU", "kind": "cpu"},
-        "signature": signature,
-    }
+    return BuildReport(
+        rank=rank, host=host, requested="cpu", versions={**DRIVER, **versions}, device=device(), signature=signature
+    )
 
 
 def test_matching_workers_pass_and_local_version_suffixes_are_the_same_release():
@@ -26,9 +29,12 @@ def test_matching_workers_pass_and_local_version_suffixes_are_the_same_release()
 
 
 def test_every_mismatch_is_named_with_node_and_value_in_one_error():
-    missing = report(2, host="10.0.0.3")
-    del missing["device"], missing["signature"]
-    missing["problem"] = "this worker asked for a cuda device but torch on its node reports none"
+    missing = replace(
+        report(2, host="10.0.0.3"),
+        device=None,
+        signature=None,
+        problem="this worker asked for a cuda device but torch on its node reports none",
+    )
     reports = [report(0), report(1, host="10.0.0.2", python="3.12.1", signature="zzz"), missing]
     with pytest.raises(preflight.PreflightError) as err:
         preflight.check(DRIVER, reports)
@@ -43,8 +49,8 @@ def test_every_mismatch_is_named_with_node_and_value_in_one_error():
 
 def test_numerics_verdict_names_the_device():
     lines, bad = preflight.numerics_verdict(
-        [{"rank": 0, "error": 0.0, "tolerance": 1e-3}, {"rank": 1, "error": 0.3, "tolerance": 1e-3}],
-        [report(0), {**report(1), "device": {"name": "Apple M2 GPU (MPS)", "kind": "mps"}}],
+        [NumericsResult(rank=0, error=0.0, tolerance=1e-3), NumericsResult(rank=1, error=0.3, tolerance=1e-3)],
+        [report(0), replace(report(1), device=device("Apple M2 GPU (MPS)", "mps"))],
     )
     assert bad == [1]
     assert lines == [

@@ -27,8 +27,13 @@ import json
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from mixtrain.config import BACKENDS, COMPRESSION, NUMERICS_CHECKS, PRECISIONS, STRATEGY_NAMES
+
+if TYPE_CHECKING:  # the CLI imports torch and Ray only for the commands that need them
+    from mixtrain.job import Job
+    from mixtrain.trainer import Trainer
 
 
 def _shares(text: str) -> list[int] | str:
@@ -254,7 +259,9 @@ def _task(args: argparse.Namespace) -> tuple[str, str]:
     return args.task or "digits", "TASK"
 
 
-def _trainer(args: argparse.Namespace, run_dir: str | None = None, steps_per_round: int | None = None):
+def _trainer(
+    args: argparse.Namespace, run_dir: str | None = None, steps_per_round: int | None = None
+) -> tuple[Job, Trainer]:
     from mixtrain import RunConfig, ScalingConfig, StrategyConfig
     from mixtrain.cluster.headnode import use_cluster_token
     from mixtrain.job import load_job
@@ -384,7 +391,7 @@ def cmd_train(args: argparse.Namespace, raw: list[str]) -> int:
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
-    from mixtrain.policies.planner import plan_table
+    from mixtrain.observe.progress import plan_table
 
     _, trainer = _trainer(args)
     up = trainer.plan()

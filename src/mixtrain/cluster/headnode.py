@@ -23,12 +23,12 @@ from pathlib import Path
 from typing import Any
 
 from mixtrain import compat
+from mixtrain._constants import RAY_READY_TIMEOUT_S, env_float
 from mixtrain.cluster.connect import check_reachable, device_resources
 from mixtrain.comm.netif import hostname_trap, ipv4_addresses
 from mixtrain.compat import version_mismatches
 
 CARD_KEY, CARD_NS = b"head", b"mixtrain"
-READY_TIMEOUT_S = 90.0
 
 
 class ClusterError(RuntimeError):
@@ -163,7 +163,8 @@ def _spawn(args: list[str], env: dict[str, str], log: Path) -> subprocess.Popen:
 
 def _wait_started(proc: subprocess.Popen, log: Path, ready: Callable[[], bool]) -> None:
     """Wait until `ready()`; on any failure stop what was started, so nothing is left running."""
-    deadline = time.monotonic() + READY_TIMEOUT_S
+    ready_s = env_float(RAY_READY_TIMEOUT_S)
+    deadline = time.monotonic() + ready_s
     try:
         while time.monotonic() < deadline:
             if proc.poll() is not None:
@@ -171,7 +172,10 @@ def _wait_started(proc: subprocess.Popen, log: Path, ready: Callable[[], bool]) 
             if ready():
                 return
             time.sleep(0.5)
-        raise ClusterError(f"Ray did not start within {READY_TIMEOUT_S:g} s; its log ({log}) ends:\n{_tail(log)}")
+        raise ClusterError(
+            f"Ray did not start within {ready_s:g} s (MIXTRAIN_RAY_READY_TIMEOUT_S); "
+            f"its log ({log}) ends:\n{_tail(log)}"
+        )
     except BaseException:
         _kill_group(proc.pid)
         raise

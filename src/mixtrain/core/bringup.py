@@ -15,40 +15,62 @@ from typing import Any
 import ray
 
 from mixtrain import compat
-from mixtrain._constants import BUCKET_MB, COLLECTIVE_TIMEOUT_S, EXCLUDE_GAIN, RENDEZVOUS_TIMEOUT_S, env_float
-from mixtrain.cluster.placement import WorkerSpec
+from mixtrain._constants import COLLECTIVE_TIMEOUT_S, EXCLUDE_GAIN, env_float
 from mixtrain.comm import ps_server
 from mixtrain.comm.process_group import choose_backend
 from mixtrain.config import ScalingConfig, Slowdown, StrategyConfig
 from mixtrain.core import preflight
+from mixtrain.core.group_ops import GroupOps, setup_wait_s, user_cap
+from mixtrain.core.messages import BuildReport, LeftOut, ProbeResult, WorkerInfo
 from mixtrain.core.worker_group import WorkerGroup
 from mixtrain.data.sampling import Arrays
 from mixtrain.policies.advice import suggest
-from mixtrain.policies.planner import Plan, largest_remainder, make_plan, resolve_shares
+from mixtrain.policies.decisions import LeaveOut, first_plan
+from mixtrain.policies.planner import Plan, largest_remainder, resolve_shares
 from mixtrain.task import Task
 
 
 @dataclass
 class Bringup:
-    workers: list[dict[str, Any]]
+    """What bring-up found and decided: the workers, the first plan, the group's operations."""
+
+    workers: list[WorkerInfo]
     """Per worker (current rank order): node, device, precision, threads."""
-    backend: str
-    loss_scaling: bool
-    """One job-wide fp16 loss scale (some worker computes in fp16)."""
     plan: Plan
     """The first plan: shares, micro-batches, predictions, and any exclusion the user should hear of."""
+    ops: GroupOps
+    """Forms and changes the group (backend, strategy, loss scaling, data refs)."""
     slowdown: Slowdown
     """EMULATION table keyed by the current ranks (workers left out renumber the rest)."""
     notes: list[str] = field(default_factory=list)
     checks: dict[str, Any] = field(default_factory=dict)
     """The preflight record for metrics.jsonl: reports, numerics, probes, workers left out and why."""
-    left_out: list[dict[str, Any]] = field(default_factory=list)
-    """Workers left out: {"worker": info, "reason": ...}."""
-    data_refs: tuple[Any, Any] = (None, None)
-    """The training and held-out data in Ray's object store (a replacement worker loads them too)."""
-    strategy: StrategyConfig = field(default_factory=StrategyConfig)
+    left_out: list[LeftOut] = field(default_factory=list)
     advice: str = ""
     """The strategy the measured compute and link suggest, with the figures."""
+
+    @property
+    def backend(self) -> str:
+        return self.ops.backend
+
+    @property
+    def strategy(self) -> StrategyConfig:
+        return self.ops.strategy
+
+
+@dataclass
+class _Found:
+    """What bring-up knows of the workers still in (rank order), trimmed as workers are left out."""
+
+    reports: list[BuildReport]
+    infos: list[WorkerInfo]
+    probes: list[ProbeResult] = field(default_factory=list)
+
+    def drop(self, ranks: list[int]) -> None:
+        for rank in sorted(ranks, reverse=True):
+            for seq in (self.reports, self.infos, self.probes):
+                if rank < len(seq):
+                    del seq[rank]
 
 
 def bring_up(
@@ -59,169 +81,110 @@ def bring_up(
     global_batch: int,
     strategy: StrategyConfig,
 ) -> Bringup:
-    scaling = group.scaling
-    wait_s = _setup_wait_s()
+    wait_s = setup_wait_s()
     notes: list[str] = []
-    checks: dict[str, Any] = {"reports": [], "numerics": [], "probes": [], "left_out": []}
-    left_out: list[dict[str, Any]] = []
+    left_out: list[LeftOut] = []
     # Build before forming the group, so a factory that raises fails at once instead of
     # leaving its peers waiting out the rendezvous timeout.
-    reports = group.call("build", task_factory, timeout_s=wait_s)
-    checks["reports"] = reports
-    preflight.check(compat.versions(), reports)
-    infos = group.call("info", timeout_s=wait_s)
-    train_ref = ray.put(train)  # once; workers read it zero-copy from the object store
-    eval_ref = ray.put(evaluation) if evaluation is not None else None
-    group.call("load_data", train_ref, eval_ref, timeout_s=wait_s)
-
-    if scaling.numerics_check != "off":
-        results = group.call("check_numerics", scaling.numerics_tolerance, timeout_s=wait_s)
-        checks["numerics"] = results
-        lines, bad = preflight.numerics_verdict(results, reports)
-        notes += [f"numerics check: {line}" for line in lines]
-        if bad and scaling.numerics_check == "strict":
-            if len(bad) == len(reports):
-                raise preflight.PreflightError("numerics check (strict): every worker failed it:\n" + "\n".join(lines))
-            for r in bad:
-                left_out.append({"worker": infos[r], "reason": "failed the numerics check (strict)"})
-            group.drop(bad)
-            reports = [r for r in reports if r["rank"] not in bad]
-            infos = [i for i in infos if i["rank"] not in bad]
-            notes.append(f"numerics check (strict): left out worker(s) {bad}; the others were renumbered")
-
+    found = _Found(group.call("build", task_factory, timeout_s=wait_s), [])
+    checks: dict[str, Any] = {"reports": list(found.reports), "numerics": [], "probes": [], "left_out": []}
+    preflight.check(compat.versions(), found.reports)
+    found.infos = group.call("info", timeout_s=wait_s)
+    data_refs = (ray.put(train), ray.put(evaluation) if evaluation is not None else None)  # once; read zero-copy
+    group.call("load_data", *data_refs, timeout_s=wait_s)
+    checks["numerics"] = _check_numerics(group, found, left_out, notes)
     slowdown = _slowdown_now(group)
-    n = group.num_workers
-    probes = group.call_each(
-        "probe",
-        [
-            (math.ceil(global_batch / n), global_batch, _factor(slowdown, i), _user_cap(scaling, spec))
-            for i, spec in enumerate(group.specs)
-        ],
-        timeout_s=wait_s,
-    )
-    checks["probes"] = probes
-    speeds = [p["samples_per_s"] for p in probes]
-    caps = [p["memory_cap"] for p in probes]
-
+    found.probes = _probe(group, global_batch, slowdown)
+    checks["probes"] = list(found.probes)
     if strategy.name.startswith("ps"):
-        trainable_bytes = max(r["trainable_bytes"] for r in reports)
-        shards = ps_server.num_shards(strategy.ps_shards, trainable_bytes)
-        group.servers = ps_server.start(task_factory, shards, group.seed, strategy.compress, strategy.ps_node)
-        notes.append(f"parameter servers: {shards} shard(s) for {trainable_bytes / 2**20:,.1f} MB of parameters")
-    backend = choose_backend(scaling.backend, [r["device"]["kind"] for r in reports], all(r["nccl"] for r in reports))
-    loss_scaling = any(r["precision"] == "fp16" for r in reports)
-    form_group(group, strategy, backend, loss_scaling)
-    gain = env_float(EXCLUDE_GAIN)
+        notes.append(_start_parameter_servers(group, task_factory, strategy, found.reports))
+    kinds = [r.device.kind for r in found.reports if r.device is not None]
+    ops = GroupOps(
+        group,
+        strategy=strategy,
+        backend=choose_backend(group.scaling.backend, kinds, all(r.nccl for r in found.reports)),
+        loss_scaling=any(r.precision == "fp16" for r in found.reports),
+        data_refs=data_refs,
+        task_factory=task_factory,
+    )
+    ops.reference = found.reports[0]
+    ops.form()
     while True:
         measured = group.call("measure_comm", timeout_s=env_float(COLLECTIVE_TIMEOUT_S))
         exchange_s, exchange_bytes = max(m[0] for m in measured), max(m[1] for m in measured)
-        comm_s = exchange_s / strategy.steps_per_exchange
-        if not scaling.balanced:
-            fixed = _fixed_shares(scaling, global_batch, group)
-            plan = make_plan(speeds, global_batch, shares=fixed, memory_caps=caps, comm_s=comm_s, min_gain=gain)
+        plan, decision = _first_plan(group, global_batch, found, exchange_s / strategy.steps_per_exchange)
+        if not isinstance(decision, LeaveOut):
             break
-        plan = make_plan(speeds, global_batch, memory_caps=caps, comm_s=comm_s, min_gain=gain)
-        if not plan.excluded or not scaling.leave_out_slow:
-            break
-        rank, reason = next(iter(plan.excluded.items()))
-        info = infos[rank]
-        left_out.append({"worker": info, "reason": reason})
-        notes.append(f"left out worker {info['rank']} ({info['device_name']} on {info['host']}): {reason}")
-        leave_out(group, [rank])
-        for seq in (speeds, caps, reports, infos):
-            del seq[rank]
+        info = found.infos[decision.rank]
+        left_out.append(LeftOut(info, decision.reason))
+        notes.append(f"left out {info.short()}: {decision.reason}")
+        ops.leave_out([decision.rank])
+        found.drop([decision.rank])
         slowdown = _slowdown_now(group)
-        form_group(group, strategy, backend, loss_scaling)
-    checks["left_out"] = [{"rank": w["worker"]["rank"], "reason": w["reason"]} for w in left_out]
+    checks["left_out"] = [{"rank": w.worker.rank, "reason": w.reason} for w in left_out]
     workers = group.call("info", timeout_s=wait_s)
     compute_s = plan.predicted_step_s - (plan.comm_s if group.num_workers > 1 else 0.0)
     advice = suggest(compute_s, exchange_s, exchange_bytes, strategy, group.num_workers)
     checks["strategy"] = {"name": strategy.describe(), "exchange_s": exchange_s, "exchange_bytes": exchange_bytes}
     return Bringup(
-        workers, backend, loss_scaling, plan, slowdown, notes, checks, left_out, (train_ref, eval_ref), strategy, advice
+        workers=workers,
+        plan=plan,
+        ops=ops,
+        slowdown=slowdown,
+        notes=notes,
+        checks=checks,
+        left_out=left_out,
+        advice=advice,
     )
 
 
-def form_group(group: WorkerGroup, strategy: StrategyConfig, backend: str, loss_scaling: bool) -> None:
-    """Rendezvous at rank 0, join the collective group, set up the strategy (rank 0's weights go to all)."""
-    rendezvous_s = env_float(RENDEZVOUS_TIMEOUT_S)
-    collective_s = env_float(COLLECTIVE_TIMEOUT_S)
-    host, port = group.call("open_rendezvous", rendezvous_s, timeout_s=rendezvous_s, ranks=[0])[0]
-    bucket_bytes = int(env_float(BUCKET_MB) * 2**20)
-    group.call(
-        "join",
-        host,
-        port,
-        rendezvous_s,
-        collective_s,
-        strategy,
-        bucket_bytes,
-        backend,
-        loss_scaling,
-        tuple(group.servers),
-        timeout_s=rendezvous_s + collective_s + 10,
+def _check_numerics(group: WorkerGroup, found: _Found, left_out: list[LeftOut], notes: list[str]) -> list[Any]:
+    """Each device's gradient against the CPU's; under "strict", workers that fail it are left out."""
+    scaling = group.scaling
+    if scaling.numerics_check == "off":
+        return []
+    results = group.call("check_numerics", scaling.numerics_tolerance, timeout_s=setup_wait_s())
+    lines, bad = preflight.numerics_verdict(results, found.reports)
+    notes += [f"numerics check: {line}" for line in lines]
+    if bad and scaling.numerics_check == "strict":
+        if len(bad) == len(found.reports):
+            raise preflight.PreflightError("numerics check (strict): every worker failed it:\n" + "\n".join(lines))
+        left_out += [LeftOut(found.infos[r], "failed the numerics check (strict)") for r in bad]
+        group.drop(bad)
+        found.drop(bad)
+        notes.append(f"numerics check (strict): left out worker(s) {bad}; the others were renumbered")
+    return results
+
+
+def _probe(group: WorkerGroup, global_batch: int, slowdown: Slowdown) -> list[ProbeResult]:
+    n = group.num_workers
+    args = [
+        (math.ceil(global_batch / n), global_batch, _factor(slowdown, i), user_cap(group.scaling, spec))
+        for i, spec in enumerate(group.specs)
+    ]
+    return group.call_each("probe", args, timeout_s=setup_wait_s())
+
+
+def _start_parameter_servers(
+    group: WorkerGroup, task_factory: Callable[[], Task], strategy: StrategyConfig, reports: list[BuildReport]
+) -> str:
+    trainable_bytes = max(r.trainable_bytes for r in reports)
+    shards = ps_server.num_shards(strategy.ps_shards, trainable_bytes)
+    group.servers = ps_server.start(task_factory, shards, group.seed, strategy.compress, strategy.ps_node)
+    return f"parameter servers: {shards} shard(s) for {trainable_bytes / 2**20:,.1f} MB of parameters"
+
+
+def _first_plan(group: WorkerGroup, global_batch: int, found: _Found, comm_s: float) -> tuple[Plan, Any]:
+    scaling = group.scaling
+    return first_plan(
+        speeds=[p.samples_per_s for p in found.probes],
+        global_batch=global_batch,
+        memory_caps=[p.memory_cap for p in found.probes],
+        comm_s=comm_s,
+        min_gain=env_float(EXCLUDE_GAIN),
+        fixed_shares=None if scaling.balanced else _fixed_shares(scaling, global_batch, group),
+        leave_out_slow=scaling.leave_out_slow,
     )
-
-
-def leave_out(group: WorkerGroup, ranks: list[int], rollback: bool = False, lost: bool = False) -> None:
-    """Every other worker leaves the group (first rolling back to the start of a failed round when
-    `rollback`), then `ranks` are stopped and the rest renumbered (form_group next). Workers that were
-    `lost` (dead, or stopped and about to be killed) are not asked anything, and a replacement may
-    later start in their place; workers left out by choice are not replaced."""
-    keep = [r for r in range(group.num_workers) if r not in ranks]
-    group.call("rollback" if rollback else "leave", timeout_s=env_float(COLLECTIVE_TIMEOUT_S), ranks=keep)
-    group.drop(ranks, replaceable=lost)
-
-
-def admit_replacements(
-    group: WorkerGroup, up: Bringup, task_factory: Callable[[], Task], global_batch: int
-) -> list[tuple[dict[str, Any], dict[str, Any]]]:
-    """Between rounds: replacements whose replica is built (a node that came back, a restarted process)
-    pass preflight against rank 0, load the data, are measured, receive rank 0's current training state
-    and join the re-formed group as the last ranks. Returns (info, probe) per worker that joined."""
-    ready = group.poll_replacements(task_factory)
-    if not ready:
-        return []
-    wait_s = _setup_wait_s()
-    reference = up.checks["reports"][0]
-    joining = []
-    for spec, actor, report in ready:
-        if "problem" in report:
-            found = [report["problem"]]
-        else:
-            found = preflight.problems(compat.versions(), [reference, report])
-        if found:
-            up.notes.append(f"a replacement on {report.get('host')} was refused: {'; '.join(found)}")
-            group.discard(spec, actor)
-            continue
-        joining.append((spec, actor))
-    if not joining:
-        return []
-    state_ref = ray.put(group.call("training_state", timeout_s=wait_s, ranks=[0])[0])
-    n = group.num_workers + len(joining)
-    probes = []
-    for spec, actor in joining:
-        ray.get(actor.load_data.remote(*up.data_refs), timeout=wait_s)
-        cap = _user_cap(group.scaling, spec)
-        probes.append(ray.get(actor.probe.remote(math.ceil(global_batch / n), global_batch, 1.0, cap), timeout=wait_s))
-        ray.get(actor.load_training_state.remote(state_ref, None), timeout=wait_s)
-    group.call("leave", timeout_s=env_float(COLLECTIVE_TIMEOUT_S))
-    first = group.num_workers
-    for spec, actor in joining:
-        group.admit(spec, actor)
-    form_group(group, up.strategy, up.backend, up.loss_scaling)
-    infos = group.call("info", timeout_s=wait_s, ranks=list(range(first, group.num_workers)))
-    return list(zip(infos, probes))
-
-
-def _setup_wait_s() -> float:
-    """How long building, loading and probing a worker may take (it may compile kernels)."""
-    return env_float(RENDEZVOUS_TIMEOUT_S) + 600
-
-
-def _user_cap(scaling: ScalingConfig, spec: WorkerSpec) -> int | None:
-    """The user's max_micro_batch for this worker (by its starting rank), or None: measure it."""
-    return scaling.max_micro_batch[spec.rank] if scaling.max_micro_batch else None
 
 
 def _slowdown_now(group: WorkerGroup) -> Slowdown:

@@ -7,57 +7,58 @@ from collections import Counter
 from collections.abc import Sequence
 
 from mixtrain.compat import version_mismatches
+from mixtrain.core.messages import BuildReport, NumericsResult
 
 
 class PreflightError(RuntimeError):
     """Workers disagree on versions, model or devices; the message has a table naming node and value."""
 
 
-def problems(driver: dict[str, str], reports: Sequence[dict]) -> list[str]:
+def problems(driver: dict[str, str], reports: Sequence[BuildReport]) -> list[str]:
     """One line per problem, each naming the worker, its node and the offending value."""
     out: list[str] = []
     for r in reports:
-        where = f"worker {r['rank']} on {r['host']}"
-        if "problem" in r:
-            out.append(f"{where}: {r['problem']}")
-        for field, theirs, mine, why in version_mismatches(driver, r["versions"]):
+        where = f"worker {r.rank} on {r.host}"
+        if r.problem:
+            out.append(f"{where}: {r.problem}")
+        for field, theirs, mine, why in version_mismatches(driver, r.versions):
             out.append(f"{where}: {field} {mine} but the driver has {theirs} ({why})")
-    signatures = Counter(r["signature"] for r in reports if "signature" in r)
+    signatures = Counter(r.signature for r in reports if r.signature is not None)
     if len(signatures) > 1:
         common = signatures.most_common(1)[0][0]
         for r in reports:
-            if r.get("signature", common) != common:
+            if r.signature not in (None, common):
                 out.append(
-                    f"worker {r['rank']} on {r['host']}: model signature {r['signature']} differs from {common} "
+                    f"worker {r.rank} on {r.host}: model signature {r.signature} differs from {common} "
                     "(parameter names, shapes or dtypes differ: the task factory builds another model there)"
                 )
     return out
 
 
-def table(driver: dict[str, str], reports: Sequence[dict]) -> str:
+def table(driver: dict[str, str], reports: Sequence[BuildReport]) -> str:
     """Every worker with its node, device and versions (the driver first) as aligned text."""
     head = ("who", "node", "device", "python", "torch", "ray", "mixtrain", "model")
     rows = [("driver", "-", "-", driver["python"], driver["torch"], driver["ray"], driver["mixtrain"], "-")]
     for r in reports:
-        v = r["versions"]
-        device = r["device"]["name"] if "device" in r else f"MISSING {r['requested']}"
+        v = r.versions
+        device = r.device.name if r.device is not None else f"MISSING {r.requested}"
         rows.append(
             (
-                f"worker {r['rank']}",
-                r["host"],
+                f"worker {r.rank}",
+                r.host,
                 device,
                 v["python"],
                 v["torch"],
                 v["ray"],
                 v["mixtrain"],
-                r.get("signature", "-"),
+                r.signature or "-",
             )
         )
     widths = [max(len(str(row[i])) for row in (head, *rows)) for i in range(len(head))]
     return "\n".join("  ".join(str(c).ljust(w) for c, w in zip(row, widths)).rstrip() for row in (head, *rows))
 
 
-def check(driver: dict[str, str], reports: Sequence[dict]) -> None:
+def check(driver: dict[str, str], reports: Sequence[BuildReport]) -> None:
     """Raise PreflightError with the table and every problem, or return when all agree."""
     found = problems(driver, reports)
     if found:
@@ -71,15 +72,15 @@ def check(driver: dict[str, str], reports: Sequence[dict]) -> None:
         )
 
 
-def numerics_verdict(results: Sequence[dict], reports: Sequence[dict]) -> tuple[list[str], list[int]]:
+def numerics_verdict(results: Sequence[NumericsResult], reports: Sequence[BuildReport]) -> tuple[list[str], list[int]]:
     """Lines for the devices whose gradient disagreed with the CPU's, and their ranks."""
-    names = {r["rank"]: r["device"]["name"] for r in reports if "device" in r}
+    names = {r.rank: r.device.name for r in reports if r.device is not None}
     lines, bad = [], []
     for res in results:
-        if res["error"] > res["tolerance"]:
-            bad.append(res["rank"])
+        if res.error > res.tolerance:
+            bad.append(res.rank)
             lines.append(
-                f"worker {res['rank']} ({names.get(res['rank'], '?')}): gradient differs from the CPU's by "
-                f"{res['error']:.2e} (relative L2; tolerance {res['tolerance']:.0e})"
+                f"worker {res.rank} ({names.get(res.rank, '?')}): gradient differs from the CPU's by "
+                f"{res.error:.2e} (relative L2; tolerance {res.tolerance:.0e})"
             )
     return lines, bad

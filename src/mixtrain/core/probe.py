@@ -47,16 +47,15 @@ def largest_fitting(
     bad = None  # smallest size known not to fit
     while good < limit and bad is None:
         trial = min(good * 2, limit)
-        if fits(trial):
-            good = trial
-        else:
-            bad = trial
-    while bad is not None and bad - good > max(1, good // 8):  # within 12.5% is close enough
+        good, bad = (trial, None) if fits(trial) else (good, trial)
+    return good if bad is None else _bisect(fits, good, bad)
+
+
+def _bisect(fits: Callable[[int], bool], good: int, bad: int) -> int:
+    """Narrow the gap between a size that fits and one that does not, to within 12.5% (close enough)."""
+    while bad - good > max(1, good // 8):
         mid = (good + bad) // 2
-        if fits(mid):
-            good = mid
-        else:
-            bad = mid
+        good, bad = (mid, bad) if fits(mid) else (good, mid)
     return good
 
 

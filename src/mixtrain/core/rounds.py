@@ -1,54 +1,10 @@
-"""What the driver sends per round and what workers send back, plus pure summaries of it."""
+"""Pure summaries of a round: the record that goes into metrics.jsonl, and readings of it."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from statistics import fmean
 
-
-@dataclass(frozen=True)
-class RoundPlan:
-    """One driver call: `num_steps` global steps of `epoch` starting at `first_step`."""
-
-    epoch: int
-    first_step: int
-    num_steps: int
-    shares: tuple[int, ...]
-    global_batch: int
-    drift_tolerance: float
-    micro_batches: tuple[int, ...] = ()
-    """Per worker, the largest micro-batch (empty: the whole share at once)."""
-    slowdown: tuple[float, ...] = ()
-    """EMULATION: per worker, compute this many times slower (empty: none)."""
-
-
-@dataclass
-class WorkerReport:
-    """One worker's account of a round."""
-
-    rank: int
-    samples: int = 0
-    compute_s: list[float] = field(default_factory=list)
-    """Per step: forward, backward and the optimizer step."""
-    comm_s: list[float] = field(default_factory=list)
-    """Per step: time inside collectives, waiting for slower peers included."""
-    losses: list[float] = field(default_factory=list)
-    """Per step: the global mean loss (the same on every rank)."""
-    skipped_steps: list[int] = field(default_factory=list)
-    nonfinite_steps: list[int] = field(default_factory=list)
-    """Steps whose loss on THIS worker was NaN or Inf (names the worker behind a skipped step)."""
-    drift: float = 0.0
-    rebroadcast: bool = False
-    round_comm_s: float = 0.0
-    wall_s: float = 0.0
-    staleness: list[int] = field(default_factory=list)
-    """Per step: how many updates old the weights its gradient was computed on were (ps-async)."""
-    sent_bytes: int = 0
-    """Gradient or delta bytes this worker sent (wire size; buffers and drift checks not counted)."""
-    memory_bytes: int | None = None
-    """Memory this worker held on its device at the round's end (CUDA: the round's peak; CPU: the RSS)."""
-    peer_lost: str = ""
-    """Set when a collective failed because a peer died or stopped answering; the round is void."""
+from mixtrain.core.messages import RoundPlan, WorkerReport
 
 
 def worker_times(reports: list[WorkerReport]) -> list[dict[str, float | None]]:

@@ -3,12 +3,11 @@
 from __future__ import annotations
 
 import copy
-import math
 import os
 import socket
 import time
-from collections import deque
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -16,10 +15,11 @@ import torch
 
 from mixtrain import checkpoint, compat, devices
 from mixtrain.comm import netif, process_group, registry
-from mixtrain.comm.strategy import JoinContext, StepResult, SyncStrategy
+from mixtrain.comm.strategy import JoinContext, SyncStrategy
 from mixtrain.config import StrategyConfig
 from mixtrain.core import probe
-from mixtrain.core.rounds import RoundPlan, WorkerReport
+from mixtrain.core.ledger import RoundLedger
+from mixtrain.core.messages import BuildReport, NumericsResult, ProbeResult, RoundPlan, WorkerInfo, WorkerReport
 from mixtrain.data.sampling import Arrays, as_tensors, epoch_permutation, step_size, worker_indices
 from mixtrain.devices import precision
 from mixtrain.observe import worker_log
@@ -81,69 +81,80 @@ class TrainWorker:
         self._perm_epoch = -1
         self._perm: np.ndarray = np.empty(0, dtype=np.int64)
         self._sec_per_sample = 0.0  # plain compute time per sample, from the probe (EMULATION sleeps on it)
+        # Set by the driver's calls, in this order: build, load_data, open_rendezvous (rank 0), join.
+        self._task: Task | None = None
+        self.train: tuple[torch.Tensor, ...] = ()
+        self.eval: tuple[torch.Tensor, ...] | None = None
+        self._strategy: SyncStrategy | None = None
+        self._rendezvous: process_group.Rendezvous | None = None
+        self._snapshot: dict | None = None  # the training state at the start of the round in flight
+        self._loaded: dict | None = None  # a checkpoint's loss scale and strategy state, until join() applies them
 
-    def info(self) -> dict:
-        return {
-            "rank": self.rank,
-            "host": self.host,
-            "hostname": socket.gethostname(),
-            "pid": os.getpid(),
-            "node_id": _node_id(),
-            "device": str(self.device),
-            "device_name": self.kind.name(),
-            "precision": self.precision,
-            "threads": torch.get_num_threads(),
-        }
+    @property
+    def task(self) -> Task:
+        assert self._task is not None, "build() comes first"
+        return self._task
+
+    @property
+    def strategy(self) -> SyncStrategy:
+        assert self._strategy is not None, "join() comes first"
+        return self._strategy
+
+    def info(self) -> WorkerInfo:
+        return WorkerInfo(
+            rank=self.rank,
+            host=self.host,
+            hostname=socket.gethostname(),
+            pid=os.getpid(),
+            node_id=_node_id(),
+            device=str(self.device),
+            device_name=self.kind.name(),
+            precision=self.precision,
+            threads=torch.get_num_threads(),
+        )
 
     def set_rank(self, rank: int, world_size: int) -> None:
         """New numbering after the driver left some workers out (before the group forms)."""
         self.rank, self.world_size = rank, world_size
 
     # ---- set-up, in the order the driver calls it -------------------------------------------
-    def build(self, factory: Callable[[], Task]) -> dict:
+    def build(self, factory: Callable[[], Task]) -> BuildReport:
         """Resolve the device where this actor landed, build the replica on it, and report what the
         preflight compares across workers. A missing device is reported, not raised, so the driver
         can show every worker's problem in one table."""
-        report: dict = {
-            "rank": self.rank,
-            "host": self.host,
-            "requested": self.device_request,
-            "versions": compat.versions(),
-        }
+        who = BuildReport(rank=self.rank, host=self.host, requested=self.device_request, versions=compat.versions())
         try:
             self.kind = devices.resolve(self.device_request)
         except devices.DeviceUnavailableError as exc:
-            return {**report, "problem": str(exc)}
+            return replace(who, problem=str(exc))
         self.device = self.kind.torch_device(0)
         info = self.kind.info(0)
         self.precision = precision.choose(self.precision_request, self.kind.kind, info.bf16, info.fp16)
         torch.manual_seed(self.seed)
-        self.task = build_task(factory)
+        self._task = build_task(factory)
         model = self.task.model
         if not self.kind.supports_float64:
             wide = [n for n, t in (*model.named_parameters(), *model.named_buffers()) if t.dtype == torch.float64]
             if wide:
-                return {
-                    **report,
-                    "problem": f"float64 tensors {wide[:3]} cannot go to {self.kind.kind}; build the model in float32",
-                }
+                problem = f"float64 tensors {wide[:3]} cannot go to {self.kind.kind}; build the model in float32"
+                return replace(who, problem=problem)
         model.to(self.device)
-        return {
-            **report,
-            "device": info.as_dict(),
-            "precision": self.precision,
-            "signature": compat.model_signature(model),
-            "num_params": sum(p.numel() for p in model.parameters()),
-            "trainable_bytes": sum(p.numel() * 4 for p in model.parameters() if p.requires_grad),
-            "nccl": torch.distributed.is_nccl_available(),
-        }
+        return replace(
+            who,
+            device=info,
+            precision=self.precision,
+            signature=compat.model_signature(model),
+            num_params=sum(p.numel() for p in model.parameters()),
+            trainable_bytes=sum(p.numel() * 4 for p in model.parameters() if p.requires_grad),
+            nccl=torch.distributed.is_nccl_available(),
+        )
 
-    def check_numerics(self, tolerance: float | None = None, count: int = 8) -> dict:
+    def check_numerics(self, tolerance: float | None = None, count: int = 8) -> NumericsResult:
         """The gradient of the first `count` training samples on this device (at its precision)
         against the same gradient computed on the CPU in fp32: the relative L2 difference."""
         tolerance = tolerance or NUMERICS_TOLERANCE[self.precision]
         if self.kind.kind == "cpu" and self.precision == "fp32":
-            return {"rank": self.rank, "error": 0.0, "tolerance": tolerance}  # the reference itself
+            return NumericsResult(rank=self.rank, error=0.0, tolerance=tolerance)  # the reference itself
         import copy
 
         *inputs, target = (f[:count] for f in self.train)
@@ -164,9 +175,9 @@ class TrainWorker:
             m.train(was_training)
         ref, mine = grads
         error = float((mine - ref).norm() / ref.norm().clamp_min(1e-12))
-        return {"rank": self.rank, "error": error, "tolerance": tolerance}
+        return NumericsResult(rank=self.rank, error=error, tolerance=tolerance)
 
-    def probe(self, guess: int, limit: int, slowdown: float = 1.0, memory_cap: int | None = None) -> dict:
+    def probe(self, guess: int, limit: int, slowdown: float = 1.0, memory_cap: int | None = None) -> ProbeResult:
         """Before the group forms: this device's compute speed (samples/s of forward+backward at a
         micro-batch of `guess`) and, on an accelerator, the largest micro-batch up to `limit` that fits,
         found by a search that survives out-of-memory errors. A user-given `memory_cap` skips the search.
@@ -189,12 +200,9 @@ class TrainWorker:
                 b.copy_(buffers[name])
         model.zero_grad(set_to_none=True)
         self._sec_per_sample = step_s / batch
-        return {
-            "rank": self.rank,
-            "samples_per_s": batch / (step_s * max(slowdown, 1.0)),
-            "batch": batch,
-            "memory_cap": cap,
-        }
+        return ProbeResult(
+            rank=self.rank, samples_per_s=batch / (step_s * max(slowdown, 1.0)), batch=batch, memory_cap=cap
+        )
 
     def _probe_step(self, batch: int) -> None:
         """One forward+backward of `batch` training samples (wrapping around a small dataset)."""
@@ -218,8 +226,8 @@ class TrainWorker:
 
     def leave(self) -> None:
         """Leave the process group (before the driver re-forms it without some workers)."""
-        if hasattr(self, "strategy"):
-            self.strategy.close()
+        if self._strategy is not None:
+            self._strategy.close()
         process_group.leave_group()
 
     def open_rendezvous(self, timeout_s: float) -> tuple[str, int]:
@@ -238,7 +246,7 @@ class TrainWorker:
         loss_scaling: bool = False,
         servers: tuple = (),
     ) -> None:
-        store = self._rendezvous.store if self.rank == 0 else None
+        store = self._rendezvous.store if self.rank == 0 and self._rendezvous is not None else None
         netif.pin_interface(self.host, backend)
         if backend == "nccl":
             self.kind.make_current(self.device.index or 0)
@@ -252,18 +260,17 @@ class TrainWorker:
             collective_timeout_s=collective_timeout_s,
             store=store,
         )
-        previous = getattr(self, "strategy", None)
-        self.strategy: SyncStrategy = registry.make(strategy)
+        previous, self._strategy = self._strategy, registry.make(strategy)
         if previous is not None:  # a re-formed group keeps the strategy's state (the same on every rank)
             self.strategy.load_state_dict(previous.state_dict())
-        elif getattr(self, "_loaded_strategy", None):  # a replacement: what it loaded with the state
-            self.strategy.load_state_dict(self._loaded_strategy)
+        elif self._loaded is not None and self._loaded["strategy"]:  # a replacement: what it loaded with the state
+            self.strategy.load_state_dict(self._loaded["strategy"])
         ctx = JoinContext(bucket_bytes, loss_scaling, self.rank, self.world_size, collective_timeout_s, tuple(servers))
         self.strategy.setup(self.task, ctx)
         if previous is not None:  # and the job-wide loss scale
             self.strategy.loss_scale = previous.loss_scale
-        elif getattr(self, "_loaded_scale", None):
-            self.strategy.loss_scale.load_state_dict(self._loaded_scale)
+        elif self._loaded is not None and self._loaded["loss_scale"]:
+            self.strategy.loss_scale.load_state_dict(self._loaded["loss_scale"])
 
     def load_data(self, train: Arrays, evaluation: Arrays | None) -> int:
         self.train = self._narrow(as_tensors(train))
@@ -289,65 +296,33 @@ class TrainWorker:
             return WorkerReport(rank=self.rank, peer_lost=str(exc).splitlines()[0][:300])
 
     def _run_round(self, plan: RoundPlan) -> WorkerReport:
-        t_round = time.perf_counter()
-        report = WorkerReport(rank=self.rank)
+        ledger = RoundLedger(self.rank)
         index = self.device.index or 0
         self.kind.reset_peak_memory(index)
         perm = self._permutation(plan.epoch)
-        waiting: deque[int] = deque()  # steps whose global result (loss, applied) is not known yet
         self.task.model.train()
         for step in range(plan.first_step, plan.first_step + plan.num_steps):
             indices = worker_indices(perm, plan.global_batch, step, plan.shares, self.rank)
             t0 = time.perf_counter()
-            slowdown = plan.slowdown[self.rank] if plan.slowdown else 1.0
-            if slowdown > 1.0:  # EMULATION of a slower device (MIXTRAIN_EMULATE_SLOWDOWN), off by default:
-                # sleep before computing, so no collective of this step overlaps the sleep; the time per sample
-                # is calibrated once (the probe), as the benchmark calibrates its DDP ranks
-                time.sleep((slowdown - 1.0) * self._sec_per_sample * len(indices))
+            self._emulate_slowdown(plan, len(indices))
             self.strategy.zero_grad(self.task)
             step_total = step_size(len(perm), plan.global_batch, step)
-            local_loss = self._forward_backward(
-                indices, step_total, plan.micro_batches[self.rank] if plan.micro_batches else len(indices)
-            )
-            outcome = self.strategy.step(
-                self.task, torch.tensor([local_loss], dtype=torch.float32), len(indices) / step_total
-            )
-            waiting.append(step)
-            report.compute_s.append(time.perf_counter() - t0 - outcome.comm_s)
-            report.comm_s.append(outcome.comm_s)
-            report.staleness.append(outcome.staleness)
-            report.sent_bytes += outcome.sent_bytes
-            self._take_results(outcome.done, waiting, report)
-            report.samples += len(indices)
-            if not math.isfinite(local_loss):
-                report.nonfinite_steps.append(step)
-        total = sum(plan.shares)  # weights for buffer averaging: this rank's part of the round's samples
-        sync = self.strategy.end_round(self.task, plan.shares[self.rank] / total, plan.drift_tolerance)
-        self._take_results(sync.done, waiting, report)
-        assert not waiting, f"steps {list(waiting)} ended the round without a result"
-        report.sent_bytes += sync.sent_bytes
-        report.drift, report.rebroadcast, report.round_comm_s = sync.drift, sync.rebroadcast, sync.comm_s
-        report.wall_s = time.perf_counter() - t_round
-        report.memory_bytes = self.kind.memory_in_use(index)
-        worker_log.log.info(
-            "epoch %d steps %d-%d: %d samples, %.3f s compute, %.3f s in collectives, %.3f s wall",
-            plan.epoch,
-            plan.first_step,
-            plan.first_step + plan.num_steps - 1,
-            report.samples,
-            sum(report.compute_s),
-            sum(report.comm_s) + report.round_comm_s,
-            report.wall_s,
-        )
-        return report
+            micro_batch = plan.micro_batches[self.rank] if plan.micro_batches else len(indices)
+            local_loss = self._forward_backward(indices, step_total, micro_batch)
+            loss = torch.tensor([local_loss], dtype=torch.float32)
+            outcome = self.strategy.step(self.task, loss, len(indices) / step_total)
+            ledger.step_done(step, outcome, time.perf_counter() - t0, len(indices), local_loss)
+        weight = plan.shares[self.rank] / sum(plan.shares)  # for buffer averaging: this rank's part of the round
+        sync = self.strategy.end_round(self.task, weight, plan.drift_tolerance)
+        return ledger.close(plan, sync, self.kind.memory_in_use(index))
 
-    @staticmethod
-    def _take_results(done: list[StepResult], waiting: deque[int], report: WorkerReport) -> None:
-        for result in done:
-            step = waiting.popleft()
-            report.losses.append(float(result.stats[0]))
-            if not result.applied:
-                report.skipped_steps.append(step)
+    def _emulate_slowdown(self, plan: RoundPlan, num_samples: int) -> None:
+        """EMULATION of a slower device (MIXTRAIN_EMULATE_SLOWDOWN), off by default: sleep before computing,
+        so no collective of this step overlaps the sleep; the time per sample is calibrated once (the probe),
+        as the benchmark calibrates its DDP ranks."""
+        slowdown = plan.slowdown[self.rank] if plan.slowdown else 1.0
+        if slowdown > 1.0:
+            time.sleep((slowdown - 1.0) * self._sec_per_sample * num_samples)
 
     def _forward_backward(self, indices: np.ndarray, step_total: int, micro_batch: int) -> float:
         """Backward of this rank's samples in micro-batches of at most `micro_batch`, each loss scaled by
@@ -429,11 +404,10 @@ class TrainWorker:
         t.optimizer.load_state_dict(state["optimizer"])
         if t.scheduler is not None and state.get("scheduler") is not None:
             t.scheduler.load_state_dict(state["scheduler"])
-        self._loaded_scale = state["loss_scale"]
-        self._loaded_strategy = state.get("strategy") or {}
-        if hasattr(self, "strategy"):  # otherwise join() applies it (a replacement loads before joining)
-            self.strategy.loss_scale.load_state_dict(state["loss_scale"])
-            self.strategy.load_state_dict(self._loaded_strategy)
+        self._loaded = {"loss_scale": state["loss_scale"], "strategy": state.get("strategy") or {}}
+        if self._strategy is not None:  # otherwise join() applies it (a replacement loads before joining)
+            self._strategy.loss_scale.load_state_dict(self._loaded["loss_scale"])
+            self._strategy.load_state_dict(self._loaded["strategy"])
         if rng is not None:
             torch.set_rng_state(rng["cpu"])
             if self.kind.kind in rng:  # the device's own stream, when the checkpoint has one for this kind
@@ -441,6 +415,7 @@ class TrainWorker:
 
     def rollback(self) -> None:
         """Back to the state at the start of the failed round, and out of the broken group."""
+        assert self._snapshot is not None, "rollback() is only called after a failed round"
         self.load_training_state(self._snapshot)
         self.leave()
 

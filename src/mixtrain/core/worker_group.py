@@ -12,7 +12,7 @@ import ray
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from mixtrain._constants import PLACEMENT_TIMEOUT_S, env_float
+from mixtrain._constants import PLACEMENT_TIMEOUT_S, RENUMBER_TIMEOUT_S, SHUTDOWN_WAIT_S, env_float
 from mixtrain.cluster import connect, placement
 from mixtrain.config import ScalingConfig
 from mixtrain.core.worker import TrainWorker
@@ -94,7 +94,7 @@ class WorkerGroup:
         if self.log_dir is None or not self.actors:
             return
         refs = [a.log_text.remote() for a in self.actors]
-        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=5.0)
+        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=env_float(SHUTDOWN_WAIT_S))
         for ref in ready:
             try:
                 got = ray.get(ref)
@@ -140,7 +140,11 @@ class WorkerGroup:
 
     def _renumber(self) -> None:
         """Tell every actor its rank (its place in `actors`) and the new world size."""
-        self.call_each("set_rank", [(i, len(self.actors)) for i in range(len(self.actors))], timeout_s=30.0)
+        self.call_each(
+            "set_rank",
+            [(i, len(self.actors)) for i in range(len(self.actors))],
+            timeout_s=env_float(RENUMBER_TIMEOUT_S),
+        )
 
     def call(self, method: str, *args: Any, timeout_s: float, ranks: Sequence[int] | None = None) -> list[Any]:
         """Call `method(*args)` on the given ranks (all by default) and return results in rank order."""
@@ -206,7 +210,7 @@ class WorkerGroup:
             )
         return results, lost
 
-    def poll_replacements(self, task_factory: Any) -> list[tuple[placement.WorkerSpec, Any, dict]]:
+    def poll_replacements(self, task_factory: Any) -> list[tuple[placement.WorkerSpec, Any, Any]]:
         """Start a replacement actor in every vacant bundle (once each) and return those whose replica is
         built. Never blocks: a bundle on a node that is gone waits until Ray can place it again."""
         for spec in self.vacant:
@@ -247,7 +251,7 @@ class WorkerGroup:
         self._pending = {}
         if self.actors:
             refs = [a.shutdown.remote() for a in self.actors]
-            ray.wait(refs, num_returns=len(refs), timeout=5.0)
+            ray.wait(refs, num_returns=len(refs), timeout=env_float(SHUTDOWN_WAIT_S))
             for actor in self.actors:
                 ray.kill(actor)
             self.actors = []

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 from rich.console import Console, Group
@@ -9,12 +10,9 @@ from rich.live import Live
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 from rich.table import Table
 
+from mixtrain.core.messages import LeftOut, WorkerInfo
 from mixtrain.core.rounds import device_samples_per_s, time_split
-
-
-def worker_label(info: dict[str, Any]) -> str:
-    """A worker's name in records and plots: stable across renumbering (rank changes when others leave)."""
-    return f"{info['device']} on {info.get('hostname') or info['host']} (pid {info['pid']})"
+from mixtrain.policies.planner import Plan
 
 
 def format_bytes(n: int | None) -> str:
@@ -107,3 +105,32 @@ class ProgressView:
         if self._last is not None:  # the last rows stay on the terminal (and in captured logs)
             self.console.print("last round, per device:")
             self.console.print(device_table(self._last))
+
+
+def plan_table(plan: Plan, workers: Sequence[WorkerInfo], title: str, left_out: Sequence[LeftOut] = ()) -> str:
+    """One row per worker (where, on what, its share, micro-batch x accumulation, measured compute
+    speed, predicted samples/s, memory cap), the workers left out with the reason, and the prediction."""
+    lines = [
+        f"{title}:",
+        "  worker  node             device                      prec  threads  share  micro x acc"
+        "  compute/s  predicted/s  memory cap",
+    ]
+    for i, w in enumerate(workers):
+        speed = plan.speeds[i] if plan.speeds else 0.0
+        cap = plan.memory_caps[i] if plan.memory_caps else None
+        lines.append(
+            f"  {i:>6}  {w.host[:15]:<15}  {w.device_name[:26]:<26}  {w.precision:<4}  {w.threads:>7}"
+            f"  {plan.shares[i]:>5}  {plan.micro_batches[i]:>5} x {plan.accumulation[i]:<3}  {speed:>9,.0f}"
+            f"  {plan.shares[i] / plan.predicted_step_s if plan.predicted_step_s else 0:>11,.0f}"
+            f"  {cap if cap else 'no limit':>10}"
+        )
+    for gone in left_out:
+        lines.append(f"  left out: {gone.worker.short()}: {gone.reason}")
+    compute = plan.predicted_step_s - (plan.comm_s if len(plan.shares) > 1 else 0.0)
+    lines.append(
+        f"  predicted: {plan.predicted_samples_per_s:,.0f} samples/s, {plan.predicted_step_s * 1e3:.1f} ms per step "
+        f"({compute * 1e3:.1f} ms compute + {plan.predicted_step_s * 1e3 - compute * 1e3:.1f} ms communication)"
+    )
+    for rank, reason in plan.excluded.items():
+        lines.append(f"  note: worker {rank} slows this job down: {reason}; consider running without it")
+    return "\n".join(lines)

@@ -191,13 +191,26 @@ def summarize(run_dir: Path, config: dict[str, Any], records: list[dict[str, Any
         f"  training loss {rounds[0]['loss']:.4f} (first round) -> {rounds[-1]['loss']:.4f} (last round)",
     ]
     if evals:
-        last = evals[-1]
-        line = f"  held-out loss {last['loss']:.4f}"
-        if "accuracy" in last:
-            best = max(evals, key=lambda e: e.get("accuracy", 0.0))
-            line += f", accuracy {last['accuracy']:.4f} (best {best['accuracy']:.4f} after epoch {best['epoch'] + 1})"
-        lines.append(line)
+        lines.append(_eval_line(evals))
     lines.append("  per device (mean over rounds): share, samples/s, busy / waiting / communicating, peak memory")
+    lines += _device_lines(rounds)
+    lines += [line for r in records if (line := _event_line(r))]
+    checkpoints = sum(r["kind"] == "checkpoint" for r in records)
+    lines.append(f"  {checkpoints} checkpoints written")
+    return "\n".join(lines)
+
+
+def _eval_line(evals: list[dict[str, Any]]) -> str:
+    last = evals[-1]
+    line = f"  held-out loss {last['loss']:.4f}"
+    if "accuracy" in last:
+        best = max(evals, key=lambda e: e.get("accuracy", 0.0))
+        line += f", accuracy {last['accuracy']:.4f} (best {best['accuracy']:.4f} after epoch {best['epoch'] + 1})"
+    return line
+
+
+def _device_lines(rounds: list[dict[str, Any]]) -> list[str]:
+    """Per device, means over the rounds it was in: share, samples/s, busy/waiting/communicating, peak memory."""
     stats: dict[str, dict[str, list[float]]] = defaultdict(lambda: defaultdict(list))
     for r in rounds:
         total = sum(r["shares"]) or 1
@@ -209,6 +222,7 @@ def summarize(run_dir: Path, config: dict[str, Any], records: list[dict[str, Any
                 s[key].append(part)
             if w.get("memory_bytes") is not None:
                 s["memory"].append(w["memory_bytes"])
+    lines = []
     for name, s in stats.items():
         memory = format_bytes(int(max(s["memory"]))) if s["memory"] else "?"
         n = len(s["share"])
@@ -217,14 +231,16 @@ def summarize(run_dir: Path, config: dict[str, Any], records: list[dict[str, Any
             f"{fmean(s['compute_s']):.0%} / {fmean(s['wait_s']):.0%} / {fmean(s['comm_s']):.0%}, {memory}"
             + ("" if n == len(rounds) else f" (in {n} of {len(rounds)} rounds)")
         )
-    for r in records:
-        if r["kind"] == "left_out":
-            lines.append(f"  left out {r['worker']['device_name']} on {r['worker']['host']}: {r['reason']}")
-        elif r["kind"] == "failure":
-            lost = ", ".join(f"{x['worker']['device_name']} on {x['worker']['host']}" for x in r["lost"])
-            lines.append(f"  failure {r['failures']} at epoch {r['epoch'] + 1}, step {r['step']}: lost {lost}")
-        elif r["kind"] == "rejoined":
-            lines.append(f"  {r['worker']['device_name']} on {r['worker']['host']} rejoined at step {r['step']}")
-    checkpoints = sum(r["kind"] == "checkpoint" for r in records)
-    lines.append(f"  {checkpoints} checkpoints written")
-    return "\n".join(lines)
+    return lines
+
+
+def _event_line(r: dict[str, Any]) -> str:
+    """A line for a worker left out, lost or rejoined; empty for other records."""
+    if r["kind"] == "left_out":
+        return f"  left out {r['worker']['device_name']} on {r['worker']['host']}: {r['reason']}"
+    if r["kind"] == "failure":
+        lost = ", ".join(f"{x['worker']['device_name']} on {x['worker']['host']}" for x in r["lost"])
+        return f"  failure {r['failures']} at epoch {r['epoch'] + 1}, step {r['step']}: lost {lost}"
+    if r["kind"] == "rejoined":
+        return f"  {r['worker']['device_name']} on {r['worker']['host']} rejoined at step {r['step']}"
+    return ""

@@ -192,35 +192,3 @@ def plan_record(plan: Plan) -> dict[str, Any]:
         "predicted_samples_per_s": plan.predicted_samples_per_s,
         "excluded": plan.excluded,
     }
-
-
-def plan_table(
-    plan: Plan, workers: Sequence[dict[str, Any]], title: str, left_out: Sequence[dict[str, Any]] = ()
-) -> str:
-    """One row per worker (where, on what, its share, micro-batch x accumulation, measured compute
-    speed, predicted samples/s, memory cap), the workers left out with the reason, and the prediction."""
-    lines = [
-        f"{title}:",
-        "  worker  node             device                      prec  threads  share  micro x acc"
-        "  compute/s  predicted/s  memory cap",
-    ]
-    for i, w in enumerate(workers):
-        speed = plan.speeds[i] if plan.speeds else 0.0
-        cap = plan.memory_caps[i] if plan.memory_caps else None
-        lines.append(
-            f"  {i:>6}  {w['host'][:15]:<15}  {w['device_name'][:26]:<26}  {w['precision']:<4}  {w['threads']:>7}"
-            f"  {plan.shares[i]:>5}  {plan.micro_batches[i]:>5} x {plan.accumulation[i]:<3}  {speed:>9,.0f}"
-            f"  {plan.shares[i] / plan.predicted_step_s if plan.predicted_step_s else 0:>11,.0f}"
-            f"  {cap if cap else 'no limit':>10}"
-        )
-    for gone in left_out:
-        w = gone["worker"]
-        lines.append(f"  left out: worker {w['rank']} ({w['device_name']} on {w['host']}): {gone['reason']}")
-    compute = plan.predicted_step_s - (plan.comm_s if len(plan.shares) > 1 else 0.0)
-    lines.append(
-        f"  predicted: {plan.predicted_samples_per_s:,.0f} samples/s, {plan.predicted_step_s * 1e3:.1f} ms per step "
-        f"({compute * 1e3:.1f} ms compute + {plan.predicted_step_s * 1e3 - compute * 1e3:.1f} ms communication)"
-    )
-    for rank, reason in plan.excluded.items():
-        lines.append(f"  note: worker {rank} slows this job down: {reason}; consider running without it")
-    return "\n".join(lines)

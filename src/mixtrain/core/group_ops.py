@@ -1,0 +1,146 @@
+"""What changes who is in the collective group: form it, leave workers out (by choice or lost), admit
+replacements. The bring-up and the controller both hold one `GroupOps`; every call shows in the imports."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import ray
+
+from mixtrain import compat
+from mixtrain._constants import (
+    BUCKET_MB,
+    COLLECTIVE_TIMEOUT_S,
+    RENDEZVOUS_TIMEOUT_S,
+    SETUP_EXTRA_S,
+    env_float,
+)
+from mixtrain.cluster.placement import WorkerSpec
+from mixtrain.config import ScalingConfig, StrategyConfig
+from mixtrain.core import preflight
+from mixtrain.core.messages import BuildReport, ProbeResult, WorkerInfo
+from mixtrain.core.worker_group import WorkerGroup
+from mixtrain.task import Task
+
+
+def setup_wait_s() -> float:
+    """How long building, loading and probing a worker may take (it may compile kernels)."""
+    return env_float(RENDEZVOUS_TIMEOUT_S) + env_float(SETUP_EXTRA_S)
+
+
+def user_cap(scaling: ScalingConfig, spec: WorkerSpec) -> int | None:
+    """The user's max_micro_batch for this worker (by its starting rank), or None: measure it."""
+    return scaling.max_micro_batch[spec.rank] if scaling.max_micro_batch else None
+
+
+@dataclass
+class Joined:
+    """Replacements that joined between rounds, and the notes on those refused."""
+
+    workers: list[tuple[WorkerInfo, ProbeResult]]
+    refused: list[str]
+
+
+class GroupOps:
+    """Membership changes of one run's worker group, with what they need: the strategy, the backend, the
+    job-wide loss scaling, the data in the object store and rank 0's build report (a replacement is
+    checked against it)."""
+
+    def __init__(
+        self,
+        group: WorkerGroup,
+        *,
+        strategy: StrategyConfig,
+        backend: str,
+        loss_scaling: bool,
+        data_refs: tuple[Any, Any],
+        task_factory: Callable[[], Task],
+    ) -> None:
+        self.group = group
+        self.task_factory = task_factory
+        self.strategy = strategy
+        self.backend = backend
+        self.loss_scaling = loss_scaling
+        self.data_refs = data_refs
+        self.reference: BuildReport | None = None
+        """Rank 0's build report, set once preflight passed."""
+
+    def form(self) -> None:
+        """Rendezvous at rank 0, join the collective group, set up the strategy (rank 0's weights go to all)."""
+        group = self.group
+        rendezvous_s = env_float(RENDEZVOUS_TIMEOUT_S)
+        collective_s = env_float(COLLECTIVE_TIMEOUT_S)
+        host, port = group.call("open_rendezvous", rendezvous_s, timeout_s=rendezvous_s, ranks=[0])[0]
+        bucket_bytes = int(env_float(BUCKET_MB) * 2**20)
+        group.call(
+            "join",
+            host,
+            port,
+            rendezvous_s,
+            collective_s,
+            self.strategy,
+            bucket_bytes,
+            self.backend,
+            self.loss_scaling,
+            tuple(group.servers),
+            timeout_s=rendezvous_s + collective_s + 10,
+        )
+
+    def reform(self) -> None:
+        """Everyone leaves and the same workers form the group again (the strategy restarts from the
+        state they hold, e.g. after a resume loaded a checkpoint)."""
+        self.group.call("leave", timeout_s=env_float(COLLECTIVE_TIMEOUT_S))
+        self.form()
+
+    def leave_out(self, ranks: list[int], *, rollback: bool = False, lost: bool = False) -> None:
+        """Every other worker leaves the group (first rolling back to the start of a failed round when
+        `rollback`), `ranks` are stopped, the rest renumbered, and the group re-formed. Workers that were
+        `lost` (dead, or stopped and about to be killed) are not asked anything, and a replacement may
+        later start in their place; workers left out by choice are not replaced."""
+        keep = [r for r in range(self.group.num_workers) if r not in ranks]
+        method = "rollback" if rollback else "leave"
+        self.group.call(method, timeout_s=env_float(COLLECTIVE_TIMEOUT_S), ranks=keep)
+        self.group.drop(ranks, replaceable=lost)
+        self.form()
+
+    def admit(self, global_batch: int) -> Joined:
+        """Between rounds: replacements whose replica is built (a node that came back, a restarted process)
+        pass preflight against rank 0, load the data, are measured, receive rank 0's current training state
+        and join the re-formed group as the last ranks."""
+        joining, refused = self._vet(self.group.poll_replacements(self.task_factory))
+        if not joining:
+            return Joined([], refused)
+        group, wait_s = self.group, setup_wait_s()
+        state_ref = ray.put(group.call("training_state", timeout_s=wait_s, ranks=[0])[0])
+        n = group.num_workers + len(joining)
+        probes = []
+        for spec, actor in joining:
+            ray.get(actor.load_data.remote(*self.data_refs), timeout=wait_s)
+            cap = user_cap(group.scaling, spec)
+            probe = actor.probe.remote(math.ceil(global_batch / n), global_batch, 1.0, cap)
+            probes.append(ray.get(probe, timeout=wait_s))
+            ray.get(actor.load_training_state.remote(state_ref, None), timeout=wait_s)
+        group.call("leave", timeout_s=env_float(COLLECTIVE_TIMEOUT_S))
+        first = group.num_workers
+        for spec, actor in joining:
+            group.admit(spec, actor)
+        self.form()
+        infos = group.call("info", timeout_s=wait_s, ranks=list(range(first, group.num_workers)))
+        return Joined(list(zip(infos, probes)), refused)
+
+    def _vet(self, ready: list[tuple[WorkerSpec, Any, BuildReport]]) -> tuple[list[tuple[WorkerSpec, Any]], list[str]]:
+        """The replacements that pass preflight against rank 0, and a note for each one refused."""
+        joining, refused = [], []
+        for spec, actor, report in ready:
+            found = [report.problem] if report.problem else []
+            if not found and self.reference is not None:
+                found = preflight.problems(compat.versions(), [self.reference, report])
+            if found:
+                refused.append(f"a replacement on {report.host} was refused: {'; '.join(found)}")
+                self.group.discard(spec, actor)
+                continue
+            joining.append((spec, actor))
+        return joining, refused

@@ -1,0 +1,132 @@
+"""Every message between the driver and its workers, typed: what a worker is, what it built, what it
+measured, what the driver asks of a round and what each worker answers. Constructors of more than three
+fields take keywords; `as_dict()` is the form metrics.jsonl and Result keep."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from mixtrain.devices import DeviceInfo
+
+
+@dataclass(frozen=True, kw_only=True)
+class WorkerInfo:
+    """Who one worker is: node, process, device and precision."""
+
+    rank: int
+    host: str
+    """The node's IP address."""
+    hostname: str
+    pid: int
+    node_id: str
+    device: str
+    """The torch device, e.g. "cuda:0"."""
+    device_name: str
+    precision: str
+    threads: int
+
+    def label(self) -> str:
+        """A name that stays the same when ranks renumber: "cuda:0 on desktop (pid 123)"."""
+        return f"{self.device} on {self.hostname or self.host} (pid {self.pid})"
+
+    def short(self, rank: int | None = None) -> str:
+        """For one-line messages: "worker 1 (Apple M2 on 10.0.0.3)", numbered by `rank` (the current one
+        after renumbering) or else by the rank it had when it reported."""
+        return f"worker {self.rank if rank is None else rank} ({self.device_name} on {self.host})"
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass(frozen=True, kw_only=True)
+class BuildReport:
+    """What a worker built, for the preflight to compare across workers. `problem` is set (and the device
+    fields are empty) when the worker could not build, so every worker's problem shows in one table."""
+
+    rank: int
+    host: str
+    requested: str
+    versions: dict[str, str]
+    problem: str | None = None
+    device: DeviceInfo | None = None
+    precision: str = ""
+    signature: str | None = None
+    num_params: int = 0
+    trainable_bytes: int = 0
+    nccl: bool = False
+
+
+@dataclass(frozen=True, kw_only=True)
+class NumericsResult:
+    """A device's gradient against the CPU's in fp32: relative L2 error and the tolerance it is held to."""
+
+    rank: int
+    error: float
+    tolerance: float
+
+
+@dataclass(frozen=True, kw_only=True)
+class ProbeResult:
+    """One device measured before training."""
+
+    rank: int
+    samples_per_s: float
+    """Forward+backward samples per second (emulated slowdown included)."""
+    batch: int
+    """The micro-batch it was timed at."""
+    memory_cap: int | None
+    """The largest micro-batch to run (None: no limit found up to the global batch)."""
+
+
+@dataclass(frozen=True)
+class LeftOut:
+    """A worker left out before or during training, and why."""
+
+    worker: WorkerInfo
+    reason: str
+
+
+@dataclass(frozen=True)
+class RoundPlan:
+    """One driver call: `num_steps` global steps of `epoch` starting at `first_step`."""
+
+    epoch: int
+    first_step: int
+    num_steps: int
+    shares: tuple[int, ...]
+    global_batch: int
+    drift_tolerance: float
+    micro_batches: tuple[int, ...] = ()
+    """Per worker, the largest micro-batch (empty: the whole share at once)."""
+    slowdown: tuple[float, ...] = ()
+    """EMULATION: per worker, compute this many times slower (empty: none)."""
+
+
+@dataclass
+class WorkerReport:
+    """One worker's account of a round."""
+
+    rank: int
+    samples: int = 0
+    compute_s: list[float] = field(default_factory=list)
+    """Per step: forward, backward and the optimizer step."""
+    comm_s: list[float] = field(default_factory=list)
+    """Per step: time inside collectives, waiting for slower peers included."""
+    losses: list[float] = field(default_factory=list)
+    """Per step: the global mean loss (the same on every rank)."""
+    skipped_steps: list[int] = field(default_factory=list)
+    nonfinite_steps: list[int] = field(default_factory=list)
+    """Steps whose loss on THIS worker was NaN or Inf (names the worker behind a skipped step)."""
+    drift: float = 0.0
+    rebroadcast: bool = False
+    round_comm_s: float = 0.0
+    wall_s: float = 0.0
+    staleness: list[int] = field(default_factory=list)
+    """Per step: how many updates old the weights its gradient was computed on were (ps-async)."""
+    sent_bytes: int = 0
+    """Gradient or delta bytes this worker sent (wire size; buffers and drift checks not counted)."""
+    memory_bytes: int | None = None
+    """Memory this worker held on its device at the round's end (CUDA: the round's peak; CPU: the RSS)."""
+    peer_lost: str = ""
+    """Set when a collective failed because a peer died or stopped answering; the round is void."""

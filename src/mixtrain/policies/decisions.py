@@ -1,0 +1,199 @@
+"""The run's policies as pure objects: each takes measurements and returns a decision; the controller and
+the bring-up carry decisions out. No Ray, no I/O, no clock: every case is unit-tested without processes.
+
+- `smooth_speeds`: compute speed per worker, smoothed over rounds, a step change taken at once.
+- `Rebalancer`: re-plan shares past an imbalance threshold; leave out a worker that slows the job down
+  once `EXCLUDE_ROUNDS` measured rounds in a row say so.
+- `first_plan`: the plan before the first step, and whether a worker should be left out first.
+- `replan`: shares for the workers that are left after one is gone or one joins.
+- `FailureBudget`: how many lost-worker recoveries a run may make.
+- `NonFiniteStreak`: stop after too many NaN/Inf steps in a row, naming who produced them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from mixtrain.policies.planner import Plan, largest_remainder, make_plan, needs_rebalance
+
+EXCLUDE_ROUNDS = 2
+"""Measured rounds in a row that must find a worker slowing the job down before it is left out."""
+STEP_CHANGE = 0.5
+"""A measured speed this far (relative) from the smoothed one replaces it instead of being averaged in:
+far above round-to-round noise (about 30% for short rounds on a busy machine), far below a 3x throttle."""
+
+
+@dataclass(frozen=True)
+class Noop:
+    """Nothing to change."""
+
+
+@dataclass(frozen=True)
+class Adopt:
+    """Run with this plan from the next round on."""
+
+    plan: Plan
+
+
+@dataclass(frozen=True)
+class LeaveOut:
+    """Stop worker `rank` (its state is the others'; nothing is lost) and re-plan without it."""
+
+    rank: int
+    reason: str
+
+
+@dataclass(frozen=True)
+class Stop:
+    """Training cannot go on; `reason` says why (the controller adds where to resume from)."""
+
+    reason: str
+
+
+Decision = Noop | Adopt | LeaveOut | Stop
+
+
+def smooth_speeds(old: Sequence[float] | None, new: Sequence[float]) -> list[float]:
+    """Each worker's compute speed, smoothed over rounds; a step change (a laptop starting to throttle)
+    is taken at once instead of being averaged in slowly."""
+    if old is None:
+        return list(new)
+    return [cur if o <= 0 or abs(cur - o) / o > STEP_CHANGE else 0.5 * o + 0.5 * cur for o, cur in zip(old, new)]
+
+
+class Rebalancer:
+    """Between rounds, from the measured speeds: leave a worker out, re-plan, or keep the shares.
+
+    Leaving out needs `EXCLUDE_ROUNDS` measured rounds in a row naming the same worker (one noisy round on
+    a busy machine must not cost a device); re-planning needs the measured imbalance past `threshold`
+    (hysteresis against flapping)."""
+
+    def __init__(self, *, global_batch: int, leave_out_slow: bool, threshold: float, min_gain: float) -> None:
+        self.global_batch = global_batch
+        self.leave_out_slow = leave_out_slow
+        self.threshold = threshold
+        self.min_gain = min_gain
+        self._votes, self._vote_rank = 0, -1
+
+    def reset(self) -> None:
+        """Forget the vote (the workers were renumbered)."""
+        self._votes, self._vote_rank = 0, -1
+
+    def decide(
+        self,
+        *,
+        speeds: Sequence[float],
+        step_compute_s: Sequence[float],
+        shares: Sequence[int],
+        memory_caps: Sequence[int | None] | None,
+        comm_s: float,
+    ) -> Decision:
+        plan = make_plan(speeds, self.global_batch, memory_caps=memory_caps, comm_s=comm_s, min_gain=self.min_gain)
+        if plan.excluded and self.leave_out_slow:
+            rank, reason = next(iter(plan.excluded.items()))
+            self._votes = self._votes + 1 if self._vote_rank == rank else 1
+            self._vote_rank = rank
+            if self._votes >= EXCLUDE_ROUNDS:
+                self.reset()
+                return LeaveOut(rank, reason)
+        else:
+            self.reset()
+        if not needs_rebalance(step_compute_s, self.threshold) or plan.shares == list(shares):
+            return Noop()
+        return Adopt(plan)
+
+
+def first_plan(
+    *,
+    speeds: Sequence[float],
+    global_batch: int,
+    memory_caps: Sequence[int | None],
+    comm_s: float,
+    min_gain: float,
+    fixed_shares: Sequence[int] | None,
+    leave_out_slow: bool,
+) -> tuple[Plan, Decision]:
+    """The plan before the first step, and LeaveOut when a worker slows the job down and may be left out
+    (the bring-up then measures again without it). Fixed shares are never changed."""
+    if fixed_shares is not None:
+        plan = make_plan(
+            speeds, global_batch, shares=fixed_shares, memory_caps=memory_caps, comm_s=comm_s, min_gain=min_gain
+        )
+        return plan, Noop()
+    plan = make_plan(speeds, global_batch, memory_caps=memory_caps, comm_s=comm_s, min_gain=min_gain)
+    if plan.excluded and leave_out_slow:
+        rank, reason = next(iter(plan.excluded.items()))
+        return plan, LeaveOut(rank, reason)
+    return plan, Noop()
+
+
+def replan(
+    *,
+    speeds: Sequence[float] | None,
+    shares: Sequence[int],
+    global_batch: int,
+    memory_caps: Sequence[int | None] | None,
+    balanced: bool,
+) -> Plan:
+    """Shares for the workers that are left (or with one that joined): by measured speed when balancing,
+    else the old split rescaled to the global batch."""
+    if balanced and speeds:
+        return make_plan(speeds, global_batch, memory_caps=memory_caps)
+    rescaled = largest_remainder([float(s) for s in shares], global_batch)
+    return make_plan(speeds or [1.0] * len(rescaled), global_batch, shares=rescaled, memory_caps=memory_caps)
+
+
+class FailureBudget:
+    """At most `max_failures` recoveries from lost workers in one run."""
+
+    def __init__(self, max_failures: int) -> None:
+        self.max_failures = max_failures
+        self.failures = 0
+
+    def record(self, workers_left: int) -> Decision:
+        """Count one failure that leaves `workers_left` workers: go on (Noop) or Stop."""
+        self.failures += 1
+        if workers_left == 0:
+            return Stop("no worker is left")
+        if self.failures > self.max_failures:
+            return Stop(f"{self.failures} failures, max_failures={self.max_failures}")
+        return Noop()
+
+
+class NonFiniteStreak:
+    """Counts skipped (NaN/Inf) steps in a row across rounds; past the limit, Stop naming who produced
+    them. `names[rank]` describes a worker in the message."""
+
+    def __init__(self, max_steps: int) -> None:
+        self.max_steps = max_steps
+        self.streak = 0
+        self._culprits: dict[int, int] = {}  # rank -> first step of the current streak with a NaN/Inf loss
+
+    def observe(
+        self,
+        *,
+        epoch: int,
+        steps: range,
+        skipped_steps: Sequence[int],
+        nonfinite_steps: Sequence[Sequence[int]],
+        names: Sequence[str],
+    ) -> Decision:
+        skipped = set(skipped_steps)
+        for step in steps:
+            if step not in skipped:
+                self.streak, self._culprits = 0, {}
+                continue
+            self.streak += 1
+            for rank, bad in enumerate(nonfinite_steps):
+                if step in bad:
+                    self._culprits.setdefault(rank, step)
+            if self.streak >= self.max_steps:
+                first = step - self.streak + 1
+                who = "; ".join(f"{names[r]} from step {s}" for r, s in sorted(self._culprits.items()))
+                return Stop(
+                    f"{self.streak} steps in a row (epoch {epoch}, steps {first}-{step}) had a NaN or Inf gradient "
+                    f"and were skipped on every worker. Non-finite loss: "
+                    f"{who or 'none (the summed gradients themselves overflowed)'}"
+                )
+        return Noop()

@@ -1,0 +1,147 @@
+"""The run's policies as pure decisions, without Ray: the cases the end-to-end balancing, leave-out,
+failure and NaN tests drive through real workers, here one decision at a time."""
+
+from __future__ import annotations
+
+from mixtrain.policies.decisions import (
+    EXCLUDE_ROUNDS,
+    Adopt,
+    FailureBudget,
+    LeaveOut,
+    NonFiniteStreak,
+    Noop,
+    Rebalancer,
+    Stop,
+    first_plan,
+    replan,
+    smooth_speeds,
+)
+
+
+def test_speeds_are_averaged_but_a_step_change_is_taken_at_once():
+    assert smooth_speeds(None, [100.0, 50.0]) == [100.0, 50.0]
+    assert smooth_speeds([100.0, 50.0], [110.0, 40.0]) == [105.0, 45.0]  # noise: averaged in
+    assert smooth_speeds([100.0, 50.0], [100.0, 15.0]) == [100.0, 15.0]  # a 3x throttle: taken as it is
+    assert smooth_speeds([0.0], [80.0]) == [80.0]  # nothing measured before
+
+
+def rebalancer(leave_out_slow: bool = True) -> Rebalancer:
+    return Rebalancer(global_batch=64, leave_out_slow=leave_out_slow, threshold=0.10, min_gain=0.30)
+
+
+def test_balanced_workers_keep_their_shares():
+    r = rebalancer()
+    decision = r.decide(
+        speeds=[1000.0, 1000.0], step_compute_s=[0.032, 0.032], shares=[32, 32], memory_caps=None, comm_s=0.0
+    )
+    assert decision == Noop()
+
+
+def test_an_imbalance_past_the_threshold_adopts_shares_that_follow_speed():
+    r = rebalancer()
+    decision = r.decide(
+        speeds=[3000.0, 1000.0], step_compute_s=[0.011, 0.032], shares=[32, 32], memory_caps=None, comm_s=0.0
+    )
+    assert isinstance(decision, Adopt) and decision.plan.shares == [48, 16]
+
+
+def test_an_imbalance_under_the_threshold_is_left_alone():
+    r = rebalancer()
+    decision = r.decide(
+        speeds=[1050.0, 1000.0], step_compute_s=[0.0305, 0.032], shares=[32, 32], memory_caps=None, comm_s=0.0
+    )
+    assert decision == Noop()
+
+
+def slow_case(r: Rebalancer):
+    """A worker 100x slower, with communication that costs more than it adds."""
+    return r.decide(
+        speeds=[10_000.0, 100.0], step_compute_s=[0.003, 0.3], shares=[48, 16], memory_caps=None, comm_s=0.01
+    )
+
+
+def test_a_worker_that_slows_the_job_is_left_out_only_after_rounds_in_a_row_say_so():
+    r = rebalancer()
+    decisions = [slow_case(r) for _ in range(EXCLUDE_ROUNDS)]
+    assert all(not isinstance(d, LeaveOut) for d in decisions[:-1])
+    assert isinstance(decisions[-1], LeaveOut) and decisions[-1].rank == 1
+
+
+def test_one_fast_round_between_resets_the_leave_out_vote():
+    r = rebalancer()
+    assert not isinstance(slow_case(r), LeaveOut)
+    r.decide(speeds=[1000.0, 1000.0], step_compute_s=[0.032, 0.032], shares=[32, 32], memory_caps=None, comm_s=0.0)
+    assert not isinstance(slow_case(r), LeaveOut)
+
+
+def test_without_leave_out_slow_a_slow_worker_only_gets_a_smaller_share():
+    r = rebalancer(leave_out_slow=False)
+    for _ in range(EXCLUDE_ROUNDS + 1):
+        decision = slow_case(r)
+        assert not isinstance(decision, LeaveOut)
+    assert isinstance(decision, Adopt) and decision.plan.shares[1] < 16
+
+
+def test_first_plan_leaves_out_a_worker_that_slows_the_job_when_allowed():
+    kwargs = dict(speeds=[10_000.0, 100.0], global_batch=64, memory_caps=[None, None], comm_s=0.01, min_gain=0.3)
+    plan, decision = first_plan(**kwargs, fixed_shares=None, leave_out_slow=True)
+    assert isinstance(decision, LeaveOut) and decision.rank == 1 and 1 in plan.excluded
+    _, kept = first_plan(**kwargs, fixed_shares=None, leave_out_slow=False)
+    assert kept == Noop()
+
+
+def test_first_plan_never_changes_fixed_shares():
+    plan, decision = first_plan(
+        speeds=[10_000.0, 100.0],
+        global_batch=64,
+        memory_caps=[None, None],
+        comm_s=0.01,
+        min_gain=0.3,
+        fixed_shares=[40, 24],
+        leave_out_slow=True,
+    )
+    assert decision == Noop() and plan.shares == [40, 24]
+
+
+def test_replan_follows_speed_when_balanced_and_rescales_fixed_shares_otherwise():
+    assert replan(
+        speeds=[3000.0, 1000.0], shares=[20, 20], global_batch=64, memory_caps=None, balanced=True
+    ).shares == [
+        48,
+        16,
+    ]
+    assert replan(speeds=None, shares=[30, 10], global_batch=64, memory_caps=None, balanced=False).shares == [48, 16]
+    assert (
+        replan(speeds=[1.0, 1.0], shares=[32, 32], global_batch=64, memory_caps=[None, 8], balanced=True).micro_batches[
+            1
+        ]
+        == 8
+    )
+
+
+def test_the_failure_budget_stops_past_max_failures_or_with_no_worker_left():
+    budget = FailureBudget(max_failures=2)
+    assert budget.record(workers_left=2) == Noop()
+    assert budget.record(workers_left=1) == Noop()
+    assert budget.record(workers_left=1) == Stop("3 failures, max_failures=2")
+    assert FailureBudget(max_failures=5).record(workers_left=0) == Stop("no worker is left")
+
+
+def test_a_nonfinite_streak_stops_at_the_limit_and_names_who_produced_it():
+    streak = NonFiniteStreak(max_steps=3)
+    names = ["worker 0 (CPU on a, cpu)", "worker 1 (GPU on b, cuda:0)"]
+    # round 1: steps 0-3, steps 2 and 3 skipped (worker 1's loss was NaN at step 2)
+    first = streak.observe(epoch=0, steps=range(0, 4), skipped_steps=[2, 3], nonfinite_steps=[[], [2, 3]], names=names)
+    assert first == Noop() and streak.streak == 2
+    # round 2: step 4 skipped as well: the streak crosses rounds and reaches the limit
+    decision = streak.observe(epoch=0, steps=range(4, 6), skipped_steps=[4], nonfinite_steps=[[], [4]], names=names)
+    assert isinstance(decision, Stop)
+    assert "3 steps in a row (epoch 0, steps 2-4)" in decision.reason
+    assert "worker 1 (GPU on b, cuda:0) from step 2" in decision.reason and "worker 0" not in decision.reason
+
+
+def test_a_good_step_ends_the_streak_and_an_overflow_with_no_culprit_says_so():
+    streak = NonFiniteStreak(max_steps=2)
+    assert streak.observe(epoch=1, steps=range(0, 3), skipped_steps=[0, 2], nonfinite_steps=[[]], names=["w"]) == Noop()
+    decision = streak.observe(epoch=1, steps=range(3, 4), skipped_steps=[3], nonfinite_steps=[[]], names=["w"])
+    assert isinstance(decision, Stop) and "none (the summed gradients themselves overflowed)" in decision.reason
