@@ -50,7 +50,11 @@ def test_wait_is_derived_from_the_slowest_compute():
     assert times[0]["wait_s"] == pytest.approx(0.4)
     assert times[0]["comm_s"] == pytest.approx(0.2)
     assert times[1]["wait_s"] == pytest.approx(0.0)
-    record = summarize_round(RoundPlan(0, 0, 2, (10, 10), 20, 1e-6), [slow, fast], wall_s=2.0)
+    record = summarize_round(
+        RoundPlan(epoch=0, first_step=0, num_steps=2, shares=(10, 10), global_batch=20, drift_tolerance=1e-6),
+        [slow, fast],
+        wall_s=2.0,
+    )
     assert record["samples"] == 20 and record["samples_per_s"] == 10 and record["loss"] == 0.75
 
 

@@ -15,7 +15,7 @@ DRIVER = {"python": "3.11.9", "torch": "2.13.0", "ray": "2.60.0", "mixtrain": "0
 
 
 def device(name="CPU", kind="cpu"):
-    return DeviceInfo(kind, 0, name, None, None, False, False)
+    return DeviceInfo(kind=kind, index=0, name=name, total_memory=None, free_memory=None, bf16=False, fp16=False)
 
 
 def report(rank, host="10.0.0.1", signature="abc", **versions):

@@ -41,7 +41,7 @@ def home() -> Path:
     return path
 
 
-@dataclass
+@dataclass(kw_only=True)
 class NodeState:
     role: str  # "head" or "worker"
     address: str  # the head's GCS address, HOST:PORT
@@ -257,7 +257,7 @@ def up(
             return False
 
     _wait_started(proc, log, ready)
-    state = NodeState("head", address, ip, proc.pid, str(log))
+    state = NodeState(role="head", address=address, node_ip=ip, pgid=proc.pid, log=str(log))
     _save_state(state)
     return state
 
@@ -324,7 +324,7 @@ def join(
         return "Ray runtime started" in log.read_text(errors="replace")[offset:]
 
     _wait_started(proc, log, ready)
-    state = NodeState("worker", address, ip, proc.pid, str(log))
+    state = NodeState(role="worker", address=address, node_ip=ip, pgid=proc.pid, log=str(log))
     _save_state(state)
     return state
 

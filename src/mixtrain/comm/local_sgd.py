@@ -96,7 +96,7 @@ class LocalSGDStrategy(SyncStrategy):
         d, rebroadcast = replicas.resync_if_drifted(task.model, task.optimizer, drift_tolerance)
         if rebroadcast:
             self.anchor = self._flat_params()
-        return RoundSync(d, rebroadcast, time.perf_counter() - t0, done, sent)
+        return RoundSync(drift=d, rebroadcast=rebroadcast, comm_s=time.perf_counter() - t0, done=done, sent_bytes=sent)
 
     def _sync_loss_scale(self) -> None:
         """Each rank updated its scale on its own verdicts: all take the smallest (fp16 only)."""

@@ -105,7 +105,7 @@ class ParameterServerStrategy(SyncStrategy):
         self.pending.append((step, refs))
         self.next_step += 1
         done = self._collect(task, must_have=self.next_step - self.staleness)
-        return StepOutcome(done, time.perf_counter() - t0, sent, staleness)
+        return StepOutcome(done=done, comm_s=time.perf_counter() - t0, sent_bytes=sent, staleness=staleness)
 
     def _collect(self, task: Task, must_have: int) -> list[StepResult]:
         """Take in answered pushes, oldest first: wait for those needed to hold weights of at least
@@ -141,7 +141,7 @@ class ParameterServerStrategy(SyncStrategy):
         task.optimizer.load_state_dict(sd)
         replicas.average_buffers(task.model, weight)
         d, rebroadcast = replicas.resync_if_drifted(task.model, task.optimizer, drift_tolerance)
-        return RoundSync(d, rebroadcast, time.perf_counter() - t0, done)
+        return RoundSync(drift=d, rebroadcast=rebroadcast, comm_s=time.perf_counter() - t0, done=done)
 
     def measure_comm(self, task: Task, repeats: int) -> float:
         wires = [encode(self._flat(group), self.config.compress) for group in self.slices]

@@ -58,7 +58,7 @@ class RoundSync:
     sent_bytes: int = 0
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class JoinContext:
     """What a strategy is set up with when a group forms."""
 

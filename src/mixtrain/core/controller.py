@@ -144,14 +144,14 @@ class Controller:
         """Run one round on every worker and record it; None when a worker was lost (recovered already)."""
         r = self.roster
         rplan = RoundPlan(
-            epoch,
-            step,
-            num_steps,
-            tuple(r.shares),
-            self.settings.global_batch,
-            self.settings.drift_tolerance,
-            tuple(micro_batches(r.shares, r.memory_caps)),
-            self._slowdown(len(self.history)),
+            epoch=epoch,
+            first_step=step,
+            num_steps=num_steps,
+            shares=tuple(r.shares),
+            global_batch=self.settings.global_batch,
+            drift_tolerance=self.settings.drift_tolerance,
+            micro_batches=tuple(micro_batches(r.shares, r.memory_caps)),
+            slowdown=self._slowdown(len(self.history)),
         )
         collective_s = env_float(COLLECTIVE_TIMEOUT_S)
         t0 = time.perf_counter()

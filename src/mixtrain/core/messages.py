@@ -87,7 +87,7 @@ class LeftOut:
     reason: str
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class RoundPlan:
     """One driver call: `num_steps` global steps of `epoch` starting at `first_step`."""
 

@@ -265,7 +265,14 @@ class TrainWorker:
             self.strategy.load_state_dict(previous.state_dict())
         elif self._loaded is not None and self._loaded["strategy"]:  # a replacement: what it loaded with the state
             self.strategy.load_state_dict(self._loaded["strategy"])
-        ctx = JoinContext(bucket_bytes, loss_scaling, self.rank, self.world_size, collective_timeout_s, tuple(servers))
+        ctx = JoinContext(
+            bucket_bytes=bucket_bytes,
+            loss_scaling=loss_scaling,
+            rank=self.rank,
+            world_size=self.world_size,
+            timeout_s=collective_timeout_s,
+            servers=tuple(servers),
+        )
         self.strategy.setup(self.task, ctx)
         if previous is not None:  # and the job-wide loss scale
             self.strategy.loss_scale = previous.loss_scale

@@ -8,7 +8,7 @@ from dataclasses import asdict, dataclass
 import torch
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class DeviceInfo:
     """One device as a person reads it in `mixtrain devices` and the start-of-run table."""
 
@@ -92,5 +92,11 @@ class DeviceKind(ABC):
     def info(self, index: int = 0) -> DeviceInfo:
         total, free = self.memory(index)
         return DeviceInfo(
-            self.kind, index, self.name(index), total, free, self.supports_bf16(index), self.supports_fp16(index)
+            kind=self.kind,
+            index=index,
+            name=self.name(index),
+            total_memory=total,
+            free_memory=free,
+            bf16=self.supports_bf16(index),
+            fp16=self.supports_fp16(index),
         )
