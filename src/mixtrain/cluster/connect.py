@@ -33,6 +33,7 @@ def ensure_ray(address: str | None, num_cpus_needed: float) -> None:
             "the workers reserve %.1f CPUs but this machine has %d: they will share cores", num_cpus_needed, cpus
         )
     ray.init(
+        address="local",  # a new embedded Ray, even where a `ray start` cluster runs on this machine
         num_cpus=max(cpus, math.ceil(num_cpus_needed)),
         resources=device_resources(),
         include_dashboard=False,
