@@ -107,7 +107,7 @@ def _reference(opt: str) -> dict[str, torch.Tensor]:
     task = make_task("mlp", opt)
     for _ in range(EXACT_STEPS):
         task.optimizer.zero_grad()
-        task.loss_fn(task.model(x), y).backward()
+        task.batch_loss(task.model, (x, y)).backward()
         task.optimizer.step()
     return task.model.state_dict()
 

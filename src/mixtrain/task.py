@@ -1,12 +1,17 @@
-"""What a user's task factory returns: the replica each worker trains."""
+"""What a user's task factory returns: the replica each worker trains, and how one batch becomes a loss."""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
+
+Batch = Any
+"""Whatever the collate function makes: a tuple (inputs..., target) for tensor data, or dicts (Hugging Face
+models), lists, nested containers."""
 
 
 @dataclass(kw_only=True)
@@ -14,15 +19,24 @@ class Task:
     """Model, loss and optimizer for one replica; built on the worker by the user's factory.
 
     The factory is called once per worker, after seeding torch with RunConfig.seed; rank
-    0's initial state is then broadcast, so every replica starts identical.
+    0's initial state is then broadcast, so every replica starts identical. Give `loss_fn` for
+    samples (inputs..., target), or `compute_loss` for any batch.
     """
 
     model: torch.nn.Module
-    """The model; called as model(*inputs) for a sample tuple (inputs..., target)."""
+    """The model; called as model(*inputs) for a sample tuple (inputs..., target) unless compute_loss is given."""
     optimizer: torch.optim.Optimizer
     """Optimizer over the model's parameters; stepped once per global step."""
-    loss_fn: Callable[[Any, torch.Tensor], torch.Tensor]
+    loss_fn: Callable[[Any, torch.Tensor], torch.Tensor] | None = None
     """loss_fn(output, target) -> the MEAN loss over the batch (mixtrain weights it by sample count)."""
+    compute_loss: Callable[[torch.nn.Module, Batch], torch.Tensor] | None = None
+    """compute_loss(model, batch) -> the MEAN loss over the batch, for any batch the collate function makes,
+    already on the worker's device; e.g. `lambda m, b: m(**b).loss` for a Hugging Face model."""
+    metrics: Callable[[torch.nn.Module, Batch], dict[str, tuple[float, float]]] | None = None
+    """metrics(model, batch) -> {name: (sum, count)} for one held-out batch; mixtrain sums both over all
+    workers and reports sum / count per name. Without it: held-out loss, and accuracy for class targets."""
+    max_grad_norm: float | None = None
+    """Clip the global L2 norm of the whole step's reduced gradient to this (the same on every replica)."""
     scheduler: torch.optim.lr_scheduler.LRScheduler | None = None
     """Optional LR scheduler, stepped after every applied optimizer step."""
 
@@ -31,8 +45,34 @@ class Task:
             raise TypeError(f"Task.model must be a torch.nn.Module, got {type(self.model).__name__}")
         if not isinstance(self.optimizer, torch.optim.Optimizer):
             raise TypeError(f"Task.optimizer must be a torch.optim.Optimizer, got {type(self.optimizer).__name__}")
-        if not callable(self.loss_fn):
-            raise TypeError("Task.loss_fn must be callable as loss_fn(output, target)")
+        if self.loss_fn is None and self.compute_loss is None:
+            raise TypeError("Task needs loss_fn(output, target) or compute_loss(model, batch): give one of them")
+        for name in ("loss_fn", "compute_loss", "metrics"):
+            if getattr(self, name) is not None and not callable(getattr(self, name)):
+                raise TypeError(f"Task.{name} must be callable")
+        if self.max_grad_norm is not None and not (
+            isinstance(self.max_grad_norm, (int, float))
+            and math.isfinite(self.max_grad_norm)
+            and self.max_grad_norm > 0
+        ):
+            raise ValueError(
+                f"Task.max_grad_norm={self.max_grad_norm!r}: must be a number > 0, or None for no clipping"
+            )
+
+    def batch_loss(self, model: torch.nn.Module, batch: Batch) -> torch.Tensor:
+        """The mean loss of `batch` under `model` (a replica, or a copy of it for the numerics check)."""
+        if self.compute_loss is None:
+            assert self.loss_fn is not None
+            *inputs, target = batch
+            return self.loss_fn(model(*inputs), target)
+        loss = self.compute_loss(model, batch)
+        if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+            got = f"a tensor of shape {tuple(loss.shape)}" if isinstance(loss, torch.Tensor) else type(loss).__name__
+            raise TypeError(
+                f"Task.compute_loss returned {got}; it must return the MEAN loss over the batch as a scalar "
+                "tensor (e.g. `return out.loss`, or `loss.mean()` for per-sample losses)"
+            )
+        return loss.reshape(())
 
 
 def build_task(factory: Callable[[], Task]) -> Task:
@@ -41,6 +81,6 @@ def build_task(factory: Callable[[], Task]) -> Task:
     if not isinstance(task, Task):
         raise TypeError(
             f"the task factory returned {type(task).__name__}; it must return mixtrain.Task(model=..., "
-            "optimizer=..., loss_fn=...)"
+            "optimizer=..., loss_fn=...) or Task(model=..., optimizer=..., compute_loss=...)"
         )
     return task

@@ -17,7 +17,7 @@ from mixtrain.config import RunConfig, ScalingConfig, StrategyConfig
 from mixtrain.core.bringup import Bringup, bring_up
 from mixtrain.core.controller import Controller, Roster, RunSettings
 from mixtrain.core.worker_group import WorkerGroup
-from mixtrain.data.sampling import to_arrays
+from mixtrain.data.sources import describe
 from mixtrain.observe.progress import ProgressView, plan_table
 from mixtrain.observe.runlog import RunLog, check_tensorboard, make_run_dir
 from mixtrain.policies.planner import plan_record, resolve_shares
@@ -63,8 +63,8 @@ class Trainer:
         check_tensorboard(run.tensorboard)
         if not scaling.is_auto:  # check now; with groups="auto" the worker count comes from the cluster
             resolve_shares(scaling.shares, global_batch, scaling.num_workers)
-        self.train_arrays = to_arrays(train_data)
-        self.eval_arrays = to_arrays(eval_data) if eval_data is not None else None
+        self.train_data = describe(train_data, "train_data")
+        self.eval_data = describe(eval_data, "eval_data") if eval_data is not None else None
         self.task_factory = task_factory
         self.global_batch = global_batch
         self.scaling = scaling
@@ -90,7 +90,7 @@ class Trainer:
             group.start()
             up = self._bring_up(group)
             log = self._open_log(run_dir, up, epochs)
-            view = ProgressView(self.run.progress, self._num_samples * epochs, epochs)
+            view = ProgressView(self.run.progress, up.num_samples * epochs, epochs)
             self._announce(view, up, run_dir, epochs, warnings)
             start, shares = (0, 0), up.plan.shares
             if resumed is not None:
@@ -98,7 +98,7 @@ class Trainer:
             controller = Controller(
                 group,
                 up.ops,
-                self._settings(group.scaling),
+                self._settings(up),
                 Roster(list(up.workers), list(shares), list(up.plan.memory_caps), up.plan.speeds, up.slowdown),
                 log=log,
                 view=view,
@@ -124,10 +124,6 @@ class Trainer:
             seconds_to_first_step=to_first_step,
         )
 
-    @property
-    def _num_samples(self) -> int:
-        return len(self.train_arrays[0])
-
     def _load_resume(self, resume: str | Path, epochs: int, warnings: list[str]) -> Resumed:
         resumed = load_resume(resume, warnings.append)
         _, manifest, ckpt_path = resumed
@@ -150,7 +146,7 @@ class Trainer:
             "strategy_advice": up.advice,
             "backend": up.backend,
             "shares": up.plan.shares,
-            "num_samples": self._num_samples,
+            "num_samples": up.num_samples,
         }
         log = RunLog(run_dir, config, self.run.tensorboard)
         log.write("workers", {"workers": up.workers})
@@ -161,7 +157,7 @@ class Trainer:
     def _announce(self, view: ProgressView, up: Bringup, run_dir: Path, epochs: int, warnings: list[str]) -> None:
         view.log(
             f"mixtrain: {len(up.workers)} workers, global batch {self.global_batch}, "
-            f"{self._num_samples} samples x {epochs} epochs, {up.backend}; run folder {run_dir}"
+            f"{up.num_samples} samples x {epochs} epochs, {up.backend}; run folder {run_dir}"
         )
         view.log(plan_table(up.plan, up.workers, "plan", up.left_out))
         view.log(f"strategy: {self.strategy.describe()}; measured: {up.advice}")
@@ -170,13 +166,14 @@ class Trainer:
         if up.slowdown:
             view.log(f"EMULATION: rank -> (times slower, from round) {up.slowdown} (MIXTRAIN_EMULATE_SLOWDOWN)")
 
-    def _settings(self, scaling: ScalingConfig) -> RunSettings:
+    def _settings(self, up: Bringup) -> RunSettings:
+        scaling = up.ops.group.scaling
         return RunSettings(
-            num_samples=self._num_samples,
+            num_samples=up.num_samples,
             global_batch=self.global_batch,
             steps_per_round=self.run.steps_per_round,
             drift_tolerance=self.run.drift_tolerance,
-            num_eval=len(self.eval_arrays[0]) if self.eval_arrays else 0,
+            num_eval=up.num_eval,
             balanced=scaling.balanced,
             leave_out_slow=scaling.leave_out_slow,
             rejoin=self.run.rejoin,
@@ -219,11 +216,11 @@ class Trainer:
         up.ops.reform()
         start = (manifest["epoch"], manifest["step"])
         view.log(f"resumed from {path} at epoch {start[0]}, step {start[1]}")
-        view.start_at(min(self._num_samples, start[1] * self.global_batch) + start[0] * self._num_samples)
+        view.start_at(min(up.num_samples, start[1] * self.global_batch) + start[0] * up.num_samples)
         return start, shares
 
     def _bring_up(self, group: WorkerGroup) -> Bringup:
-        return bring_up(group, self.task_factory, self.train_arrays, self.eval_arrays, self.global_batch, self.strategy)
+        return bring_up(group, self.task_factory, self.train_data, self.eval_data, self.global_batch, self.strategy)
 
 
 Resumed = tuple[dict[str, Any], dict[str, Any], Path]

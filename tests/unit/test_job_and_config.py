@@ -5,6 +5,7 @@ import sys
 import textwrap
 
 import pytest
+import torch
 
 from mixtrain.cli.config_file import apply_config
 from mixtrain.cli.main import _parse, build_parser
@@ -15,7 +16,8 @@ def test_builtin_examples_load_offline_with_held_out_data():
     digits = load_job("digits")
     assert len(digits.train_data[0]) == 1438 and len(digits.eval_data[0]) == 359
     chars = load_job("chars", lr=1e-3, args={"max_chars": 20_000})
-    x, y = chars.train_data
+    windows = chars.train_data()  # built on each worker: a TokenWindows over its own token file
+    x, y = torch.utils.data.default_collate([windows[i] for i in range(len(windows))])
     assert x.shape[1] == 64 and (x[:, 1:] == y[:, :-1]).all()  # targets are the inputs shifted by one
     task = chars.task_factory()
     assert task.optimizer.param_groups[0]["lr"] == 1e-3

@@ -20,7 +20,15 @@ import torch.distributed as dist
 
 from mixtrain.comm import replicas
 from mixtrain.comm.compress import wire_dtype
-from mixtrain.comm.strategy import JoinContext, RoundSync, StepOutcome, StepResult, SyncStrategy, median_seconds
+from mixtrain.comm.strategy import (
+    JoinContext,
+    RoundSync,
+    StepOutcome,
+    StepResult,
+    SyncStrategy,
+    clip_gradients,
+    median_seconds,
+)
 from mixtrain.devices.precision import LossScale
 from mixtrain.task import Task
 
@@ -49,12 +57,14 @@ class LocalSGDStrategy(SyncStrategy):
 
     def step(self, task: Task, local_stats: torch.Tensor, weight: float) -> StepOutcome:
         grads = [p.grad for p in self.params if p.grad is not None]
+        norm = None
         finite = all(bool(torch.isfinite(g).all()) for g in grads) and bool(torch.isfinite(local_stats).all())
         if weight > 0:
             if finite:
                 factor = 1.0 / (weight * self.loss_scale.scale)  # this rank's own mean gradient
                 for g in grads:
                     g.mul_(factor)
+                norm = clip_gradients(task, self.params)  # this worker's own mean gradient (local SGD)
                 task.optimizer.step()
                 if task.scheduler is not None:
                     task.scheduler.step()
@@ -62,10 +72,10 @@ class LocalSGDStrategy(SyncStrategy):
         self._pending.append(torch.cat([local_stats.float().reshape(-1), torch.tensor([0.0 if finite else 1.0])]))
         self._weights.append(weight)
         if len(self._pending) < self.config.local_steps:
-            return StepOutcome([], 0.0)
+            return StepOutcome(done=[], comm_s=0.0, grad_norm=norm)
         t0 = time.perf_counter()
         done, sent = self._exchange(task)
-        return StepOutcome(done, time.perf_counter() - t0, sent)
+        return StepOutcome(done=done, comm_s=time.perf_counter() - t0, sent_bytes=sent, grad_norm=norm)
 
     def _exchange(self, task: Task) -> tuple[list[StepResult], int]:
         """Average the weighted deltas and the pending per-step statistics in one collective, then

@@ -44,6 +44,8 @@ class StepOutcome:
     """Bytes of gradients or deltas this rank sent for this step (the wire size)."""
     staleness: int = 0
     """How many updates the weights this step's gradient was computed on were behind the step."""
+    grad_norm: float | None = None
+    """The gradient's global L2 norm before clipping (None: the task does not clip)."""
 
 
 @dataclass(frozen=True)
@@ -71,6 +73,14 @@ class JoinContext:
     """How long to wait for peers or parameter servers before the round is given up as failed."""
     servers: tuple[Any, ...] = ()
     """The parameter-server actors (ps, ps-async)."""
+
+
+def clip_gradients(task: Task, params: list[torch.nn.Parameter]) -> float | None:
+    """Clip the (reduced, unscaled) gradient of `params` to the task's max_grad_norm; its norm before.
+    Every replica holds the same gradient here, so every replica clips it the same way."""
+    if task.max_grad_norm is None:
+        return None
+    return float(torch.nn.utils.clip_grad_norm_(params, task.max_grad_norm))
 
 
 def median_seconds(exchange: Callable[[], object], repeats: int) -> float:
@@ -137,7 +147,7 @@ class AllReduceStrategy(SyncStrategy):
 
     def setup(self, task: Task, ctx: JoinContext) -> None:
         replicas.broadcast_state(task.model)
-        params = [p for p in task.model.parameters() if p.requires_grad]
+        self.params = params = [p for p in task.model.parameters() if p.requires_grad]
         # the loss rides along in a spare slot (at the wire precision when compressed)
         self.buckets = GradBuckets(
             params,
@@ -161,13 +171,17 @@ class AllReduceStrategy(SyncStrategy):
         applied = self.buckets.all_finite() and bool(torch.isfinite(local_stats).all())
         used = self.loss_scale.scale
         self.loss_scale.update(applied)  # the same verdict on every rank keeps the scales equal
+        norm = None
         if applied:
             if used != 1.0:
-                self.buckets.scale_(1.0 / used)
+                self.buckets.scale_(1.0 / used)  # unscale first: the norm is the true gradient's
+            norm = clip_gradients(task, self.params)
             task.optimizer.step()
             if task.scheduler is not None:
                 task.scheduler.step()
-        return StepOutcome([StepResult(applied, local_stats)], comm_s, self.buckets.wire_bytes)
+        return StepOutcome(
+            done=[StepResult(applied, local_stats)], comm_s=comm_s, sent_bytes=self.buckets.wire_bytes, grad_norm=norm
+        )
 
     def end_round(self, task: Task, weight: float, drift_tolerance: float) -> RoundSync:
         t0 = time.perf_counter()

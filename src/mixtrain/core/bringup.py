@@ -24,6 +24,7 @@ from mixtrain.core.group_ops import GroupOps, setup_wait_s, user_cap
 from mixtrain.core.messages import BuildReport, LeftOut, ProbeResult, WorkerInfo
 from mixtrain.core.worker_group import WorkerGroup
 from mixtrain.data.sampling import Arrays
+from mixtrain.data.sources import Loader
 from mixtrain.policies.advice import suggest
 from mixtrain.policies.decisions import LeaveOut, first_plan
 from mixtrain.policies.planner import Plan, largest_remainder, resolve_shares
@@ -48,6 +49,10 @@ class Bringup:
     left_out: list[LeftOut] = field(default_factory=list)
     advice: str = ""
     """The strategy the measured compute and link suggest, with the figures."""
+    num_samples: int = 0
+    """Training samples (the same on every worker, checked)."""
+    num_eval: int = 0
+    """Held-out samples (0: no evaluation)."""
 
     @property
     def backend(self) -> str:
@@ -76,8 +81,8 @@ class _Found:
 def bring_up(
     group: WorkerGroup,
     task_factory: Callable[[], Task],
-    train: Arrays,
-    evaluation: Arrays | None,
+    train: Arrays | Loader,
+    evaluation: Arrays | Loader | None,
     global_batch: int,
     strategy: StrategyConfig,
 ) -> Bringup:
@@ -91,7 +96,8 @@ def bring_up(
     preflight.check(compat.versions(), found.reports)
     found.infos = group.call("info", timeout_s=wait_s)
     data_refs = (ray.put(train), ray.put(evaluation) if evaluation is not None else None)  # once; read zero-copy
-    group.call("load_data", *data_refs, timeout_s=wait_s)
+    data = preflight.check_data(group.call("load_data", *data_refs, timeout_s=wait_s), found.infos)
+    _check_strategy_fits(strategy, found.reports)
     checks["numerics"] = _check_numerics(group, found, left_out, notes)
     slowdown = _slowdown_now(group)
     found.probes = _probe(group, global_batch, slowdown)
@@ -135,7 +141,19 @@ def bring_up(
         checks=checks,
         left_out=left_out,
         advice=advice,
+        num_samples=data.num_train,
+        num_eval=data.num_eval,
     )
+
+
+def _check_strategy_fits(strategy: StrategyConfig, reports: list[BuildReport]) -> None:
+    clipped = [r.max_grad_norm for r in reports if r.max_grad_norm is not None]
+    if clipped and strategy.name.startswith("ps"):
+        raise ValueError(
+            f"Task.max_grad_norm={clipped[0]} with strategy={strategy.name!r}: the parameter servers step each "
+            "shard on its own, so the global norm is not clipped there yet; use strategy='allreduce' (exact) or "
+            "'local-sgd' (clips each worker's own gradient), or set max_grad_norm=None"
+        )
 
 
 def _check_numerics(group: WorkerGroup, found: _Found, left_out: list[LeftOut], notes: list[str]) -> list[Any]:

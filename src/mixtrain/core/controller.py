@@ -22,6 +22,7 @@ from mixtrain._constants import (
 )
 from mixtrain.checkpoint import CheckpointStore
 from mixtrain.config import Slowdown
+from mixtrain.core import evaluation
 from mixtrain.core.group_ops import GroupOps
 from mixtrain.core.messages import RoundPlan, WorkerInfo
 from mixtrain.core.rounds import next_round_steps, summarize_round
@@ -381,8 +382,7 @@ class Controller:
             self.evals.append(ev)
             self.log.write("eval", ev)
             line += f"  held-out loss {ev['loss']:.4f}"
-            if "accuracy" in ev:
-                line += f"  accuracy {ev['accuracy']:.4f}"
+            line += "".join(f"  {k} {v:.4f}" for k, v in ev.items() if k not in ("loss", "samples", "epoch"))
         self.view.log(line)
 
     def evaluate(self) -> dict[str, float]:
@@ -390,8 +390,4 @@ class Controller:
         sizes = equal_shares(self.settings.num_eval, self.group.num_workers)  # zeros when fewer samples than workers
         bounds = [(sum(sizes[:i]), sum(sizes[: i + 1])) for i in range(len(sizes))]
         parts = self.group.call_each("evaluate", bounds, timeout_s=env_float(ROUND_TIMEOUT_S))
-        total = {k: sum(part[k] for part in parts) for k in parts[0]}
-        out = {"loss": total["loss_sum"] / total["samples"], "samples": total["samples"]}
-        if total["targets"]:
-            out["accuracy"] = total["correct"] / total["targets"]
-        return out
+        return evaluation.summarize(parts)

@@ -27,6 +27,8 @@ class RoundLedger:
         r.staleness.append(outcome.staleness)
         r.sent_bytes += outcome.sent_bytes
         r.samples += samples
+        if outcome.grad_norm is not None:
+            r.grad_norms.append(outcome.grad_norm)
         self._take(outcome.done)
         if not math.isfinite(local_loss):
             r.nonfinite_steps.append(step)

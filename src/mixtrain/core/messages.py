@@ -55,6 +55,19 @@ class BuildReport:
     num_params: int = 0
     trainable_bytes: int = 0
     nccl: bool = False
+    max_grad_norm: float | None = None
+    """The task clips the gradient norm (not every strategy can)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class DataReport:
+    """What a worker opened: sample counts, and fingerprints of a few samples when it built the data itself."""
+
+    rank: int
+    num_train: int
+    num_eval: int
+    train_fingerprint: str = ""
+    eval_fingerprint: str = ""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -124,6 +137,8 @@ class WorkerReport:
     wall_s: float = 0.0
     staleness: list[int] = field(default_factory=list)
     """Per step: how many updates old the weights its gradient was computed on were (ps-async)."""
+    grad_norms: list[float] = field(default_factory=list)
+    """Per applied step, when the task clips: the gradient's norm before clipping."""
     sent_bytes: int = 0
     """Gradient or delta bytes this worker sent (wire size; buffers and drift checks not counted)."""
     memory_bytes: int | None = None

@@ -7,7 +7,7 @@ from collections import Counter
 from collections.abc import Sequence
 
 from mixtrain.compat import version_mismatches
-from mixtrain.core.messages import BuildReport, NumericsResult
+from mixtrain.core.messages import BuildReport, DataReport, NumericsResult, WorkerInfo
 
 
 class PreflightError(RuntimeError):
@@ -84,3 +84,23 @@ def numerics_verdict(results: Sequence[NumericsResult], reports: Sequence[BuildR
                 f"{res.error:.2e} (relative L2; tolerance {res.tolerance:.0e})"
             )
     return lines, bad
+
+
+def check_data(reports: Sequence[DataReport], infos: Sequence[WorkerInfo]) -> DataReport:
+    """Every worker must hold the same data (it may have been built on each machine from its own files):
+    the same sample counts and, where built there, the same fingerprint of a few samples. Returns rank 0's
+    report, or raises PreflightError with a table naming each worker and what differs."""
+    first = reports[0]
+    fields = ("num_train", "train_fingerprint", "num_eval", "eval_fingerprint")
+    differ = [f for f in fields if any(getattr(r, f) != getattr(first, f) for r in reports)]
+    if not differ:
+        return first
+    head = ("worker", "node", *differ)
+    rows = [(f"worker {r.rank}", i.host, *(str(getattr(r, f)) for f in differ)) for r, i in zip(reports, infos)]
+    widths = [max(len(str(row[c])) for row in (head, *rows)) for c in range(len(head))]
+    table = "\n".join("  ".join(str(c).ljust(w) for c, w in zip(row, widths)).rstrip() for row in (head, *rows))
+    raise PreflightError(
+        f"the workers' data differ ({', '.join(differ)}), nothing was trained:\n{table}\n"
+        "Fix: every machine needs the same files (the same dataset, same length and content), or give the data "
+        "as tensors so the driver ships it to every worker."
+    )

@@ -52,8 +52,15 @@ def summarize_round(plan: RoundPlan, reports: list[WorkerReport], wall_s: float)
         "drift": max(r.drift for r in reports),
         "rebroadcast": reports[0].rebroadcast,
         "shares": list(plan.shares),
+        "grad_norm": _mean_norm(reports),
         "workers": worker_times(reports),
     }
+
+
+def _mean_norm(reports: list[WorkerReport]) -> float | None:
+    """The mean gradient norm before clipping over the round's steps and workers (None: no clipping)."""
+    norms = [n for r in reports for n in r.grad_norms]
+    return fmean(norms) if norms else None
 
 
 def worker_name(entry: dict, rank: int) -> str:

@@ -6,9 +6,11 @@ import copy
 import os
 import socket
 import time
-from collections.abc import Callable
+from collections import defaultdict
+from collections.abc import Callable, Iterator
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -17,10 +19,20 @@ from mixtrain import checkpoint, compat, devices
 from mixtrain.comm import netif, process_group, registry
 from mixtrain.comm.strategy import JoinContext, SyncStrategy
 from mixtrain.config import StrategyConfig
-from mixtrain.core import probe
+from mixtrain.core import evaluation, probe
 from mixtrain.core.ledger import RoundLedger
-from mixtrain.core.messages import BuildReport, NumericsResult, ProbeResult, RoundPlan, WorkerInfo, WorkerReport
-from mixtrain.data.sampling import Arrays, as_tensors, epoch_permutation, step_size, worker_indices
+from mixtrain.core.messages import (
+    BuildReport,
+    DataReport,
+    NumericsResult,
+    ProbeResult,
+    RoundPlan,
+    WorkerInfo,
+    WorkerReport,
+)
+from mixtrain.core.worker_data import WorkerData
+from mixtrain.data.sampling import Arrays
+from mixtrain.data.sources import EVAL_EPOCH, Loader, to_device
 from mixtrain.devices import precision
 from mixtrain.observe import worker_log
 from mixtrain.task import Task, build_task
@@ -78,13 +90,10 @@ class TrainWorker:
         self.kind: devices.DeviceKind = devices.get("cpu")
         self.device = torch.device("cpu")
         self.precision = "fp32"
-        self._perm_epoch = -1
-        self._perm: np.ndarray = np.empty(0, dtype=np.int64)
         self._sec_per_sample = 0.0  # plain compute time per sample, from the probe (EMULATION sleeps on it)
         # Set by the driver's calls, in this order: build, load_data, open_rendezvous (rank 0), join.
         self._task: Task | None = None
-        self.train: tuple[torch.Tensor, ...] = ()
-        self.eval: tuple[torch.Tensor, ...] | None = None
+        self.data = WorkerData.empty()
         self._strategy: SyncStrategy | None = None
         self._rendezvous: process_group.Rendezvous | None = None
         self._snapshot: dict | None = None  # the training state at the start of the round in flight
@@ -147,6 +156,7 @@ class TrainWorker:
             num_params=sum(p.numel() for p in model.parameters()),
             trainable_bytes=sum(p.numel() * 4 for p in model.parameters() if p.requires_grad),
             nccl=torch.distributed.is_nccl_available(),
+            max_grad_norm=self.task.max_grad_norm,
         )
 
     def check_numerics(self, tolerance: float | None = None, count: int = 8) -> NumericsResult:
@@ -157,7 +167,7 @@ class TrainWorker:
             return NumericsResult(rank=self.rank, error=0.0, tolerance=tolerance)  # the reference itself
         import copy
 
-        *inputs, target = (f[:count] for f in self.train)
+        batch = self.data.train.read(0, np.arange(min(count, len(self.data.train))))
         model = self.task.model
         reference = copy.deepcopy(model).to("cpu")
         grads = []
@@ -166,7 +176,7 @@ class TrainWorker:
             m.eval()  # no dropout, no running-statistics update: the same function on both devices
             m.zero_grad(set_to_none=True)
             with precision.autocast(device, prec):
-                loss = self.task.loss_fn(m(*(x.to(device) for x in inputs)), target.to(device))
+                loss = self.task.batch_loss(m, to_device(batch, device))
             loss.float().backward()
             grads.append(
                 torch.cat([p.grad.detach().to("cpu").float().reshape(-1) for p in m.parameters() if p.grad is not None])
@@ -206,12 +216,11 @@ class TrainWorker:
 
     def _probe_step(self, batch: int) -> None:
         """One forward+backward of `batch` training samples (wrapping around a small dataset)."""
-        index = torch.arange(batch) % len(self.train[0])
-        *inputs, target = (f[index].to(self.device) for f in self.train)
+        samples = to_device(self.data.train.read(0, np.arange(batch) % len(self.data.train)), self.device)
         model = self.task.model
         model.zero_grad(set_to_none=True)
         with precision.autocast(self.device, self.precision):
-            loss = self.task.loss_fn(model(*inputs), target).float()
+            loss = self.task.batch_loss(model, samples).float()
         loss.backward()
         self.kind.synchronize()
         model.zero_grad(set_to_none=True)
@@ -279,16 +288,12 @@ class TrainWorker:
         elif self._loaded is not None and self._loaded["loss_scale"]:
             self.strategy.loss_scale.load_state_dict(self._loaded["loss_scale"])
 
-    def load_data(self, train: Arrays, evaluation: Arrays | None) -> int:
-        self.train = self._narrow(as_tensors(train))
-        self.eval = self._narrow(as_tensors(evaluation)) if evaluation is not None else None
-        return len(self.train[0])
-
-    def _narrow(self, fields: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
-        """A device without float64 (MPS): such fields become float32 here, on the CPU, once."""
-        if self.kind.supports_float64:
-            return fields
-        return tuple(f.float() if f.dtype == torch.float64 else f for f in fields)
+    def load_data(self, train: Arrays | Loader, evaluation: Arrays | Loader | None) -> DataReport:
+        """Open the training and held-out data here: in-memory fields from the object store, or a Dataset
+        (built here when given as a function) read lazily through a DataLoader."""
+        self.data.close()
+        self.data = WorkerData.open(train, evaluation, self.seed, self.kind)
+        return self.data.report(self.rank)
 
     # ---- training ---------------------------------------------------------------------------
     def run_round(self, plan: RoundPlan) -> WorkerReport:
@@ -306,19 +311,18 @@ class TrainWorker:
         ledger = RoundLedger(self.rank)
         index = self.device.index or 0
         self.kind.reset_peak_memory(index)
-        perm = self._permutation(plan.epoch)
+        steps = self.data.round_chunks(plan, self.rank)
+        batches = self.data.train.batches(plan.epoch, [c for _, _, chunks in steps for c in chunks])
         self.task.model.train()
-        for step in range(plan.first_step, plan.first_step + plan.num_steps):
-            indices = worker_indices(perm, plan.global_batch, step, plan.shares, self.rank)
+        for step, step_total, chunks in steps:
+            num_samples = sum(len(c) for c in chunks)
             t0 = time.perf_counter()
-            self._emulate_slowdown(plan, len(indices))
+            self._emulate_slowdown(plan, num_samples)
             self.strategy.zero_grad(self.task)
-            step_total = step_size(len(perm), plan.global_batch, step)
-            micro_batch = plan.micro_batches[self.rank] if plan.micro_batches else len(indices)
-            local_loss = self._forward_backward(indices, step_total, micro_batch)
+            local_loss = self._forward_backward(batches, chunks, step_total)
             loss = torch.tensor([local_loss], dtype=torch.float32)
-            outcome = self.strategy.step(self.task, loss, len(indices) / step_total)
-            ledger.step_done(step, outcome, time.perf_counter() - t0, len(indices), local_loss)
+            outcome = self.strategy.step(self.task, loss, num_samples / step_total)
+            ledger.step_done(step, outcome, time.perf_counter() - t0, num_samples, local_loss)
         weight = plan.shares[self.rank] / sum(plan.shares)  # for buffer averaging: this rank's part of the round
         sync = self.strategy.end_round(self.task, weight, plan.drift_tolerance)
         return ledger.close(plan, sync, self.kind.memory_in_use(index))
@@ -331,53 +335,35 @@ class TrainWorker:
         if slowdown > 1.0:
             time.sleep((slowdown - 1.0) * self._sec_per_sample * num_samples)
 
-    def _forward_backward(self, indices: np.ndarray, step_total: int, micro_batch: int) -> float:
-        """Backward of this rank's samples in micro-batches of at most `micro_batch`, each loss scaled by
+    def _forward_backward(self, batches: Iterator[Any], chunks: list[np.ndarray], step_total: int) -> float:
+        """Backward of this rank's micro-batches (`chunks`, read from `batches`), each mean loss scaled by
         its size / B so the sum over micro-batches and ranks is the global mean. Returns this rank's
         term of the global mean loss."""
-        if len(indices) == 0:
-            return 0.0
-        assert micro_batch >= 1, "the plan gives every worker with samples a micro-batch >= 1"
-        starts = range(0, len(indices), micro_batch)
         total = 0.0
-        for n, lo in enumerate(starts):
-            index = torch.from_numpy(indices[lo : lo + micro_batch])
-            *inputs, target = (field[index].to(self.device, non_blocking=True) for field in self.train)
+        for n, chunk in enumerate(chunks):
+            batch = to_device(next(batches), self.device)
             with precision.autocast(self.device, self.precision):
-                loss = self.task.loss_fn(self.task.model(*inputs), target).float()
-            weight = len(index) / step_total
-            if n == len(starts) - 1:
+                loss = self.task.batch_loss(self.task.model, batch).float()
+            weight = len(chunk) / step_total
+            if n == len(chunks) - 1:
                 self.strategy.before_last_backward(self.task)
             (loss * (weight * self.strategy.loss_scale.scale)).backward()
             total += float(loss.detach()) * weight
         return total
 
-    def _permutation(self, epoch: int) -> np.ndarray:
-        if epoch != self._perm_epoch:
-            self._perm = epoch_permutation(self.seed, epoch, len(self.train[0]))
-            self._perm_epoch = epoch
-        return self._perm
-
     # ---- evaluation and results -------------------------------------------------------------
     @torch.no_grad()
     def evaluate(self, start: int, stop: int, batch: int = 1024) -> dict[str, float]:
-        """Sums over eval samples [start, stop): loss (times count), correct predictions, counts."""
-        assert self.eval is not None, "evaluate called without eval data"
+        """Sums over held-out samples [start, stop): loss times count, and the metrics' (sum, count)."""
+        assert self.data.eval is not None, "evaluate called without eval data"
         self.task.model.eval()
-        sums = {"loss_sum": 0.0, "samples": 0.0, "correct": 0.0, "targets": 0.0}
-        for lo in range(start, stop, batch):
-            *inputs, target = (f[lo : min(lo + batch, stop)].to(self.device) for f in self.eval)
+        sums: dict[str, float] = defaultdict(float)
+        chunks = [np.arange(lo, min(lo + batch, stop)) for lo in range(start, stop, batch)]
+        for chunk, samples in zip(chunks, self.data.eval.batches(EVAL_EPOCH, chunks)):
             with precision.autocast(self.device, self.precision):
-                out = self.task.model(*inputs)
-            if isinstance(out, torch.Tensor):
-                out = out.float()
-            n = len(target)
-            sums["loss_sum"] += float(self.task.loss_fn(out, target)) * n
-            sums["samples"] += n
-            if isinstance(out, torch.Tensor) and not target.is_floating_point() and out.shape[:-1] == target.shape:
-                sums["correct"] += float((out.argmax(-1) == target).sum())
-                sums["targets"] += target.numel()
-        return sums
+                for name, value in evaluation.batch_sums(self.task, to_device(samples, self.device), len(chunk)):
+                    sums[name] += value
+        return dict(sums)
 
     # ---- checkpoints, resume and recovery ---------------------------------------------------
     def _training_state(self, clone: bool = False) -> dict:

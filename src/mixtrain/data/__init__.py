@@ -1,1 +1,10 @@
-"""Data for training: the step-indexed sampler."""
+"""Data for training: datasets and loader options a user passes in, and the rule that seeds augmentation.
+
+Public: `Loader` (a Dataset with its DataLoader options), `TokenWindows` (next-token windows over a
+memory-mapped token file) and `seed_sample` (the per-sample seeding rule, for a single-process reference).
+"""
+
+from mixtrain.data.sources import Loader, seed_sample
+from mixtrain.data.tokens import TokenWindows
+
+__all__ = ["Loader", "TokenWindows", "seed_sample"]

@@ -36,6 +36,8 @@ class DeviceKind(ABC):
     """Whether the start-up probe searches the largest micro-batch that fits (CPU memory is not searched)."""
     has_own_random_stream: bool = False
     """Whether the device has a random stream of its own beside the CPU's (dropout on a GPU)."""
+    pins_memory: bool = False
+    """Whether the data loader should use page-locked host memory (faster copies to the device)."""
     auto_low_precision: bool = True
     """Whether precision="auto" computes in bf16/fp16 here (the CPU stays fp32: low precision is slower there)."""
 

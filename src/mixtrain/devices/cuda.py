@@ -10,6 +10,7 @@ from mixtrain.devices.base import DeviceKind
 class CudaDevice(DeviceKind):
     kind = "cuda"
     has_own_random_stream = True
+    pins_memory = True
 
     def available(self) -> bool:
         return torch.cuda.is_available()

@@ -206,7 +206,12 @@ def _eval_line(evals: list[dict[str, Any]]) -> str:
     if "accuracy" in last:
         best = max(evals, key=lambda e: e.get("accuracy", 0.0))
         line += f", accuracy {last['accuracy']:.4f} (best {best['accuracy']:.4f} after epoch {best['epoch'] + 1})"
-    return line
+    own = [k for k, v in last.items() if k not in _EVAL_FIELDS and isinstance(v, (int, float))]
+    return line + "".join(f", {k} {last[k]:.4f}" for k in own)
+
+
+_EVAL_FIELDS = ("kind", "time", "epoch", "samples", "loss", "accuracy")
+"""Fields of an eval record that are not a task's own metric."""
 
 
 def _device_lines(rounds: list[dict[str, Any]]) -> list[str]:

@@ -96,9 +96,9 @@ class RunLog:
         step = samples_seen(r, *self._size)
         add = self._tb.add_scalar
         if r["kind"] == "eval":
-            for key in ("loss", "accuracy"):
-                if key in r:
-                    add(f"held_out/{key}", r[key], step)
+            for key, value in r.items():  # loss, accuracy and the task's own metrics
+                if key not in ("kind", "time", "epoch", "samples") and isinstance(value, (int, float)):
+                    add(f"held_out/{key}", value, step)
             return
         add("train/loss", r["loss"], step)
         add("train/samples_per_s", r["samples_per_s"], step)

@@ -1,0 +1,63 @@
+"""Held-out evaluation of one batch as sums that add up over batches and workers: the mean loss times the
+batch's samples, argmax accuracy for class targets (with loss_fn), and the user's metrics' (sum, count)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+from mixtrain.task import Task
+
+METRIC = "metric:"
+"""Prefix of the sums a user metric adds: metric:NAME:sum and metric:NAME:count."""
+
+
+def batch_sums(task: Task, batch: Any, num_samples: int) -> Iterator[tuple[str, float]]:
+    if task.compute_loss is None:
+        assert task.loss_fn is not None
+        *inputs, target = batch
+        out = task.model(*inputs)
+        if isinstance(out, torch.Tensor):
+            out = out.float()
+        yield "loss_sum", float(task.loss_fn(out, target)) * num_samples
+        if isinstance(out, torch.Tensor) and not target.is_floating_point() and out.shape[:-1] == target.shape:
+            yield "correct", float((out.argmax(-1) == target).sum())
+            yield "targets", float(target.numel())
+    else:
+        yield "loss_sum", float(task.batch_loss(task.model, batch)) * num_samples
+    yield "samples", float(num_samples)
+    if task.metrics is not None:
+        for name, pair in task.metrics(task.model, batch).items():
+            total, count = _pair(name, pair)
+            yield f"{METRIC}{name}:sum", total
+            yield f"{METRIC}{name}:count", count
+
+
+def _pair(name: str, pair: Any) -> tuple[float, float]:
+    try:
+        total, count = pair
+        return float(total), float(count)
+    except (TypeError, ValueError):
+        raise TypeError(
+            f"Task.metrics returned {name!r}: {pair!r}; each metric must be a (sum, count) pair, e.g. "
+            "{'accuracy': ((pred == y).sum().item(), len(y))}"
+        ) from None
+
+
+def summarize(parts: list[dict[str, float]]) -> dict[str, float]:
+    """The workers' sums as held-out figures: loss, samples, accuracy where counted, each user metric."""
+    total: dict[str, float] = {}
+    for part in parts:
+        for k, v in part.items():
+            total[k] = total.get(k, 0.0) + v
+    out = {"loss": total["loss_sum"] / total["samples"], "samples": total["samples"]}
+    if total.get("targets"):
+        out["accuracy"] = total["correct"] / total["targets"]
+    for key, value in total.items():
+        if key.startswith(METRIC) and key.endswith(":sum"):
+            name = key[len(METRIC) : -len(":sum")]
+            count = total[f"{METRIC}{name}:count"]
+            out[name] = value / count if count else float("nan")
+    return out

@@ -1,0 +1,73 @@
+"""A worker's data: its training and held-out sources, the epoch's sample order, and which micro-batches of
+which samples each step of a round takes on this worker."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from mixtrain.core.messages import DataReport, RoundPlan
+from mixtrain.data.sampling import Arrays, epoch_permutation, step_size, worker_indices
+from mixtrain.data.sources import Loader, SampleSource, make_source
+from mixtrain.devices import DeviceKind
+
+StepChunks = tuple[int, int, list[np.ndarray]]
+"""(global step, samples in the whole step, this worker's micro-batches as dataset indices)."""
+
+
+@dataclass
+class WorkerData:
+    train: SampleSource
+    eval: SampleSource | None
+    seed: int
+    built_here: bool = False
+    """The data was built on this worker from its own files (a function), so the driver compares them."""
+    _perm: tuple[int, np.ndarray] = field(default=(-1, np.empty(0, dtype=np.int64)))
+
+    @classmethod
+    def empty(cls) -> WorkerData:
+        return cls(SampleSource(), None, 0)
+
+    @classmethod
+    def open(
+        cls, train: Arrays | Loader, evaluation: Arrays | Loader | None, seed: int, kind: DeviceKind
+    ) -> WorkerData:
+        options = {"supports_float64": kind.supports_float64, "pin_memory": kind.pins_memory}
+        return cls(
+            make_source(train, seed, **options),
+            make_source(evaluation, seed, **options) if evaluation is not None else None,
+            seed,
+            built_here=any(isinstance(s, Loader) and s.built_on_workers for s in (train, evaluation)),
+        )
+
+    def report(self, rank: int) -> DataReport:
+        """Sizes, and fingerprints of a few samples when the data was built here (the driver compares them)."""
+        return DataReport(
+            rank=rank,
+            num_train=len(self.train),
+            num_eval=len(self.eval) if self.eval is not None else 0,
+            train_fingerprint=self.train.fingerprint() if self.built_here else "",
+            eval_fingerprint=self.eval.fingerprint() if self.built_here and self.eval is not None else "",
+        )
+
+    def permutation(self, epoch: int) -> np.ndarray:
+        if epoch != self._perm[0]:
+            self._perm = (epoch, epoch_permutation(self.seed, epoch, len(self.train)))
+        return self._perm[1]
+
+    def round_chunks(self, plan: RoundPlan, rank: int) -> list[StepChunks]:
+        """Every step of the round: this worker's samples, cut into micro-batches of at most the plan's size."""
+        perm = self.permutation(plan.epoch)
+        out = []
+        for step in range(plan.first_step, plan.first_step + plan.num_steps):
+            indices = worker_indices(perm, plan.global_batch, step, plan.shares, rank)
+            micro = plan.micro_batches[rank] if plan.micro_batches else max(1, len(indices))
+            chunks = [indices[lo : lo + micro] for lo in range(0, len(indices), micro)]
+            out.append((step, step_size(len(perm), plan.global_batch, step), chunks))
+        return out
+
+    def close(self) -> None:
+        self.train.close()
+        if self.eval is not None:
+            self.eval.close()

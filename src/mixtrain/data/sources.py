@@ -1,0 +1,287 @@
+"""Where a worker's samples come from, in one interface: in-memory tensors read zero-copy from Ray's object
+store, or a map-style Dataset read lazily, only at this worker's indices, through a DataLoader.
+
+Augmentation keeps the math exact: around `dataset[i]` in epoch `e`, the torch, numpy and Python `random`
+streams are seeded from `(seed, e, i)` (`seed_sample`), so a sample's random view depends on the sample,
+not on which worker or loader process reads it. A single-process reference that calls
+`seed_sample(seed, epoch, i)` before `dataset[i]` sees the same views.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import random
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import default_collate as _default_collate
+
+from mixtrain.data.sampling import Arrays, as_tensors, to_arrays
+
+EVAL_EPOCH = -1
+"""The epoch key held-out samples are read under (their random streams, if any, never change)."""
+
+
+def seed_sample(seed: int, epoch: int, index: int) -> None:
+    """Seed torch, numpy and Python `random` for reading sample `index` in `epoch` of a run with `seed`:
+    the rule every mixtrain worker applies around `dataset[index]`."""
+    state = np.random.SeedSequence([seed, epoch + 1, index]).generate_state(2, np.uint32)
+    torch.manual_seed(int(state[0]) << 32 | int(state[1]))
+    np.random.seed(int(state[0]))
+    random.seed(int(state[1]))
+
+
+@dataclass(frozen=True, kw_only=True)
+class Loader:
+    """A map-style Dataset with the options its DataLoader takes on every worker. Give a plain Dataset
+    for the defaults, or `Loader(dataset=..., num_workers=4)` to set them."""
+
+    dataset: Any
+    """A map-style torch Dataset (`__len__`, `__getitem__`), or a zero-argument callable that builds one on
+    each worker (files that exist on every machine)."""
+    collate_fn: Callable[[list[Any]], Any] | None = None
+    """Makes a batch from samples (default: torch's default_collate; dicts, tuples and tensors nest)."""
+    num_workers: int | None = None
+    """Loader processes per worker (None: up to 2 where the node has CPUs to spare, else 0)."""
+    prefetch_factor: int = 2
+    """Micro-batches each loader process reads ahead, so loading overlaps compute."""
+    pin_memory: bool | None = None
+    """Page-locked host memory for faster copies to a GPU (None: on for CUDA)."""
+
+    def __post_init__(self) -> None:
+        if self.num_workers is not None and (not isinstance(self.num_workers, int) or self.num_workers < 0):
+            raise ValueError(f"Loader.num_workers={self.num_workers!r}: must be an integer >= 0 or None")
+        if self.prefetch_factor < 1:
+            raise ValueError(f"Loader.prefetch_factor={self.prefetch_factor!r}: must be >= 1")
+        if self.collate_fn is not None and not callable(self.collate_fn):
+            raise TypeError("Loader.collate_fn must be callable as collate_fn(list_of_samples) -> batch")
+        if not callable(self.dataset) and not _is_map_dataset(self.dataset):
+            raise TypeError(
+                f"Loader.dataset of type {type(self.dataset).__name__}: give a map-style Dataset (with __len__ "
+                "and __getitem__) or a zero-argument function that returns one"
+            )
+
+    @property
+    def built_on_workers(self) -> bool:
+        """The dataset is a function each worker calls (its own copy of the files)."""
+        return callable(self.dataset) and not _is_map_dataset(self.dataset)
+
+
+def _is_map_dataset(data: Any) -> bool:
+    return hasattr(data, "__getitem__") and hasattr(data, "__len__")
+
+
+def describe(data: Any, field: str) -> Arrays | Loader:
+    """What the driver ships for `data`: numpy arrays for tensors, arrays and TensorDatasets (zero-copy
+    through the object store, the fastest for small data), else a Loader (read lazily on each worker)."""
+    if isinstance(data, Loader):
+        return data
+    if isinstance(data, (tuple, list)) and data and all(isinstance(x, (torch.Tensor, np.ndarray)) for x in data):
+        return to_arrays(data)
+    if isinstance(data, Dataset) and getattr(data, "tensors", None) is not None:
+        return to_arrays(data)
+    if callable(data) or _is_map_dataset(data):
+        return Loader(dataset=data)
+    raise TypeError(
+        f"{field} of type {type(data).__name__} is not supported: give a tuple of tensors (inputs..., target), "
+        "a map-style torch Dataset, a mixtrain.data.Loader, or a zero-argument function that returns a Dataset"
+    )
+
+
+def to_device(batch: Any, device: torch.device, where: str = "the batch") -> Any:
+    """Move every tensor in `batch` (tensors, tuples, lists, dicts, nested, or anything with `.to(device)`
+    such as a Hugging Face BatchEncoding) to `device`; other leaves (numbers, strings, None) stay."""
+    if isinstance(batch, torch.Tensor):
+        return batch.to(device, non_blocking=True)
+    if isinstance(batch, Mapping):
+        return {k: to_device(v, device, f"{where}[{k!r}]") for k, v in batch.items()}
+    if isinstance(batch, tuple) and hasattr(batch, "_fields"):  # a namedtuple
+        return type(batch)(*(to_device(v, device, where) for v in batch))
+    if isinstance(batch, (tuple, list)):
+        return type(batch)(to_device(v, device, f"{where}[{i}]") for i, v in enumerate(batch))
+    if batch is None or isinstance(batch, (int, float, bool, str, bytes, np.ndarray)):
+        return batch
+    if callable(getattr(batch, "to", None)):
+        return batch.to(device)
+    raise TypeError(
+        f"{where} holds a {type(batch).__name__}, which cannot be moved to {device}: make the collate function "
+        "return tensors in tuples, lists or dicts (or objects with a .to(device) method)"
+    )
+
+
+class SampleSource:
+    """Samples for one worker, by dataset index, in the order of the epoch's steps."""
+
+    def __len__(self) -> int:
+        raise NotImplementedError
+
+    def read(self, epoch: int, indices: np.ndarray) -> Any:
+        """One batch of `indices`, read here (probes, numerics checks, fingerprints)."""
+        raise NotImplementedError
+
+    def batches(self, epoch: int, chunks: Sequence[np.ndarray]) -> Iterator[Any]:
+        """The batches of `chunks` (index arrays) in order, read ahead where the source can."""
+        return (self.read(epoch, c) for c in chunks)
+
+    def fingerprint(self) -> str:
+        """A short hash of a few samples (epoch 0's views): equal datasets, equal fingerprints."""
+        n = len(self)
+        picks = sorted({0, n // 2, n - 1}) if n else []
+        digest = hashlib.sha256()
+        _digest(self.read(0, np.asarray(picks, dtype=np.int64)), digest)
+        return digest.hexdigest()[:12]
+
+    def close(self) -> None:
+        """Stop loader processes."""
+
+
+class TensorSource(SampleSource):
+    """In-memory fields (inputs..., target) from the object store; a batch is a tuple of rows."""
+
+    def __init__(self, arrays: Arrays, supports_float64: bool = True) -> None:
+        fields = as_tensors(arrays)
+        if not supports_float64:  # MPS: float64 fields become float32 here, on the CPU, once
+            fields = tuple(f.float() if f.dtype == torch.float64 else f for f in fields)
+        self.fields = fields
+
+    def __len__(self) -> int:
+        return len(self.fields[0])
+
+    def read(self, epoch: int, indices: np.ndarray) -> tuple[torch.Tensor, ...]:
+        index = torch.from_numpy(np.asarray(indices, dtype=np.int64))
+        return tuple(f[index] for f in self.fields)
+
+    def slice(self, start: int, stop: int) -> tuple[torch.Tensor, ...]:
+        return tuple(f[start:stop] for f in self.fields)
+
+
+class _Seeded(Dataset):
+    """Reads `(epoch, index)` keys: the base dataset's sample with the random streams seeded by the
+    sample; the caller's streams are restored afterwards (dropout in this process stays untouched)."""
+
+    def __init__(self, base: Any, seed: int) -> None:
+        self.base = base
+        self.seed = seed
+
+    def __len__(self) -> int:
+        return len(self.base)
+
+    def __getitem__(self, key: tuple[int, int]) -> Any:
+        epoch, index = key
+        saved = torch.get_rng_state(), np.random.get_state(), random.getstate()
+        try:
+            seed_sample(self.seed, epoch, index)
+            return self.base[index]
+        finally:
+            torch.set_rng_state(saved[0])
+            np.random.set_state(saved[1])
+            random.setstate(saved[2])
+
+
+class _RoundBatches:
+    """The batch sampler of a persistent DataLoader: yields whatever batches the round asks for next."""
+
+    def __init__(self) -> None:
+        self.batches: list[list[tuple[int, int]]] = []
+
+    def __iter__(self) -> Iterator[list[tuple[int, int]]]:
+        return iter(self.batches)
+
+    def __len__(self) -> int:
+        return len(self.batches)
+
+
+class DatasetSource(SampleSource):
+    """A map-style Dataset read lazily through one DataLoader whose loader processes live as long as the
+    worker (the batch sampler is refilled every round)."""
+
+    def __init__(self, loader: Loader, seed: int, pin_memory: bool) -> None:
+        dataset = loader.dataset() if loader.built_on_workers else loader.dataset  # built here: this machine's files
+        if not _is_map_dataset(dataset):
+            raise TypeError(
+                f"the data function returned {type(dataset).__name__}; it must return a map-style Dataset "
+                "(with __len__ and __getitem__)"
+            )
+        if len(dataset) == 0:
+            raise ValueError("the dataset is empty (len 0): give it at least one sample")
+        self.seeded = _Seeded(dataset, seed)
+        self.collate = loader.collate_fn or _default_collate
+        self.sampler = _RoundBatches()
+        num_workers = _default_loader_workers() if loader.num_workers is None else loader.num_workers
+        self.loader = DataLoader(
+            self.seeded,
+            batch_sampler=self.sampler,
+            collate_fn=self._collate,
+            num_workers=num_workers,
+            prefetch_factor=loader.prefetch_factor if num_workers else None,
+            persistent_workers=num_workers > 0,
+            pin_memory=pin_memory if loader.pin_memory is None else loader.pin_memory,
+        )
+
+    def __len__(self) -> int:
+        return len(self.seeded)
+
+    def read(self, epoch: int, indices: np.ndarray) -> Any:
+        return self._collate([self.seeded[(epoch, int(i))] for i in indices])
+
+    def batches(self, epoch: int, chunks: Sequence[np.ndarray]) -> Iterator[Any]:
+        self.sampler.batches = [[(epoch, int(i)) for i in c] for c in chunks]
+        return iter(self.loader)
+
+    def _collate(self, samples: list[Any]) -> Any:
+        try:
+            return self.collate(samples)
+        except Exception as exc:
+            raise ValueError(
+                f"the collate function could not make a batch of {len(samples)} samples ({exc}). Every sample "
+                "must have the same structure (the same tuple length or dict keys, tensors of one shape per "
+                "field); give Loader(collate_fn=...) for samples that need padding"
+            ) from exc
+
+    def close(self) -> None:
+        self.sampler.batches = []
+        self.loader = None  # type: ignore[assignment]  # ends its loader processes
+
+
+def _default_loader_workers() -> int:
+    """Up to 2 loader processes where the node has CPUs to spare beyond the worker's own threads."""
+    spare = (os.cpu_count() or 1) - torch.get_num_threads() - 1
+    return max(0, min(2, spare))
+
+
+def make_source(
+    spec: Arrays | Loader, seed: int, *, supports_float64: bool = True, pin_memory: bool = False
+) -> SampleSource:
+    """The worker's source for what the driver shipped (see `describe`)."""
+    if isinstance(spec, Loader):
+        return DatasetSource(spec, seed, pin_memory)
+    return TensorSource(spec, supports_float64)
+
+
+def known_length(spec: Arrays | Loader) -> int | None:
+    """Samples in the data when the driver knows it without building anything (None: built on workers)."""
+    if isinstance(spec, Loader):
+        return None if spec.built_on_workers else len(spec.dataset)
+    return len(spec[0])
+
+
+def _digest(batch: Any, digest: Any) -> None:
+    """Feed a batch's structure and values into `digest` (tensors by dtype, shape and bytes)."""
+    if isinstance(batch, torch.Tensor):
+        t = batch.detach().cpu().contiguous()
+        digest.update(f"{t.dtype}{tuple(t.shape)}".encode())
+        digest.update(t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+    elif isinstance(batch, Mapping):
+        for k in sorted(batch, key=str):
+            digest.update(str(k).encode())
+            _digest(batch[k], digest)
+    elif isinstance(batch, (tuple, list)):
+        for v in batch:
+            _digest(v, digest)
+    else:
+        digest.update(repr(batch).encode())
