@@ -37,9 +37,10 @@ class Job:
     task_factory: Callable[[], Task]
     """Called on every worker; returns mixtrain.Task(model=..., optimizer=..., loss_fn=...)."""
     train_data: Any
-    """A tuple of tensors/arrays (inputs..., target) or a map-style Dataset."""
+    """A tuple of tensors/arrays (inputs..., target), a map-style Dataset (read lazily on each worker), a
+    mixtrain.data.Loader, or a zero-argument function that builds the Dataset on each worker."""
     eval_data: Any = None
-    """Held-out data in the same form (optional): loss and, for class targets, accuracy after each epoch."""
+    """Held-out data in the same forms (optional): loss, accuracy for class targets, or the Task's metrics."""
     global_batch: int = 64
     """Samples per step over all workers (--global-batch overrides)."""
     epochs: int = 1

@@ -26,7 +26,7 @@ def batch_sums(task: Task, batch: Any, num_samples: int) -> Iterator[tuple[str, 
             yield "correct", float((out.argmax(-1) == target).sum())
             yield "targets", float(target.numel())
     else:
-        yield "loss_sum", float(task.batch_loss(task.model, batch)) * num_samples
+        yield "loss_sum", float(task.batch_loss(task.model, batch).detach()) * num_samples
     yield "samples", float(num_samples)
     if task.metrics is not None:
         for name, pair in task.metrics(task.model, batch).items():

@@ -73,6 +73,9 @@ class Loader:
 
 
 def _is_map_dataset(data: Any) -> bool:
+    """Indexable by position with a length: a Dataset, or a list of samples (not a string, not a dict)."""
+    if isinstance(data, (str, bytes, Mapping)):
+        return False
     return hasattr(data, "__getitem__") and hasattr(data, "__len__")
 
 
@@ -220,6 +223,7 @@ class DatasetSource(SampleSource):
             num_workers=num_workers,
             prefetch_factor=loader.prefetch_factor if num_workers else None,
             persistent_workers=num_workers > 0,
+            generator=torch.Generator().manual_seed(seed),  # its base seeds never draw on this process's streams
             pin_memory=pin_memory if loader.pin_memory is None else loader.pin_memory,
         )
 
