@@ -9,6 +9,7 @@ import pickle
 import shutil
 import tempfile
 from collections.abc import Callable
+from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
@@ -50,6 +51,27 @@ def load_weights(path: str | Path) -> Any:
 
 # ---- training checkpoints: a folder per checkpoint, a manifest with a SHA-256 per file ----------
 MANIFEST = "manifest.json"
+
+
+@dataclass(frozen=True, kw_only=True)
+class CheckpointMeta:
+    """Where a checkpoint continues and who wrote it; stored in its manifest beside the files' hashes."""
+
+    epoch: int
+    step: int
+    """Continue at this step of `epoch` (step 0 of the next epoch after an epoch's end)."""
+    global_step: int
+    shares: list[int]
+    """Each worker's share when it was written (balanced shares continue from them)."""
+    num_workers: int
+    workers: list[dict[str, str]]
+    """host, device_name and precision per worker."""
+
+    @classmethod
+    def from_manifest(cls, manifest: dict[str, Any]) -> CheckpointMeta:
+        return cls(**{f.name: manifest[f.name] for f in fields(cls)})
+
+
 STATE = "state.pt"
 FORMAT = 1
 

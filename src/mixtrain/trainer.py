@@ -11,7 +11,7 @@ from typing import Any
 import ray
 
 from mixtrain._constants import COLLECTIVE_TIMEOUT_S, env_float
-from mixtrain.checkpoint import MANIFEST, CheckpointStore, atomic_save
+from mixtrain.checkpoint import MANIFEST, CheckpointMeta, CheckpointStore, atomic_save
 from mixtrain.cluster import connect
 from mixtrain.config import RunConfig, ScalingConfig, StrategyConfig
 from mixtrain.core.bringup import Bringup, bring_up
@@ -127,9 +127,10 @@ class Trainer:
     def _load_resume(self, resume: str | Path, epochs: int, warnings: list[str]) -> Resumed:
         resumed = load_resume(resume, warnings.append)
         _, manifest, ckpt_path = resumed
-        if (manifest["epoch"], manifest["step"]) >= (epochs, 0):
+        meta = CheckpointMeta.from_manifest(manifest)
+        if (meta.epoch, meta.step) >= (epochs, 0):
             raise ValueError(
-                f"resume={str(resume)!r}: its checkpoint is at epoch {manifest['epoch']}, step {manifest['step']}; "
+                f"resume={str(resume)!r}: its checkpoint is at epoch {meta.epoch}, step {meta.step}; "
                 f"fit(epochs={epochs}) has nothing left to do: ask for more epochs"
             )
         if self.run.run_dir is None and self.run.name is None:
@@ -211,10 +212,11 @@ class Trainer:
             timeout_s=env_float(COLLECTIVE_TIMEOUT_S),
         )
         shares = up.plan.shares
-        if same and group.scaling.balanced and sum(manifest["shares"]) == self.global_batch:
-            shares = list(manifest["shares"])
+        meta = CheckpointMeta.from_manifest(manifest)
+        if same and group.scaling.balanced and sum(meta.shares) == self.global_batch:
+            shares = list(meta.shares)
         up.ops.reform()
-        start = (manifest["epoch"], manifest["step"])
+        start = (meta.epoch, meta.step)
         view.log(f"resumed from {path} at epoch {start[0]}, step {start[1]}")
         view.start_at(min(up.num_samples, start[1] * self.global_batch) + start[0] * up.num_samples)
         return start, shares

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -20,7 +20,7 @@ from mixtrain._constants import (
     ROUND_TIMEOUT_S,
     env_float,
 )
-from mixtrain.checkpoint import CheckpointStore
+from mixtrain.checkpoint import CheckpointMeta, CheckpointStore
 from mixtrain.config import Slowdown
 from mixtrain.core import evaluation
 from mixtrain.core.group_ops import GroupOps
@@ -349,19 +349,19 @@ class Controller:
             return state
 
         state = self._tolerant("checkpoint", collect, epoch, step)
-        meta = {
-            "epoch": epoch,
-            "step": step,
-            "global_step": epoch * self.num_steps + step,
-            "shares": self.roster.shares,
-            "num_workers": self.group.num_workers,
-            "workers": [
+        meta = CheckpointMeta(
+            epoch=epoch,
+            step=step,
+            global_step=epoch * self.num_steps + step,
+            shares=list(self.roster.shares),
+            num_workers=self.group.num_workers,
+            workers=[
                 {"host": w.host, "device_name": w.device_name, "precision": w.precision} for w in self.roster.workers
             ],
-        }
-        self.last_checkpoint = self.checkpoints.save(state, meta)
+        )
+        self.last_checkpoint = self.checkpoints.save(state, asdict(meta))
         self._checkpointed_at = time.monotonic()
-        self.log.write("checkpoint", {"path": str(self.last_checkpoint), **meta})
+        self.log.write("checkpoint", {"path": str(self.last_checkpoint), **asdict(meta)})
 
     def _resume_hint(self) -> str:
         if self.last_checkpoint is None:
