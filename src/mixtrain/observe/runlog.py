@@ -102,6 +102,8 @@ class RunLog:
             return
         add("train/loss", r["loss"], step)
         add("train/samples_per_s", r["samples_per_s"], step)
+        if r.get("grad_norm") is not None:  # the task clips: the mean norm before clipping
+            add("train/grad_norm", r["grad_norm"], step)
         for rank, (w, share) in enumerate(zip(r["workers"], r["shares"])):
             name = re.sub(r"[^\w.\-]+", "_", worker_name(w, rank)).strip("_")  # TensorBoard's tag alphabet
             add(f"samples_per_s/{name}", device_samples_per_s(r, w), step)
