@@ -152,7 +152,8 @@ def overhead(work: Path, devices: str = "cuda", epochs: int = OVERHEAD_EPOCHS) -
     from mixtrain import DeviceGroup, RunConfig, ScalingConfig, Trainer
 
     job = importlib.import_module("mixtrain.examples.chars").example()
-    x, y = job.train_data
+    windows = job.train_data()  # the example builds its TokenWindows on each worker; here, once, as tensors
+    x, y = torch.utils.data.default_collate([windows[i] for i in range(len(windows))])
     batch = job.global_batch
     dev = torch.device("cuda", 0) if devices == "cuda" else torch.device("cpu")
     sync = torch.cuda.synchronize if devices == "cuda" else (lambda: None)
@@ -176,7 +177,7 @@ def overhead(work: Path, devices: str = "cuda", epochs: int = OVERHEAD_EPOCHS) -
             idx = perm[s * batch : (s + 1) * batch]
             xb, yb = x[idx].to(dev), y[idx].to(dev)
             task.optimizer.zero_grad(set_to_none=True)
-            task.loss_fn(model(xb), yb).backward()
+            task.batch_loss(model, (xb, yb)).backward()
             task.optimizer.step()
             timed_samples += len(idx) if epoch else 0
     sync()
@@ -187,7 +188,7 @@ def overhead(work: Path, devices: str = "cuda", epochs: int = OVERHEAD_EPOCHS) -
 
     trainer = Trainer(
         job.task_factory,
-        job.train_data,
+        (x, y),  # the same tensors as the plain loop: the zero-copy path, framework overhead alone
         global_batch=batch,
         scaling=ScalingConfig(groups=[DeviceGroup(device=devices, num_workers=1)]),
         run=RunConfig(run_dir=str(work / "overhead"), seed=0, progress=False, tensorboard=False),

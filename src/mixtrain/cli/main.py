@@ -384,7 +384,7 @@ def cmd_train(args: argparse.Namespace, raw: list[str]) -> int:
         _save_flags(raw, run_dir)
     result = trainer.fit(epochs=args.epochs or job.epochs, resume=args.resume)
     metrics = result.metrics
-    summary = ", ".join(f"{k} {v:.4f}" for k, v in metrics.items() if k in ("loss", "accuracy"))
+    summary = ", ".join(f"{k} {v:.4f}" for k, v in metrics.items() if k not in ("samples", "epoch"))
     print(f"held-out {summary}")
     print(f"run folder: {result.run_dir}")
     return 0
