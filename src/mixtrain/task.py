@@ -36,7 +36,8 @@ class Task:
     """metrics(model, batch) -> {name: (sum, count)} for one held-out batch; mixtrain sums both over all
     workers and reports sum / count per name. Without it: held-out loss, and accuracy for class targets."""
     max_grad_norm: float | None = None
-    """Clip the global L2 norm of the whole step's reduced gradient to this (the same on every replica)."""
+    """Clip the global L2 norm of the whole step's reduced gradient to this (the same on every replica and
+    parameter-server shard; under local-sgd, each worker's own mean gradient)."""
     scheduler: torch.optim.lr_scheduler.LRScheduler | None = None
     """Optional LR scheduler, stepped after every applied optimizer step."""
 

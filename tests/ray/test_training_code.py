@@ -11,7 +11,7 @@ import torch
 from torch import nn
 from torch.utils.data import default_collate
 
-from mixtrain import RunConfig, ScalingConfig, Task, Trainer, WorkerError
+from mixtrain import RunConfig, ScalingConfig, StrategyConfig, Task, Trainer, WorkerError
 from mixtrain.core.preflight import PreflightError
 from mixtrain.data import Loader, seed_sample
 from mixtrain.data.sampling import epoch_permutation, steps_per_epoch
@@ -151,18 +151,25 @@ def test_a_compute_loss_that_returns_no_scalar_fails_fast_naming_the_field(tmp_p
         run(_scalar_free_task, DictSamples(x, y), tmp_path, [32, 32])
 
 
-def test_clipping_under_a_parameter_server_is_refused_with_the_fix(tmp_path):
-    x, y = data("mlp", 128)
+@pytest.mark.parametrize("strategy,opt", [("ps", "adamw"), ("ps-async", "sgd")])
+def test_parameter_servers_clip_by_the_global_norm_across_shards_exactly(strategy, opt, tmp_path):
+    """Two shards each hold half the parameters; clipping needs the norm over both (ps-async with its
+    default staleness 0 bound is the synchronous schedule)."""
+    x, y = data("mlp", N)
+    max_norm = 0.05
     trainer = Trainer(
-        functools.partial(clipped_task, "sgd", 1.0),
+        functools.partial(clipped_task, opt, max_norm),
         (x, y),
         global_batch=B,
-        scaling=ScalingConfig(num_workers=2),
-        run=RunConfig(run_dir=str(tmp_path), seed=SEED, progress=False),
-        strategy="ps",
+        scaling=ScalingConfig(num_workers=3, shares=[30, 20, 14]),
+        run=RunConfig(run_dir=str(tmp_path), seed=SEED, steps_per_round=5, progress=False),
+        strategy=StrategyConfig(name=strategy, ps_shards=2, staleness=0),
     )
-    with pytest.raises(ValueError, match=r"Task.max_grad_norm=1.0 with strategy='ps'.*use strategy='allreduce'"):
-        trainer.fit(epochs=1)
+    result = trainer.fit(epochs=1)
+    torch.manual_seed(SEED)
+    want = reference(clipped_task(opt, max_norm), lambda e, idx: (x[idx], y[idx]), N)
+    assert_same_weights(result.state_dict, want)
+    assert all(r["grad_norm"] is not None and r["grad_norm"] > max_norm for r in result.history)
 
 
 def test_a_hugging_face_gpt2_trains_on_dict_batches_and_its_held_out_loss_falls(tmp_path):

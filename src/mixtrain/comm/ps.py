@@ -48,6 +48,7 @@ class ParameterServerStrategy(SyncStrategy):
         self.rank = ctx.rank
         self.staleness = self.config.staleness if self.config.name == "ps-async" else 0
         self.loss_scale = LossScale(enabled=ctx.loss_scaling)
+        self.grad_norm: float | None = None
         params = trainable(task.model)
         self.slices = [[params[i] for i in ix] for ix in partition([p.numel() for p in params], len(self.servers))]
         index_of = optimizer_index(task.optimizer)
@@ -104,8 +105,15 @@ class ParameterServerStrategy(SyncStrategy):
             refs.append(server.push.remote(step, self.rank, wire, scale, finite, stats))
         self.pending.append((step, refs))
         self.next_step += 1
+        self.grad_norm = None
         done = self._collect(task, must_have=self.next_step - self.staleness)
-        return StepOutcome(done=done, comm_s=time.perf_counter() - t0, sent_bytes=sent, staleness=staleness)
+        return StepOutcome(
+            done=done,
+            comm_s=time.perf_counter() - t0,
+            sent_bytes=sent,
+            staleness=staleness,
+            grad_norm=self.grad_norm,
+        )
 
     def _collect(self, task: Task, must_have: int) -> list[StepResult]:
         """Take in answered pushes, oldest first: wait for those needed to hold weights of at least
@@ -126,8 +134,9 @@ class ParameterServerStrategy(SyncStrategy):
             if applied and task.scheduler is not None:
                 task.scheduler.step()  # the local copy follows the shards' (for checkpoints)
             done.append(StepResult(applied, torch.from_numpy(np.asarray(answers[0][1]).copy())))
+            self.grad_norm = answers[0][4]  # the global norm before clipping (None: the task does not clip)
         if latest is not None:
-            for group, (_, _, _, weights) in zip(self.slices, latest):
+            for group, (_, _, _, weights, _) in zip(self.slices, latest):
                 replicas.unflatten_into(decode(weights, "none"), group)
         return done
 

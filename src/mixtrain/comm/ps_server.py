@@ -9,6 +9,10 @@ all-reduce's math: the synchronous parameter server trains exactly like one devi
 
 Bounded staleness is the workers' side: a worker does not wait for its own push's answer until
 it would be more than S updates ahead of the newest weights it holds (`ps.py`).
+
+Clipping (`Task.max_grad_norm`) needs the norm of the whole gradient, which no shard holds alone: once a
+shard has summed a step, it publishes its slice's squared norm and asks every other shard for theirs
+(`norm_part`), so all shards clip by the same global coefficient, as one device would.
 """
 
 from __future__ import annotations
@@ -103,6 +107,12 @@ class ParameterServer:
         self.world_size = 0
         self.version = 0
         self.steps: dict[int, _Step] = {}
+        self.index = index
+        self.peers: list[Any] = []
+        """Every shard's actor handle, in shard order (set once all are started; clipping asks them)."""
+        self._norm_parts: dict[int, float] = {}  # step -> this shard's squared gradient norm, once summed
+        self._norm_ready: dict[int, asyncio.Event] = {}
+        self._applying = asyncio.Lock()  # pushes arrive concurrently; updates are applied one at a time
 
     async def load(
         self, world_size: int, weights: np.ndarray, opt_state: dict, param_groups: list, scheduler: Any
@@ -113,6 +123,7 @@ class ParameterServer:
             step.done.set()
         self.steps = {}
         self.world_size, self.version = world_size, 0
+        self._norm_parts, self._norm_ready = {}, {}
         replicas.unflatten_into(decode(weights, "none"), self.params)
         sd = self.task.optimizer.state_dict()
         sd["state"] = state_from_numpy(opt_state)
@@ -134,22 +145,26 @@ class ParameterServer:
             raise RuntimeError(f"push for update {step} after update {self.version - 1} was applied (a stale group)")
         entry = self.steps.setdefault(step, _Step())
         entry.grads[rank] = (decode(grad, self.compress), scale, finite, stats)
-        self._apply_ready()
+        async with self._applying:
+            await self._apply_ready()
         await entry.done.wait()
         assert entry.result is not None
         if entry.result[0] == "void":
             raise RuntimeError("the group was re-formed while this push waited")
         return entry.result
 
-    def _apply_ready(self) -> None:
+    async def _apply_ready(self) -> None:
         while (entry := self.steps.get(self.version)) is not None and len(entry.grads) == self.world_size:
             contributions = [entry.grads[r] for r in sorted(entry.grads)]
             applied = all(finite for _, _, finite, _ in contributions)
             stats = np.sum([s for *_, s in contributions], axis=0)
+            norm = None
             if applied:
                 total = torch.zeros(self.numel)
                 for grad, scale, _, _ in contributions:  # each rank's own loss scale comes off its own gradient
                     total.add_(grad, alpha=1.0 / scale)
+                if self.task.max_grad_norm is not None:
+                    norm = await self._clip(self.version, total, self.task.max_grad_norm)
                 offset = 0
                 for p in self.params:
                     p.grad = total[offset : offset + p.numel()].view_as(p)
@@ -158,9 +173,35 @@ class ParameterServer:
                 if self.task.scheduler is not None:
                     self.task.scheduler.step()
             self.version += 1
-            entry.result = (applied, stats, self.version, self._weights())
+            entry.result = (applied, stats, self.version, self._weights(), norm)
             entry.done.set()
             del self.steps[self.version - 1]
+
+    async def _clip(self, step: int, total: torch.Tensor, max_norm: float) -> float:
+        """Scale this shard's summed gradient as clip_grad_norm_ would scale the whole model's: by
+        max_norm / (global norm + 1e-6), at most 1. Returns the global norm before clipping."""
+        self._norm_parts[step] = float(total.double().pow(2).sum())
+        self._ready(step).set()
+        parts = [
+            self._norm_parts[step] if i == self.index else await peer.norm_part.remote(step)
+            for i, peer in enumerate(self.peers or [None])
+        ]
+        norm = math.sqrt(sum(parts))  # in shard order: the same float on every shard
+        total.mul_(min(1.0, max_norm / (norm + 1e-6)))
+        for old in [s for s in self._norm_parts if s < step - 1000]:  # peers ask for recent steps only
+            del self._norm_parts[old], self._norm_ready[old]
+        return norm
+
+    def _ready(self, step: int) -> asyncio.Event:
+        return self._norm_ready.setdefault(step, asyncio.Event())
+
+    async def norm_part(self, step: int) -> float:
+        """This shard's squared gradient norm of update `step`, once it has summed that update."""
+        await self._ready(step).wait()
+        return self._norm_parts[step]
+
+    async def set_peers(self, peers: list[Any]) -> None:
+        self.peers = list(peers)
 
     async def optimizer_state(self) -> dict[int, dict[str, Any]]:
         """This shard's optimizer state (by the optimizer's parameter numbers), as numpy."""
@@ -187,4 +228,5 @@ def start(factory: Callable[[], Task], shards: int, seed: int, compress: str, no
     where = NodeAffinitySchedulingStrategy(node, soft=False)
     actors = [cls.options(scheduling_strategy=where).remote(factory, i, shards, seed, compress) for i in range(shards)]
     ray.get([a.ready.remote() for a in actors])
+    ray.get([a.set_peers.remote(actors) for a in actors])
     return actors

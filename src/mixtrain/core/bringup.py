@@ -97,7 +97,6 @@ def bring_up(
     found.infos = group.call("info", timeout_s=wait_s)
     data_refs = (ray.put(train), ray.put(evaluation) if evaluation is not None else None)  # once; read zero-copy
     data = preflight.check_data(group.call("load_data", *data_refs, timeout_s=wait_s), found.infos)
-    _check_strategy_fits(strategy, found.reports)
     checks["numerics"] = _check_numerics(group, found, left_out, notes)
     slowdown = _slowdown_now(group)
     found.probes = _probe(group, global_batch, slowdown)
@@ -144,16 +143,6 @@ def bring_up(
         num_samples=data.num_train,
         num_eval=data.num_eval,
     )
-
-
-def _check_strategy_fits(strategy: StrategyConfig, reports: list[BuildReport]) -> None:
-    clipped = [r.max_grad_norm for r in reports if r.max_grad_norm is not None]
-    if clipped and strategy.name.startswith("ps"):
-        raise ValueError(
-            f"Task.max_grad_norm={clipped[0]} with strategy={strategy.name!r}: the parameter servers step each "
-            "shard on its own, so the global norm is not clipped there yet; use strategy='allreduce' (exact) or "
-            "'local-sgd' (clips each worker's own gradient), or set max_grad_norm=None"
-        )
 
 
 def _check_numerics(group: WorkerGroup, found: _Found, left_out: list[LeftOut], notes: list[str]) -> list[Any]:
