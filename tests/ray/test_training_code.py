@@ -82,11 +82,11 @@ def test_dict_batches_with_compute_loss_and_metrics_match_single_process(tmp_pat
         assert ev["hits"] == pytest.approx(float((model(xe).argmax(-1) == ye).double().mean()), abs=1e-12)
 
 
-@pytest.mark.parametrize("opt", ["adamw", "sgd"])
-def test_clipping_the_reduced_gradient_matches_single_process(opt, tmp_path):
+@pytest.mark.parametrize("opt,caps", [("adamw", None), ("sgd", None), ("adamw", [8, 5, 3])])
+def test_clipping_the_reduced_gradient_matches_single_process(opt, caps, tmp_path):
     x, y = data("mlp", N)
     max_norm = 0.05  # far under the gradients' norm: most steps clip
-    result = run(functools.partial(clipped_task, opt, max_norm), (x, y), tmp_path, [30, 20, 14])
+    result = run(functools.partial(clipped_task, opt, max_norm), (x, y), tmp_path, [30, 20, 14], max_micro_batch=caps)
     torch.manual_seed(SEED)
     want = reference(clipped_task(opt, max_norm), lambda e, idx: (x[idx], y[idx]), N)
     assert_same_weights(result.state_dict, want)
