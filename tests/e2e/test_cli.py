@@ -40,7 +40,8 @@ def test_digits_main_job_end_to_end(tmp_path):
     assert sum(r["samples"] for r in rounds) == 10 * config["num_samples"]
     workers = len(config["shares"])  # 1 when the planner measured one worker alone to be faster (it says why)
     assert all(len(r["workers"]) == workers for r in rounds)
-    assert workers == 2 or "left out worker 1" in proc.stderr
+    # either worker may be the one measured slower (both are CPUs on a loaded machine); the note names it
+    assert workers == 2 or re.search(r"left out worker [01] \(", proc.stderr)
     state = torch.load(run_dir / "model.pt", weights_only=True)
     assert "head.3.weight" in state
     assert len(list((run_dir / "logs").glob("worker-*.log"))) == 2  # worker output: in the run folder only

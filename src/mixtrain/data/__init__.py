@@ -1,7 +1,7 @@
 """Data for training: datasets and loader options a user passes in, and the rule that seeds augmentation.
 
 Public: `Loader` (a Dataset with its DataLoader options), `TokenWindows` (next-token windows over a
-memory-mapped token file) and `seed_sample` (the per-sample seeding rule, for a single-process reference).
+token file, read one window at a time) and `seed_sample` (the per-sample seeding rule, for a single-process reference).
 """
 
 from mixtrain.data.sources import Loader, seed_sample

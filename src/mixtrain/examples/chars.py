@@ -3,7 +3,7 @@ ships with every CPython: about 465,000 characters of English prose and code). I
 the next character; the held-out metric is next-character accuracy on the last 10% of the text.
 
 The data is built on every worker from that machine's own Python: each writes the text once as a uint16
-token file and reads windows of it through `mixtrain.data.TokenWindows` (a memory map), so nothing is
+token file and reads windows of it through `mixtrain.data.TokenWindows` (one read per window), so nothing is
 shipped and a worker holds only the windows it reads. The preflight compares the workers' files.
 
 Command lines:
