@@ -156,15 +156,18 @@ def test_a_worker_reading_a_2gb_token_file_stays_far_below_its_size(tmp_path):
         f.truncate(2 * 2**30)
     script = textwrap.dedent(
         f"""
-        import resource, numpy as np
+        import numpy as np
         from mixtrain.data import Loader, TokenWindows
         from mixtrain.data.sources import DatasetSource
+        def peak_mb():  # VmHWM: this process's own high-water mark (ru_maxrss would count the forking parent's)
+            line = next(x for x in open("/proc/self/status") if x.startswith("VmHWM:"))
+            return int(line.split()[1]) // 1024
         source = DatasetSource(Loader(dataset=TokenWindows({str(path)!r}, 256), num_workers=0), 0, False)
-        before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss // 1024
+        before = peak_mb()
         picks = np.linspace(0, len(source) - 1, 2000).astype(np.int64)
         total = sum(int(b[0].shape[0]) for b in source.batches(0, np.array_split(picks, 40)))
         assert total == 2000, total
-        print(before, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss // 1024)
+        print(before, peak_mb())
         """
     )
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=REPO, check=True)
