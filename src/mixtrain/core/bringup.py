@@ -26,7 +26,7 @@ from mixtrain.core.worker_group import WorkerGroup
 from mixtrain.data.sampling import Arrays
 from mixtrain.data.sources import Loader
 from mixtrain.policies.advice import suggest
-from mixtrain.policies.decisions import LeaveOut, first_plan
+from mixtrain.policies.decisions import Decision, LeaveOut, first_plan
 from mixtrain.policies.planner import Plan, largest_remainder, resolve_shares
 from mixtrain.task import Task
 
@@ -181,7 +181,7 @@ def _start_parameter_servers(
     return f"parameter servers: {shards} shard(s) for {trainable_bytes / 2**20:,.1f} MB of parameters"
 
 
-def _first_plan(group: WorkerGroup, global_batch: int, found: _Found, comm_s: float) -> tuple[Plan, Any]:
+def _first_plan(group: WorkerGroup, global_batch: int, found: _Found, comm_s: float) -> tuple[Plan, Decision]:
     scaling = group.scaling
     return first_plan(
         speeds=[p.samples_per_s for p in found.probes],

@@ -165,8 +165,6 @@ class TrainWorker:
         tolerance = tolerance or NUMERICS_TOLERANCE[self.precision]
         if self.kind.kind == "cpu" and self.precision == "fp32":
             return NumericsResult(rank=self.rank, error=0.0, tolerance=tolerance)  # the reference itself
-        import copy
-
         batch = self.data.train.read(0, np.arange(min(count, len(self.data.train))))
         model = self.task.model
         reference = copy.deepcopy(model).to("cpu")
