@@ -65,12 +65,32 @@ def data(model: str, num_samples: int, seed: int = 1) -> tuple[torch.Tensor, tor
     return x, y
 
 
-def faulty_task(model: str, opt: str, fault: str, rank: int, at_call: int, marker: str, sleep_s: float = 0.0) -> Task:
+def _wait_for(path: str, timeout_s: float = 120.0) -> None:
+    import os
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    while not os.path.exists(path) and time.monotonic() < deadline:
+        time.sleep(0.05)
+
+
+def faulty_task(
+    model: str,
+    opt: str,
+    fault: str,
+    rank: int,
+    at_call: int,
+    marker: str,
+    sleep_s: float = 0.0,
+    replacement_for: int = 0,
+) -> Task:
     """make_task(model, opt) whose loss injects a REAL fault on worker `rank` at its `at_call`-th training
     loss (counted once the collective group exists, so the start-up probe does not count):
     "kill" SIGKILLs its own process, "stop" SIGSTOPs it (a laptop asleep), once per `marker` file;
     "nan" makes its loss NaN from then on; rank -1 injects nothing. `sleep_s`: every training loss on
-    every worker sleeps that long (a slower job, so a replacement worker has time to start)."""
+    every worker sleeps that long. `replacement_for` (the full group's size): in a group smaller than that,
+    training losses wait until a replacement process has built its replica (it marks `marker`.replacement),
+    so the replacement joins at the next round boundary however long its start takes."""
     import os
     import signal
     import time
@@ -79,12 +99,19 @@ def faulty_task(model: str, opt: str, fault: str, rank: int, at_call: int, marke
 
     task = make_task(model, opt)
     calls = [0]
+    replacement = marker + ".replacement"
+    if replacement_for and os.path.exists(marker):  # built after the fault: this is the replacement
+        open(replacement, "w").close()
 
     def loss_fn(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         loss = nn.functional.cross_entropy(out, target)
-        if sleep_s and dist.is_initialized():
+        if not dist.is_initialized():
+            return loss
+        if sleep_s:
             time.sleep(sleep_s)
-        if not dist.is_initialized() or dist.get_rank() != rank:
+        if dist.get_world_size() < replacement_for:
+            _wait_for(replacement)
+        if dist.get_rank() != rank:
             return loss
         calls[0] += 1
         if calls[0] >= at_call:

@@ -88,18 +88,6 @@ def _sha256(path: Path) -> str:
     return digest.hexdigest()
 
 
-def to_cpu(obj: Any) -> Any:
-    """Every tensor in a nest of dicts/lists/tuples moved to the CPU (a checkpoint written beside a
-    CUDA worker loads on a Mac or a CPU)."""
-    if isinstance(obj, torch.Tensor):
-        return obj.detach().to("cpu")
-    if isinstance(obj, dict):
-        return {k: to_cpu(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(to_cpu(v) for v in obj)
-    return obj
-
-
 class CheckpointStore:
     """`run_dir/checkpoints/step-000000123/{state.pt, manifest.json}`, the newest `keep` of them.
 

@@ -148,6 +148,11 @@ class ScalingConfig:
     emulate_slowdown: Mapping[int, float | tuple[float, int]] | None = None
     """EMULATION for tests and benchmarks: rank -> factor (or (factor, from_round)), that worker computes
     `factor` times slower. Also read from MIXTRAIN_EMULATE_SLOWDOWN=RANK:FACTOR[@ROUND][,...]. Off by default."""
+    shard_optimizer: bool | Sequence[float] = False
+    """Optimizer state sharded by memory (ZeRO-1 across unequal devices): each worker keeps the optimizer
+    state (AdamW: twice the weights) of a slice of the parameters sized by its free memory, steps only
+    that slice and sends it to the others. Same math as unsharded. True sizes slices by each device's free
+    memory; a list gives relative sizes per worker. Needs strategy "allreduce"."""
     placement_strategy: str = "PACK"
     """Ray placement group strategy for the workers' bundles."""
     address: str | None = None
@@ -212,6 +217,14 @@ class ScalingConfig:
 
     def _check_per_worker(self) -> None:
         """max_micro_batch and the emulated slowdown: one entry per worker, in range."""
+        shard = self.shard_optimizer
+        if not isinstance(shard, bool) and (
+            len(list(shard)) != self.num_workers or any(not w >= 0 for w in shard) or not sum(shard) > 0
+        ):
+            raise ValueError(
+                f"ScalingConfig.shard_optimizer={shard!r}: use True (slices sized by free memory), False, or one "
+                f"relative size >= 0 per worker ({self.num_workers}) with a positive sum"
+            )
         if self.max_micro_batch is not None and (
             len(self.max_micro_batch) != self.num_workers or any(c is not None and c < 1 for c in self.max_micro_batch)
         ):

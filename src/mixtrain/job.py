@@ -25,6 +25,7 @@ if TYPE_CHECKING:
 BUILTIN = {
     "digits": "mixtrain.examples.digits:example",
     "chars": "mixtrain.examples.chars:example",
+    "chars-large": "mixtrain.examples.chars_large:example",
     "mnist": "mixtrain.examples.mnist:example",
 }
 """Built-in examples by name: each a job function like a user's."""

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.utils.checkpoint
 
 Batch = Any
 """Whatever the collate function makes: a tuple (inputs..., target) for tensor data, or dicts (Hugging Face
@@ -40,6 +42,10 @@ class Task:
     parameter-server shard; under local-sgd, each worker's own mean gradient)."""
     scheduler: torch.optim.lr_scheduler.LRScheduler | None = None
     """Optional LR scheduler, stepped after every applied optimizer step."""
+    activation_checkpointing: tuple[type[torch.nn.Module], ...] = ()
+    """Module types whose activations are recomputed in backward instead of kept (torch.utils.checkpoint),
+    e.g. (nn.TransformerEncoderLayer,): less memory for some more compute, the same gradients (dropout
+    masks are replayed). Applied to the model when the Task is made; only in training with gradients."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, torch.nn.Module):
@@ -59,6 +65,8 @@ class Task:
             raise ValueError(
                 f"Task.max_grad_norm={self.max_grad_norm!r}: must be a number > 0, or None for no clipping"
             )
+        if self.activation_checkpointing:
+            recompute_activations(self.model, tuple(self.activation_checkpointing))
 
     def batch_loss(self, model: torch.nn.Module, batch: Batch) -> torch.Tensor:
         """The mean loss of `batch` under `model` (a replica, or a copy of it for the numerics check)."""
@@ -74,6 +82,43 @@ class Task:
                 "tensor (e.g. `return out.loss`, or `loss.mean()` for per-sample losses)"
             )
         return loss.reshape(())
+
+
+_RECOMPUTED: dict[type, type] = {}
+
+
+def _recomputed_class(cls: type[torch.nn.Module]) -> type[torch.nn.Module]:
+    """A subclass of `cls` whose forward runs under torch.utils.checkpoint while training with gradients. A
+    class, not a wrapper module: parameter names (checkpoints, state_dict keys) and isinstance stay the same,
+    and a deep copy of the model stays independent."""
+    if cls not in _RECOMPUTED:
+
+        def forward(self: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
+            inner = functools.partial(cls.forward, self)  # the original class's forward
+            if self.training and torch.is_grad_enabled():
+                return torch.utils.checkpoint.checkpoint(inner, *args, use_reentrant=False, **kwargs)
+            return inner(*args, **kwargs)
+
+        _RECOMPUTED[cls] = type(f"Recomputed{cls.__name__}", (cls,), {"forward": forward, "__module__": cls.__module__})
+    return _RECOMPUTED[cls]
+
+
+def recompute_activations(model: torch.nn.Module, types: tuple[type[torch.nn.Module], ...]) -> None:
+    """Every submodule of `types` recomputes its activations in backward (Task.activation_checkpointing)."""
+    bad = [t for t in types if not (isinstance(t, type) and issubclass(t, torch.nn.Module))]
+    if bad:
+        raise TypeError(
+            f"Task.activation_checkpointing={types!r}: give module classes, e.g. (nn.TransformerEncoderLayer,)"
+        )
+    found = [m for m in model.modules() if isinstance(m, types) and type(m) not in _RECOMPUTED.values()]
+    if not found and not any(type(m) in _RECOMPUTED.values() for m in model.modules()):
+        kinds = sorted({type(m).__name__ for m in model.modules()})
+        raise ValueError(
+            f"Task.activation_checkpointing={[t.__name__ for t in types]}: the model has no such module; "
+            f"its module types are {', '.join(kinds)}"
+        )
+    for module in found:
+        module.__class__ = _recomputed_class(type(module))
 
 
 def build_task(factory: Callable[[], Task]) -> Task:

@@ -13,12 +13,13 @@ import ray
 from mixtrain._constants import COLLECTIVE_TIMEOUT_S, env_float
 from mixtrain.checkpoint import MANIFEST, CheckpointMeta, CheckpointStore, atomic_save
 from mixtrain.cluster import connect
+from mixtrain.comm.state_transfer import pack, unpack
 from mixtrain.config import RunConfig, ScalingConfig, StrategyConfig
 from mixtrain.core.bringup import Bringup, bring_up
 from mixtrain.core.controller import Controller, Roster, RunSettings
 from mixtrain.core.worker_group import WorkerGroup
 from mixtrain.data.sources import describe
-from mixtrain.observe.progress import ProgressView, plan_table
+from mixtrain.observe.progress import ProgressView, plan_table, probe_memory_line
 from mixtrain.observe.runlog import RunLog, check_tensorboard, make_run_dir
 from mixtrain.policies.planner import plan_record, resolve_shares
 from mixtrain.result import Result
@@ -59,6 +60,12 @@ class Trainer:
         if not isinstance(strategy, StrategyConfig):
             raise TypeError(f"strategy={strategy!r}: give a name or a mixtrain.StrategyConfig")
         scaling = scaling or ScalingConfig()
+        if scaling.shard_optimizer is not False and strategy.name != "allreduce":
+            raise ValueError(
+                f"ScalingConfig.shard_optimizer with strategy={strategy.name!r}: a sharded optimizer needs "
+                "strategy='allreduce' (parameter servers already keep the optimizer off the workers; local SGD "
+                "steps a whole optimizer on each worker)"
+            )
         run = run or RunConfig()
         check_tensorboard(run.tensorboard)
         if not scaling.is_auto:  # check now; with groups="auto" the worker count comes from the cluster
@@ -106,7 +113,7 @@ class Trainer:
             )
             to_first_step = time.perf_counter() - t_start
             controller.run(epochs, start)
-            state = group.call("state_dict", timeout_s=env_float(COLLECTIVE_TIMEOUT_S), ranks=[0])[0]
+            state = unpack(group.call("state_dict", timeout_s=env_float(COLLECTIVE_TIMEOUT_S), ranks=[0])[0], copy=True)
         finally:
             view.close()
             group.shutdown()
@@ -161,6 +168,7 @@ class Trainer:
             f"{up.num_samples} samples x {epochs} epochs, {up.backend}; run folder {run_dir}"
         )
         view.log(plan_table(up.plan, up.workers, "plan", up.left_out))
+        view.log(probe_memory_line(up.workers, up.probes))
         view.log(f"strategy: {self.strategy.describe()}; measured: {up.advice}")
         for note in [*up.notes, *warnings]:
             view.log(note)
@@ -205,7 +213,7 @@ class Trainer:
         rng = state.pop("rng", None)
         n = group.num_workers
         same = rng is not None and len(rng) == n
-        ref = ray.put(state)  # once, not once per worker
+        ref = ray.put(pack(state))  # once, not once per worker; each worker reads it in place
         group.call_each(
             "load_training_state",
             [(ref, rng[i] if same else None) for i in range(n)],

@@ -163,7 +163,7 @@ def test_bad_flags_name_the_flag_and_the_fix(tmp_path):
     assert proc.returncode == 2 and "--precision" in proc.stderr and "'fp32', 'auto', 'bf16', 'fp16'" in proc.stderr
     proc = run_cli("train", "--example", "imagenet")
     assert proc.returncode == 2
-    assert "--example 'imagenet': choose a built-in example (digits, chars, mnist)" in proc.stderr
+    assert "--example 'imagenet': choose a built-in example (digits, chars, chars-large, mnist)" in proc.stderr
     proc = run_cli("train", "imagenet")
     assert proc.returncode == 2 and "TASK 'imagenet': choose a built-in example" in proc.stderr
     (tmp_path / "bad.toml").write_text('strategy = "gossip"\n')

@@ -25,7 +25,9 @@ def test_builtin_examples_load_offline_with_held_out_data():
 
 
 def test_unknown_example_and_bad_targets_say_what_to_write():
-    with pytest.raises(ValueError, match=r"--example 'imagenet': choose a built-in example \(digits, chars, mnist\)"):
+    with pytest.raises(
+        ValueError, match=r"--example 'imagenet': choose a built-in example \(digits, chars, chars-large, mnist\)"
+    ):
         load_job("imagenet", flag="--example")
     with pytest.raises(ValueError, match="cannot import 'no_such_module_xyz'"):
         load_job("no_such_module_xyz:make")

@@ -1,7 +1,7 @@
 """`mixtrain` subcommands.
 
 Command lines:
-    mixtrain train digits --workers 2                      # a built-in example: digits, chars, mnist
+    mixtrain train digits --workers 2                      # a built-in example: digits, chars, chars-large, mnist
     mixtrain train chars --workers 2 --epochs 3            # a character-level transformer
     mixtrain train mnist --data-dir ~/data/mnist           # MNIST IDX files you have
     mixtrain train mypkg.jobs:make_job --lr 1e-3           # your own job function (returns mixtrain.Job)
@@ -81,7 +81,7 @@ def build_parser() -> argparse.ArgumentParser:
     train = sub.add_parser(
         "train",
         help="train a built-in example, your own job function, or a TOML config",
-        description="Train a job on every worker: a built-in example (digits, chars, mnist), your own "
+        description="Train a job on every worker: a built-in example (digits, chars, chars-large, mnist), your own "
         "package.module:function that returns mixtrain.Job, or a TOML file whose keys are these flags' long "
         "names (flags given here override it).",
     )
@@ -145,7 +145,7 @@ def _job_flags(p: argparse.ArgumentParser) -> None:
         "task",
         nargs="?",
         metavar="TASK",
-        help="a built-in example (digits, the default; chars; mnist), package.module:function returning "
+        help="a built-in example (digits, the default; chars; chars-large; mnist), package.module:function returning "
         "mixtrain.Job, or a .toml config file",
     )
     p.add_argument("--example", help="the same as TASK (a built-in example's name)")
@@ -172,6 +172,12 @@ def _job_flags(p: argparse.ArgumentParser) -> None:
         type=_micro_batches,
         help="largest micro-batch per worker (one number for all, or one per worker, e.g. 64,16); a larger share "
         "is split with gradient accumulation (default: measured on GPUs, no limit on CPUs)",
+    )
+    p.add_argument(
+        "--shard-optimizer",
+        action="store_true",
+        help="split the optimizer state (AdamW: twice the weights) over the workers by their free memory "
+        "instead of keeping all of it on each: larger models fit, the same math (allreduce only)",
     )
     p.add_argument(
         "--keep-all-devices",
@@ -283,6 +289,7 @@ def _trainer(
             shares=args.shares,
             max_micro_batch=micro,
             leave_out_slow=not args.keep_all_devices,
+            shard_optimizer=args.shard_optimizer,
             address=args.address,
             precision=args.precision,
             backend=args.backend,

@@ -5,9 +5,14 @@ gradient of its own samples. Every `local_steps` steps the workers all-reduce th
 deltas from the last common point, weighted by their share of the samples, and every rank
 applies the average as a gradient to that common point with SGD + Nesterov momentum (DiLoCo:
 lr 0.7, momentum 0.9). One collective per H steps instead of one per step. A round always
-ends with an exchange, so replicas are equal at every round boundary (checkpoints, rollback,
-workers leaving and joining work as with all-reduce). Inner optimizer states stay per worker;
-a checkpoint keeps rank 0's.
+ends with an exchange, so replicas are equal at every round boundary (checkpoints, workers
+leaving and joining work as with all-reduce). Inner optimizer states stay per worker; a
+checkpoint keeps rank 0's.
+
+A step is committed at the exchange that averages it. When a peer is lost mid-round, a worker
+goes back to its common point (the weights, scheduler position and loss scale of its last
+exchange) and the steps since are redone; its inner optimizer state keeps what those steps
+added (local SGD makes no exactness promise; the common point is exact).
 """
 
 from __future__ import annotations
@@ -27,7 +32,10 @@ from mixtrain.comm.strategy import (
     StepResult,
     SyncStrategy,
     clip_gradients,
+    load_small_state,
     median_seconds,
+    small_state,
+    tensor_bytes,
 )
 from mixtrain.devices.precision import LossScale
 from mixtrain.task import Task
@@ -44,10 +52,20 @@ class LocalSGDStrategy(SyncStrategy):
         self.anchor = self._flat_params()  # the last common point, on the CPU in fp32
         if self.momentum.numel() != self.anchor.numel():  # first set-up (a re-formed group keeps it)
             self.momentum = torch.zeros_like(self.anchor)
+        self._work = torch.zeros(self.anchor.numel() + 2 * self.config.local_steps)  # the exchange's one buffer
         self.loss_scale = LossScale(enabled=ctx.loss_scaling)
         self.wire = wire_dtype(self.config.compress) or torch.float32
         self._pending: list[torch.Tensor] = []  # per step since the last exchange: [loss term, non-finite]
         self._weights: list[float] = []
+        self._committed: dict[str, Any] = {}  # scheduler and loss scale at the last exchange
+
+    def begin_round(self, task: Task) -> None:
+        self._committed = small_state(task, self.loss_scale)  # a round starts at a common point
+
+    def recover(self, task: Task) -> None:
+        replicas.unflatten_into(self.anchor, self.params)
+        load_small_state(task, self.loss_scale, self._committed)
+        self._pending, self._weights = [], []
 
     def _flat_params(self) -> torch.Tensor:
         return replicas.flat_on_host(self.params, torch.float32)
@@ -79,24 +97,35 @@ class LocalSGDStrategy(SyncStrategy):
 
     def _exchange(self, task: Task) -> tuple[list[StepResult], int]:
         """Average the weighted deltas and the pending per-step statistics in one collective, then
-        apply the outer step to the common point."""
+        apply the outer step to the common point. Everything happens in one reused fp32 buffer: no
+        temporary as large as the model besides a narrower wire copy when compressing."""
         share = sum(self._weights) / len(self._weights)  # this rank's part of the samples since the last exchange
-        delta = (self.anchor - self._flat_params()) * share
-        stats = torch.stack(self._pending)
-        buf = torch.cat([delta, stats.reshape(-1)]).to(self.wire).to(replicas.comm_device())
-        dist.all_reduce(buf, op=dist.ReduceOp.SUM)
-        summed = buf.to("cpu", torch.float32)
-        n = delta.numel()
-        avg_delta, stats = summed[:n], summed[n:].view_as(stats)
-        applied = bool(torch.isfinite(avg_delta).all())
+        n, k = self.anchor.numel(), len(self._pending)
+        buf = self._work[: n + 2 * k]
+        delta = buf[:n].copy_(self.anchor)
+        offset = 0
+        for p in self.params:  # delta = anchor - params, one parameter at a time
+            delta[offset : offset + p.numel()].sub_(p.detach().reshape(-1).to("cpu", torch.float32))
+            offset += p.numel()
+        delta.mul_(share)
+        buf[n:].copy_(torch.stack(self._pending).reshape(-1))
+        wire = buf if self.wire == torch.float32 and replicas.comm_device().type == "cpu" else None
+        if wire is None:
+            wire = buf.to(self.wire).to(replicas.comm_device())
+        dist.all_reduce(wire, op=dist.ReduceOp.SUM)
+        if wire is not buf:
+            buf.copy_(wire)
+        stats = buf[n:].view(k, 2).clone()
+        applied = bool(torch.isfinite(delta.sum())) or bool(torch.isfinite(delta).all())  # the sum: no big temporary
         if applied:  # SGD with Nesterov momentum on the pseudo-gradient, as torch.optim.SGD computes it
             mu = self.config.outer_momentum
-            self.momentum.mul_(mu).add_(avg_delta)
-            self.anchor.sub_(self.config.outer_lr * (avg_delta + mu * self.momentum))
+            self.momentum.mul_(mu).add_(delta)
+            self.anchor.sub_(delta.add_(self.momentum, alpha=mu), alpha=self.config.outer_lr)
         replicas.unflatten_into(self.anchor, self.params)
         self._pending, self._weights = [], []
+        self._committed = small_state(task, self.loss_scale)
         done = [StepResult(applied and float(s[-1]) == 0.0, s[:-1]) for s in stats]
-        return done, buf.numel() * buf.element_size()
+        return done, wire.numel() * wire.element_size()
 
     def end_round(self, task: Task, weight: float, drift_tolerance: float) -> RoundSync:
         t0 = time.perf_counter()
@@ -116,6 +145,10 @@ class LocalSGDStrategy(SyncStrategy):
         dist.all_reduce(scale, op=dist.ReduceOp.MIN)
         if float(scale) != self.loss_scale.scale:
             self.loss_scale.load_state_dict({"scale": float(scale), "good_steps": 0})
+
+    def state_bytes(self, task: Task) -> dict[str, int]:
+        own = tensor_bytes([self.anchor, self.momentum, self._work])
+        return {"optimizer": tensor_bytes(task.optimizer.state), "strategy": own}
 
     def measure_comm(self, task: Task, repeats: int) -> float:
         buf = torch.zeros(self.anchor.numel() + 2 * self.config.local_steps, dtype=self.wire)

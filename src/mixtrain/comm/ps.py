@@ -12,9 +12,13 @@ Within the bound every gradient is applied at full weight; a gradient that arriv
 update was applied (possible only from a group that was re-formed meanwhile) is rejected by the
 shard. S = 0 is the synchronous parameter server.
 
-At a round end every worker drains its pushes and fetches the optimizer state from the shards,
-so every replica holds the complete training state, as with all-reduce: checkpoints, rollback
-and re-forming the group work unchanged, and a re-formed group reloads the shards from rank 0.
+The optimizer state lives on the shards only: a worker holds weights and gradients, and a
+checkpoint (or a replacement) gathers the state from the shards. At a round end every worker
+drains its pushes, so every replica holds the same weights. The shards are loaded from rank 0
+when the workers hold newer state (the first formation, a resume); a group re-formed later
+starts from the shards' weights. At each round start rank 0 has the shards keep a restore
+point; when a worker is lost mid-round the survivors put the shards back to it and the round
+is redone (a shard cannot tell a committed update from one a dead worker half-pushed).
 """
 
 from __future__ import annotations
@@ -31,18 +35,27 @@ import torch.distributed as dist
 from mixtrain.comm import process_group, replicas
 from mixtrain.comm.compress import decode, encode, wire_dtype
 from mixtrain.comm.ps_server import optimizer_index, partition, state_from_numpy, state_to_numpy, trainable
-from mixtrain.comm.strategy import JoinContext, RoundSync, StepOutcome, StepResult, SyncStrategy, median_seconds
+from mixtrain.comm.strategy import (
+    JoinContext,
+    RoundSync,
+    StepOutcome,
+    StepResult,
+    SyncStrategy,
+    load_small_state,
+    median_seconds,
+    small_state,
+)
 from mixtrain.devices.precision import LossScale
 from mixtrain.task import Task
 
 
 class ParameterServerStrategy(SyncStrategy):
     name = "ps"
+    keeps_partial_rounds = False
 
     def setup(self, task: Task, ctx: JoinContext) -> None:
         if not ctx.servers:
             raise RuntimeError(f"strategy {self.config.name!r} needs parameter servers; none were started")
-        replicas.broadcast_state(task.model)
         self.servers = list(ctx.servers)
         self.timeout_s = ctx.timeout_s
         self.rank = ctx.rank
@@ -56,9 +69,16 @@ class ParameterServerStrategy(SyncStrategy):
         self.next_step = 0  # the update this worker's next gradient is for
         self.version = 0  # the update count of the weights this replica holds
         self.pending: deque[tuple[int, list[Any]]] = deque()
-        if ctx.rank == 0:
+        self._round_start: dict[str, Any] = {}
+        if ctx.rank == 0 and ctx.fresh_state:
             self._load_servers(task, ctx.world_size)
-        dist.barrier()  # no rank pushes before the shards hold rank 0's state
+        elif ctx.rank == 0:
+            answers = self._get([s.reopen.remote(ctx.world_size) for s in self.servers])
+            for group, weights in zip(self.slices, answers):
+                replicas.unflatten_into(decode(weights, "none"), group)
+        replicas.broadcast_state(task.model)  # rank 0's weights (and buffers) to every replica
+        task.optimizer.state.clear()  # the state lives on the shards; checkpoints gather it from there
+        dist.barrier()  # no rank pushes before the shards are ready
 
     def _load_servers(self, task: Task, world_size: int) -> None:
         sd = task.optimizer.state_dict()
@@ -88,6 +108,24 @@ class ParameterServerStrategy(SyncStrategy):
 
     def zero_grad(self, task: Task) -> None:
         task.model.zero_grad(set_to_none=True)
+
+    def begin_round(self, task: Task) -> None:
+        # Rank 0's mark reaches each shard before rank 0's first push of the round, and no update of the
+        # round can be applied without that push: every shard marks the state the round starts from.
+        if self.rank == 0:
+            self._get([s.mark.remote() for s in self.servers])
+        self._round_start = small_state(task, self.loss_scale)
+
+    def recover(self, task: Task) -> None:
+        self._get([s.restore.remote() for s in self.servers])  # idempotent: every survivor may ask
+        load_small_state(task, self.loss_scale, self._round_start)
+        self.pending.clear()
+
+    def optimizer_state(self, task: Task) -> dict[str, Any]:
+        sd = task.optimizer.state_dict()  # param_groups (the local scheduler keeps lr in step); no state here
+        for state in self._get([s.optimizer_state.remote() for s in self.servers]):
+            sd["state"].update(state_from_numpy(state))
+        return sd
 
     def step(self, task: Task, local_stats: torch.Tensor, weight: float) -> StepOutcome:
         t0 = time.perf_counter()
@@ -143,11 +181,6 @@ class ParameterServerStrategy(SyncStrategy):
     def end_round(self, task: Task, weight: float, drift_tolerance: float) -> RoundSync:
         t0 = time.perf_counter()
         done = self._collect(task, must_have=self.next_step)
-        states = self._get([s.optimizer_state.remote() for s in self.servers])
-        sd = task.optimizer.state_dict()
-        for state in states:
-            sd["state"].update(state_from_numpy(state))
-        task.optimizer.load_state_dict(sd)
         replicas.average_buffers(task.model, weight)
         d, rebroadcast = replicas.resync_if_drifted(task.model, task.optimizer, drift_tolerance)
         return RoundSync(drift=d, rebroadcast=rebroadcast, comm_s=time.perf_counter() - t0, done=done)

@@ -18,6 +18,7 @@ shard has summed a step, it publishes its slice's squared norm and asks every ot
 from __future__ import annotations
 
 import asyncio
+import copy
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -113,17 +114,22 @@ class ParameterServer:
         self._norm_parts: dict[int, float] = {}  # step -> this shard's squared gradient norm, once summed
         self._norm_ready: dict[int, asyncio.Event] = {}
         self._applying = asyncio.Lock()  # pushes arrive concurrently; updates are applied one at a time
+        self._restore_point: dict[str, Any] | None = None  # this shard's state at the start of the round
+
+    def _void_pending(self) -> None:
+        """Pushes still waiting belong to a group that is gone: answer them as void."""
+        for step in self.steps.values():
+            step.result = ("void",)
+            step.done.set()
+        self.steps = {}
+        self._norm_parts, self._norm_ready = {}, {}
 
     async def load(
         self, world_size: int, weights: np.ndarray, opt_state: dict, param_groups: list, scheduler: Any
     ) -> int:
         """A group formed: start from rank 0's complete state; pushes of an older group are voided."""
-        for step in self.steps.values():
-            step.result = ("void",)
-            step.done.set()
-        self.steps = {}
+        self._void_pending()
         self.world_size, self.version = world_size, 0
-        self._norm_parts, self._norm_ready = {}, {}
         replicas.unflatten_into(decode(weights, "none"), self.params)
         sd = self.task.optimizer.state_dict()
         sd["state"] = state_from_numpy(opt_state)
@@ -132,6 +138,32 @@ class ParameterServer:
         if scheduler is not None and self.task.scheduler is not None:
             self.task.scheduler.load_state_dict(scheduler)
         return self.numel
+
+    async def reopen(self, world_size: int) -> np.ndarray:
+        """A group re-formed around this shard's state (the truth between rounds): void older pushes,
+        count updates from 0 again, and hand out the weights for the workers to start from."""
+        self._void_pending()
+        self.world_size, self.version = world_size, 0
+        return self._weights()
+
+    async def mark(self) -> None:
+        """A round starts: keep this shard's state (weights, optimizer, scheduler) to redo the round from
+        if a worker is lost in it. One copy of the slice, here on the server, never on a worker's device."""
+        self._restore_point = {
+            "weights": replicas.flat_on_host(self.params).clone(),
+            "optimizer": copy.deepcopy(self.task.optimizer.state_dict()),
+            "scheduler": self.task.scheduler.state_dict() if self.task.scheduler is not None else None,
+        }
+
+    async def restore(self) -> None:
+        """Back to the round's start (a worker was lost in it); idempotent, so every survivor may ask."""
+        point = self._restore_point
+        assert point is not None, "restore() before any mark()"
+        self._void_pending()
+        replicas.unflatten_into(point["weights"], self.params)
+        self.task.optimizer.load_state_dict(copy.deepcopy(point["optimizer"]))
+        if point["scheduler"] is not None and self.task.scheduler is not None:
+            self.task.scheduler.load_state_dict(point["scheduler"])
 
     def _weights(self) -> np.ndarray:
         return replicas.flat_on_host(self.params).numpy()

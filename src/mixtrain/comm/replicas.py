@@ -43,12 +43,24 @@ def unflatten_into(flat: torch.Tensor, tensors: Sequence[torch.Tensor]) -> None:
         offset += n
 
 
+BROADCAST_CHUNK_BYTES = 16 * 2**20
+"""At most this much is flattened for one broadcast: the copy costs memory as long as the model, otherwise."""
+
+
 def _flat_broadcast(tensors: list[torch.Tensor], src: int = 0) -> None:
-    """Broadcast tensors from `src` in one collective per dtype."""
-    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+    """Broadcast tensors from `src`, flattened per dtype into pieces of at most BROADCAST_CHUNK_BYTES (a
+    tensor larger than that travels alone)."""
+    pieces: list[list[torch.Tensor]] = []
+    open_piece: dict[torch.dtype, tuple[list[torch.Tensor], int]] = {}
     for t in tensors:
-        by_dtype.setdefault(t.dtype, []).append(t)
-    for group in by_dtype.values():
+        group, size = open_piece.get(t.dtype, ([], 0))
+        if group and size + t.numel() * t.element_size() > BROADCAST_CHUNK_BYTES:
+            pieces.append(group)
+            group, size = [], 0
+        group.append(t)
+        open_piece[t.dtype] = (group, size + t.numel() * t.element_size())
+    pieces += [group for group, _ in open_piece.values() if group]
+    for group in pieces:
         flat = _flatten(group)
         dist.broadcast(flat, src=src)
         unflatten_into(flat, group)
@@ -85,13 +97,18 @@ def average_buffers(model: torch.nn.Module, weight: float) -> None:
         _flat_broadcast(ints)
 
 
+CHECKSUM_CHUNK = 1 << 18
+"""Elements per piece when fingerprinting: a float64 copy of a whole large weight would cost 2x its memory."""
+
+
 def checksum(tensors: list[torch.Tensor]) -> torch.Tensor:
-    """A float64 fingerprint of the tensors: sum and sum of absolute values."""
+    """A float64 fingerprint of the tensors: sum and sum of absolute values, a piece at a time."""
     total = torch.zeros(2, dtype=torch.float64)
     for t in tensors:
-        d = _to_host(t, torch.float64)
-        total[0] += d.sum()
-        total[1] += d.abs().sum()
+        for piece in t.detach().reshape(-1).split(CHECKSUM_CHUNK):
+            d = _to_host(piece, torch.float64)
+            total[0] += d.sum()
+            total[1] += d.abs_().sum()
     return total
 
 

@@ -6,6 +6,7 @@ or local SGD is another subclass here, with no change to the loop.
 
 from __future__ import annotations
 
+import copy
 import statistics
 import time
 from abc import ABC, abstractmethod
@@ -18,6 +19,8 @@ import torch
 from mixtrain.comm import replicas
 from mixtrain.comm.buckets import GradBuckets
 from mixtrain.comm.compress import wire_dtype
+from mixtrain.comm.state_transfer import unpack
+from mixtrain.comm.zero import ShardedOptimizer, split_runs
 from mixtrain.config import StrategyConfig
 from mixtrain.devices.precision import LossScale
 from mixtrain.task import Task
@@ -73,6 +76,22 @@ class JoinContext:
     """How long to wait for peers or parameter servers before the round is given up as failed."""
     servers: tuple[Any, ...] = ()
     """The parameter-server actors (ps, ps-async)."""
+    shard_weights: tuple[float, ...] | None = None
+    """Per rank, the relative size of its slice of the optimizer state (None: every rank holds all of it)."""
+    fresh_state: bool = True
+    """The workers hold state the parameter servers do not have yet (the first formation, a resume):
+    rank 0 loads the servers from it. False: the servers' state is the truth and the workers take it."""
+
+
+def tensor_bytes(obj: Any) -> int:
+    """Bytes of every tensor in a nest of dicts, lists and tuples."""
+    if isinstance(obj, torch.Tensor):
+        return obj.numel() * obj.element_size()
+    if isinstance(obj, dict):
+        return sum(tensor_bytes(v) for v in obj.values())
+    if isinstance(obj, (list, tuple)):
+        return sum(tensor_bytes(v) for v in obj)
+    return 0
 
 
 def clip_gradients(task: Task, params: list[torch.nn.Parameter]) -> float | None:
@@ -93,10 +112,33 @@ def median_seconds(exchange: Callable[[], object], repeats: int) -> float:
     return statistics.median(times[1:])
 
 
+def small_state(task: Task, loss_scale: LossScale) -> dict[str, Any]:
+    """The few scalars a step changes besides tensors (scheduler position, loss scale), copied: what a
+    strategy keeps as its restore point instead of a second copy of the weights and optimizer state."""
+    scheduler = task.scheduler.state_dict() if task.scheduler is not None else None
+    return copy.deepcopy({"scheduler": scheduler, "loss_scale": loss_scale.state_dict()})
+
+
+def load_small_state(task: Task, loss_scale: LossScale, state: dict[str, Any]) -> None:
+    if task.scheduler is not None and state["scheduler"] is not None:
+        task.scheduler.load_state_dict(state["scheduler"])
+    loss_scale.load_state_dict(state["loss_scale"])
+
+
 class SyncStrategy(ABC):
+    """How replicas agree. Recovery from a lost peer needs no copy of the training state: a step is
+    *committed* once every rank has its global result, and committed steps are the same on every replica
+    that saw them. After a failed round each survivor calls `recover()` (back to its own last committed
+    state) and reports how many steps it committed; the driver hands the most advanced survivor's state to
+    those behind and the round goes on from there (`keeps_partial_rounds`), or, where shared state outside
+    the workers cannot tell committed from not (parameter servers), the whole round is redone from the
+    restore point taken in `begin_round`."""
+
     name: str
     loss_scale: LossScale = LossScale(enabled=False)
     """The job-wide loss scale (fp16); the worker multiplies each loss by `loss_scale.scale`."""
+    keeps_partial_rounds: bool = True
+    """After a failed round the steps committed so far stand; False: the round is redone from its start."""
 
     def __init__(self, config: StrategyConfig) -> None:
         self.config = config
@@ -107,6 +149,33 @@ class SyncStrategy(ABC):
 
     @abstractmethod
     def zero_grad(self, task: Task) -> None: ...
+
+    def begin_round(self, task: Task) -> None:  # noqa: B027 - optional hook, a no-op by default
+        """Called before a round's first step (a strategy that redoes failed rounds takes its restore point)."""
+
+    def recover(self, task: Task) -> None:  # noqa: B027 - all-reduce: committed steps are the replica's state
+        """After a peer was lost mid-round, before leaving the group: make this replica its last committed
+        state (undo local work no peer has seen)."""
+
+    def optimizer_state(self, task: Task) -> dict[str, Any]:
+        """The optimizer state_dict as one process stepping every parameter would hold it (for checkpoints
+        and replacements; a strategy that keeps the state elsewhere gathers it here). Under a sharded
+        optimizer, this rank's entries only (`shards_optimizer`): the driver merges every rank's."""
+        return task.optimizer.state_dict()
+
+    def load_optimizer_state(self, task: Task, state: dict[str, Any]) -> None:
+        """Take a full optimizer state_dict (a checkpoint's, another replica's; packed or not), before setup()."""
+        task.optimizer.load_state_dict(unpack(state, copy=True))
+
+    @property
+    def shards_optimizer(self) -> bool:
+        """Each rank holds only its slice of the optimizer state."""
+        return False
+
+    def state_bytes(self, task: Task) -> dict[str, int]:
+        """Bytes this replica holds besides weights and gradients: its optimizer state, and the strategy's
+        own copies (local SGD's common point and outer momentum)."""
+        return {"optimizer": tensor_bytes(task.optimizer.state), "strategy": 0}
 
     def before_last_backward(self, task: Task) -> None:  # noqa: B027 - optional hook, a no-op by default
         """Called before the backward of a step's last micro-batch (when gradients become final)."""
@@ -157,6 +226,37 @@ class AllReduceStrategy(SyncStrategy):
             wire_dtype=wire_dtype(self.config.compress),
         )
         self.loss_scale = LossScale(enabled=ctx.loss_scaling)
+        self.shard: ShardedOptimizer | None = None
+        if ctx.shard_weights is not None:
+            sizes = [p.numel() for g in task.optimizer.param_groups for p in g["params"]]
+            self.shard = ShardedOptimizer(task.optimizer, split_runs(sizes, ctx.shard_weights), ctx.rank)
+            task.optimizer.state.clear()  # the user's optimizer only carries hyperparameters from now on
+            if self._pending_optimizer is not None:
+                self.shard.load_full(self._pending_optimizer)
+        elif self._pending_optimizer is not None:
+            task.optimizer.load_state_dict(unpack(self._pending_optimizer, copy=True))
+        self._pending_optimizer = None
+
+    _pending_optimizer: dict[str, Any] | None = None
+
+    def load_optimizer_state(self, task: Task, state: dict[str, Any]) -> None:
+        self._pending_optimizer = state  # setup() knows whether this rank keeps all of it or a slice
+
+    @property
+    def shards_optimizer(self) -> bool:
+        return self.shard is not None
+
+    def state_bytes(self, task: Task) -> dict[str, int]:
+        if self.shard is None:
+            return super().state_bytes(task)
+        return {"optimizer": self.shard.state_bytes(), "strategy": 0}
+
+    def optimizer_state(self, task: Task) -> dict[str, Any]:
+        if self.shard is None:
+            return task.optimizer.state_dict()
+        sd = task.optimizer.state_dict()  # the hyperparameters, as the scheduler left them
+        sd["state"] = self.shard.state_part()
+        return sd
 
     def zero_grad(self, task: Task) -> None:
         self.buckets.zero_()
@@ -176,7 +276,12 @@ class AllReduceStrategy(SyncStrategy):
             if used != 1.0:
                 self.buckets.scale_(1.0 / used)  # unscale first: the norm is the true gradient's
             norm = clip_gradients(task, self.params)
-            task.optimizer.step()
+            if self.shard is not None:
+                t1 = time.perf_counter()
+                self.shard.step()  # this rank's slice, then every slice to every rank
+                comm_s += time.perf_counter() - t1
+            else:
+                task.optimizer.step()
             if task.scheduler is not None:
                 task.scheduler.step()
         return StepOutcome(

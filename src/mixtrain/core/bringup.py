@@ -53,6 +53,8 @@ class Bringup:
     """Training samples (the same on every worker, checked)."""
     num_eval: int = 0
     """Held-out samples (0: no evaluation)."""
+    probes: list[ProbeResult] = field(default_factory=list)
+    """Per worker (current rank order): what the start-up probe measured."""
 
     @property
     def backend(self) -> str:
@@ -142,6 +144,7 @@ def bring_up(
         advice=advice,
         num_samples=data.num_train,
         num_eval=data.num_eval,
+        probes=list(found.probes),
     )
 
 

@@ -21,6 +21,7 @@ from mixtrain._constants import (
     env_float,
 )
 from mixtrain.checkpoint import CheckpointMeta, CheckpointStore
+from mixtrain.comm.state_transfer import pack, unpack
 from mixtrain.config import Slowdown
 from mixtrain.core import evaluation
 from mixtrain.core.group_ops import GroupOps
@@ -28,7 +29,7 @@ from mixtrain.core.messages import RoundPlan, WorkerInfo
 from mixtrain.core.rounds import next_round_steps, summarize_round
 from mixtrain.core.worker_group import WorkerError, WorkerGroup
 from mixtrain.data.sampling import steps_per_epoch
-from mixtrain.observe.progress import ProgressView, plan_table
+from mixtrain.observe.progress import ProgressView, plan_table, state_memory_line
 from mixtrain.observe.runlog import RunLog
 from mixtrain.policies.decisions import (
     Adopt,
@@ -84,6 +85,14 @@ class Roster:
             self.slowdown = {r - (r > rank): v for r, v in self.slowdown.items() if r != rank}
 
 
+class _Rewind(Exception):
+    """Training continues from the last checkpoint at (epoch, step): a sharded optimizer lost a slice."""
+
+    def __init__(self, epoch: int, step: int) -> None:
+        super().__init__(f"back to epoch {epoch}, step {step}")
+        self.epoch, self.step = epoch, step
+
+
 class TrainingStopped(RuntimeError):
     """Training cannot go on (failure budget spent, no worker left, NaN/Inf steps in a row); the message
     names the cause and the checkpoint to resume from."""
@@ -130,21 +139,29 @@ class Controller:
         self._checkpointed_at = time.monotonic()
         self.epochs = epochs
         round_steps = self.settings.steps_per_round or 2  # a short first round measures the step time
-        for epoch in range(start[0], epochs):
-            step = start[1] if epoch == start[0] else 0
-            while step < self.num_steps:
-                done = self._round(epoch, step, min(round_steps, self.num_steps - step))
-                if done is None:
-                    continue  # a worker was lost: the same steps again, with the workers that are left
-                step, round_steps = step + done.num_steps, self._between_rounds(done, epoch, step + done.num_steps)
-            self._end_epoch(epoch)
-            if self.checkpoints is not None:
-                self._checkpoint(epoch + 1, 0)  # every epoch end, the last one included
+        epoch, step = start
+        if self.ops.shards_optimizer and self.checkpoints is not None:
+            self._checkpoint(epoch, step)  # a lost worker takes its optimizer slice along: this is the way back
+        while epoch < epochs:
+            try:
+                if step < self.num_steps:
+                    rplan = self._round_plan(epoch, step, min(round_steps, self.num_steps - step))
+                    done = self._round(rplan)
+                    step += done
+                    if done == rplan.num_steps:
+                        round_steps = self._between_rounds(rplan, epoch, step)
+                    # else a worker was lost: the rest of the round again, with the workers that are left
+                    continue
+                self._end_epoch(epoch)
+                if self.checkpoints is not None:
+                    self._checkpoint(epoch + 1, 0)  # every epoch end, the last one included
+                epoch, step = epoch + 1, 0
+            except _Rewind as back:
+                epoch, step = back.epoch, back.step
 
-    def _round(self, epoch: int, step: int, num_steps: int) -> RoundPlan | None:
-        """Run one round on every worker and record it; None when a worker was lost (recovered already)."""
+    def _round_plan(self, epoch: int, step: int, num_steps: int) -> RoundPlan:
         r = self.roster
-        rplan = RoundPlan(
+        return RoundPlan(
             epoch=epoch,
             first_step=step,
             num_steps=num_steps,
@@ -154,6 +171,10 @@ class Controller:
             micro_batches=tuple(micro_batches(r.shares, r.memory_caps)),
             slowdown=self._slowdown(len(self.history)),
         )
+
+    def _round(self, rplan: RoundPlan) -> int:
+        """Run one round on every worker and record it. Returns the steps done: all of them, or after a lost
+        worker (recovered already) the steps every survivor now holds, which may be none."""
         collective_s = env_float(COLLECTIVE_TIMEOUT_S)
         t0 = time.perf_counter()
         reports, lost = self.group.call_tolerant(
@@ -162,11 +183,26 @@ class Controller:
             timeout_s=env_float(ROUND_TIMEOUT_S) + collective_s,
             grace_s=collective_s + env_float(LOST_GRACE_S),
         )
+        wall_s = time.perf_counter() - t0
         if lost or any(rep.peer_lost for rep in reports.values()):
-            self._recover(lost, reports, epoch, step)
-            return None
-        record = summarize_round(rplan, list(reports.values()), time.perf_counter() - t0)
-        for entry, info in zip(record["workers"], r.workers):  # who, for the report and progress rows
+            committed = {r: rep.committed_steps for r, rep in reports.items()}
+            kept = max(committed.values(), default=0)
+            if kept:
+                partial = (kept, self._samples(rplan, kept))
+                self._record(summarize_round(rplan, list(reports.values()), wall_s, partial), sorted(reports))
+            self._recover(lost, reports, rplan.epoch, rplan.first_step + kept, committed=committed)
+            return kept
+        self._record(summarize_round(rplan, list(reports.values()), wall_s), sorted(reports))
+        return rplan.num_steps
+
+    def _samples(self, rplan: RoundPlan, num_steps: int) -> int:
+        """Training samples in `num_steps` steps from the round's first (the epoch's last step may be short)."""
+        first, batch = rplan.first_step, self.settings.global_batch
+        return sum(min(batch, self.settings.num_samples - t * batch) for t in range(first, first + num_steps))
+
+    def _record(self, record: dict[str, Any], ranks: list[int]) -> None:
+        for entry, rank in zip(record["workers"], ranks):  # who, for the report and progress rows
+            info = self.roster.workers[rank]
             entry.update(worker=info.label(), device=info.device, device_name=info.device_name)
             entry["host"] = info.hostname or info.host
         self.history.append(record)
@@ -174,13 +210,14 @@ class Controller:
         self.view.round_done(record)
         if record["rebroadcast"]:
             self.view.log(f"replicas drifted by {record['drift']:.2e}: rank 0's weights re-broadcast")
-        return rplan
 
     def _between_rounds(self, done: RoundPlan, epoch: int, step: int) -> int:
         """After a good round: the NaN streak, pacing and shares, a checkpoint when due, replacements.
         Returns the number of steps for the next round."""
         record = self.history[-1]
         self._check_nonfinite(record)
+        if len(self.history) == 1:  # the optimizer state exists now: say what each replica holds
+            self.view.log(state_memory_line(record))
         if len(self.history) > 1:  # the first round is warm-up (allocations, caches), not a measurement
             self._measure(record)
             if self.settings.balanced:
@@ -254,11 +291,17 @@ class Controller:
 
     # ---- faults ------------------------------------------------------------------------------
     def _recover(
-        self, lost: dict[int, str], reports: dict[int, Any], epoch: int, step: int, in_round: bool = True
+        self,
+        lost: dict[int, str],
+        reports: dict[int, Any],
+        epoch: int,
+        step: int,
+        committed: dict[int, int] | None = None,
     ) -> None:
-        """A worker died, stopped answering, or a collective failed: the survivors roll back to the start of
-        the round (`in_round`; between rounds their state is already consistent), re-form the group without
-        the lost workers, and the round runs again. Nothing before the round is lost, and no sample is
+        """A worker died, stopped answering, or a collective failed. In a round (`committed`: each survivor's
+        committed steps) the survivors go back to their last committed step and those behind take the most
+        advanced one's state; between rounds their state is already the same. The group re-forms without the
+        lost workers and training goes on at (epoch, `step`): no committed step is lost, and no sample is
         skipped or used twice."""
         workers = self.roster.workers
         for rank, why in sorted(lost.items()):
@@ -279,13 +322,37 @@ class Controller:
             raise TrainingStopped(
                 f"training stopped at epoch {epoch}, step {step}: {decision.reason}. {self._resume_hint()}"
             )
-        self.ops.leave_out(sorted(lost), rollback=in_round, lost=True)
+        if self.ops.shards_optimizer:
+            self._rewind(sorted(lost))  # raises _Rewind
+        self.ops.leave_out(sorted(lost), recover=committed, lost=True)
+        if self.settings.rejoin:
+            self.ops.start_replacements()
         self._forget(sorted(lost))
         self._adopt(self._replan(), f"re-formed with {left} workers")
         self.view.log(
             f"failure {self.budget.failures} of at most {self.budget.max_failures}: "
             f"continuing from epoch {epoch}, step {step}"
         )
+
+    def _rewind(self, lost: list[int]) -> None:
+        """A sharded optimizer's slice died with its worker (or a step was half applied): every worker that
+        is left loads the last checkpoint, which always exists (run() writes one first), and training goes
+        on from there. Costs the steps since that checkpoint, never the math."""
+        assert self.checkpoints is not None and self.last_checkpoint is not None, "sharded runs checkpoint first"
+        state, manifest = CheckpointStore.read(self.last_checkpoint)
+        state.pop("rng", None)
+        meta = CheckpointMeta.from_manifest(manifest)
+        self.ops.leave_out(lost, lost=True, restore=ray.put(pack(state)))
+        self._forget(lost)
+        self._adopt(self._replan(), f"re-formed with {self.group.num_workers} workers")
+        self.log.write("rewound", {"to": str(self.last_checkpoint), "epoch": meta.epoch, "step": meta.step})
+        self.view.log(
+            f"failure {self.budget.failures} of at most {self.budget.max_failures}: the optimizer slice of the lost "
+            f"worker is gone; continuing from the last checkpoint {self.last_checkpoint} (epoch {meta.epoch}, "
+            f"step {meta.step})"
+        )
+        self.view.start_at(meta.epoch * self.settings.num_samples + meta.step * self.settings.global_batch)
+        raise _Rewind(meta.epoch, meta.step)
 
     def _admit(self, epoch: int, step: int) -> None:
         """Replacements that are ready join between rounds, with rank 0's current state."""
@@ -319,7 +386,7 @@ class Controller:
                 if not lost:
                     raise
                 self.view.log(f"a worker was lost during {method}()")
-                self._recover(lost, {}, epoch, step, in_round=False)
+                self._recover(lost, {}, epoch, step)
 
     def _check_nonfinite(self, record: dict[str, Any]) -> None:
         """Count skipped (NaN/Inf) steps in a row; past the limit, stop and name who produced them."""
@@ -344,7 +411,7 @@ class Controller:
         timeout = env_float(COLLECTIVE_TIMEOUT_S)
 
         def collect() -> dict[str, Any]:
-            state = self.group.call("training_state", timeout_s=timeout, ranks=[0])[0]
+            state = self.ops.full_state(timeout)
             state["rng"] = self.group.call("rng_state", timeout_s=timeout)
             return state
 
@@ -359,7 +426,7 @@ class Controller:
                 {"host": w.host, "device_name": w.device_name, "precision": w.precision} for w in self.roster.workers
             ],
         )
-        self.last_checkpoint = self.checkpoints.save(state, asdict(meta))
+        self.last_checkpoint = self.checkpoints.save(unpack(state), asdict(meta))
         self._checkpointed_at = time.monotonic()
         self.log.write("checkpoint", {"path": str(self.last_checkpoint), **asdict(meta)})
 

@@ -23,6 +23,7 @@ from mixtrain.config import ScalingConfig, StrategyConfig
 from mixtrain.core import preflight
 from mixtrain.core.messages import BuildReport, ProbeResult, WorkerInfo
 from mixtrain.core.worker_group import WorkerGroup
+from mixtrain.policies.decisions import recovery_source
 from mixtrain.task import Task
 
 
@@ -67,6 +68,7 @@ class GroupOps:
         self.data_refs = data_refs
         self.reference: BuildReport | None = None
         """Rank 0's build report, set once preflight passed."""
+        self._fresh_state = True  # the workers hold state the parameter servers have not seen yet
 
     def form(self) -> None:
         """Rendezvous at rank 0, join the collective group, set up the strategy (rank 0's weights go to all)."""
@@ -86,35 +88,98 @@ class GroupOps:
             self.backend,
             self.loss_scaling,
             tuple(group.servers),
+            self._fresh_state,
+            self._shard_weights(),
             timeout_s=rendezvous_s + collective_s + 10,
         )
+        self._fresh_state = False
+
+    def _shard_weights(self) -> tuple[float, ...] | None:
+        """ScalingConfig.shard_optimizer for the current ranks: None (off), () (by free memory, measured by the
+        workers) or the user's relative sizes, by starting rank."""
+        shard = self.group.scaling.shard_optimizer
+        if isinstance(shard, bool):
+            return () if shard else None
+        return tuple(float(shard[spec.rank]) for spec in self.group.specs)
 
     def reform(self) -> None:
         """Everyone leaves and the same workers form the group again (the strategy restarts from the
         state they hold, e.g. after a resume loaded a checkpoint)."""
         self.group.call("leave", timeout_s=env_float(COLLECTIVE_TIMEOUT_S))
+        self._fresh_state = True
         self.form()
 
-    def leave_out(self, ranks: list[int], *, rollback: bool = False, lost: bool = False) -> None:
-        """Every other worker leaves the group (first rolling back to the start of a failed round when
-        `rollback`), `ranks` are stopped, the rest renumbered, and the group re-formed. Workers that were
-        `lost` (dead, or stopped and about to be killed) are not asked anything, and a replacement may
-        later start in their place; workers left out by choice are not replaced."""
+    @property
+    def shards_optimizer(self) -> bool:
+        return self.group.scaling.shard_optimizer is not False
+
+    def full_state(self, timeout_s: float) -> dict[str, Any]:
+        """Rank 0's training state (on the CPU); with a sharded optimizer every rank's slice of the optimizer
+        state is merged in here, so the result loads into any number of workers."""
+        state = self.group.call("training_state", timeout_s=timeout_s, ranks=[0])[0]
+        if self.shards_optimizer:
+            for part in self.group.call("optimizer_part", timeout_s=timeout_s, ranks=range(1, self.group.num_workers)):
+                state["optimizer"]["state"].update(part)
+        return state
+
+    def leave_out(
+        self,
+        ranks: list[int],
+        *,
+        recover: dict[int, int] | None = None,
+        lost: bool = False,
+        restore: Any = None,
+    ) -> None:
+        """Every other worker leaves the group, `ranks` are stopped, the rest renumbered, and the group
+        re-formed. Workers that were `lost` (dead, or stopped and about to be killed) are not asked anything,
+        and a replacement may later start in their place; workers left out by choice are not replaced.
+
+        `recover` (after a failed round): each survivor's committed steps by rank. Survivors go back to
+        their last committed state, and those behind the most advanced one receive its state before the
+        group forms again, so every replica continues from the same step. `restore`: a state (an object
+        ref) every worker loads instead, e.g. the last checkpoint when a slice of a sharded optimizer died
+        with its worker. A sharded optimizer left whole is re-split among the workers that are left."""
         keep = [r for r in range(self.group.num_workers) if r not in ranks]
-        method = "rollback" if rollback else "leave"
+        wait_s = setup_wait_s()
+        if restore is None and self.shards_optimizer and not lost:
+            restore = ray.put(self.full_state(wait_s))
+        method = "recover" if recover is not None and restore is None else "leave"
         self.group.call(method, timeout_s=env_float(COLLECTIVE_TIMEOUT_S), ranks=keep)
         self.group.drop(ranks, replaceable=lost)
+        if restore is not None:
+            self.group.call("load_training_state", restore, None, timeout_s=wait_s)
+        elif recover:
+            renumbered = {old: new for new, old in enumerate(keep)}
+            source, behind = recovery_source({r: recover[r] for r in keep})
+            self._copy_state(renumbered[source], [renumbered[r] for r in behind])
         self.form()
+
+    def start_replacements(self) -> None:
+        """Start replacements for lost workers now (they build while training goes on; `admit` takes them in
+        at a round boundary once built): a process takes seconds to start, longer on a busy machine."""
+        self.group.start_replacements(self.task_factory)
+
+    def _copy_state(self, source: int, targets: list[int]) -> None:
+        """Rank `source`'s training state into `targets` (outside any group), straight through the object
+        store: the driver never holds it."""
+        if not targets:
+            return
+        wait_s = setup_wait_s()
+        ref = self.group.actors[source].training_state.remote()
+        ray.get([self.group.actors[t].load_training_state.remote(ref, None) for t in targets], timeout=wait_s)
 
     def admit(self, global_batch: int) -> Joined:
         """Between rounds: replacements whose replica is built (a node that came back, a restarted process)
         pass preflight against rank 0, load the data, are measured, receive rank 0's current training state
-        and join the re-formed group as the last ranks."""
+        and join the re-formed group as the last ranks (a sharded optimizer is re-split over all of them)."""
         joining, refused = self._vet(self.group.poll_replacements(self.task_factory))
         if not joining:
             return Joined([], refused)
         group, wait_s = self.group, setup_wait_s()
-        state_ref = ray.put(group.call("training_state", timeout_s=wait_s, ranks=[0])[0])
+        if self.shards_optimizer:
+            state_ref = ray.put(self.full_state(wait_s))
+        else:
+            state_ref = group.actors[0].training_state.remote()  # straight to the replacements, not via the driver
         n = group.num_workers + len(joining)
         probes = []
         for spec, actor in joining:
@@ -127,6 +192,8 @@ class GroupOps:
         first = group.num_workers
         for spec, actor in joining:
             group.admit(spec, actor)
+        if self.shards_optimizer:
+            group.call("load_training_state", state_ref, None, timeout_s=wait_s, ranks=range(first))
         self.form()
         infos = group.call("info", timeout_s=wait_s, ranks=list(range(first, group.num_workers)))
         return Joined(list(zip(infos, probes)), refused)

@@ -33,7 +33,9 @@ class RoundLedger:
         if not math.isfinite(local_loss):
             r.nonfinite_steps.append(step)
 
-    def close(self, plan: RoundPlan, sync: RoundSync, memory_bytes: int | None) -> WorkerReport:
+    def close(
+        self, plan: RoundPlan, sync: RoundSync, memory_bytes: int | None, state_bytes: dict[str, int]
+    ) -> WorkerReport:
         """The round's end: the last results, the replicas' drift, wall time and memory; logged once."""
         r = self.report
         self._take(sync.done)
@@ -41,7 +43,8 @@ class RoundLedger:
         r.sent_bytes += sync.sent_bytes
         r.drift, r.rebroadcast, r.round_comm_s = sync.drift, sync.rebroadcast, sync.comm_s
         r.wall_s = time.perf_counter() - self._started
-        r.memory_bytes = memory_bytes
+        r.memory_bytes, r.state_bytes = memory_bytes, state_bytes
+        r.committed_steps = self.committed_steps
         worker_log.log.info(
             "epoch %d steps %d-%d: %d samples, %.3f s compute, %.3f s in collectives, %.3f s wall",
             plan.epoch,
@@ -52,6 +55,19 @@ class RoundLedger:
             sum(r.comm_s) + r.round_comm_s,
             r.wall_s,
         )
+        return r
+
+    @property
+    def committed_steps(self) -> int:
+        """Steps whose global result this worker has seen (every rank agreed on their update)."""
+        return len(self.report.losses)
+
+    def abort(self, peer_lost: str, committed: int) -> WorkerReport:
+        """The round failed on a lost peer: what this worker did, and how many steps of it stand."""
+        r = self.report
+        r.peer_lost, r.committed_steps = peer_lost, committed
+        r.wall_s = time.perf_counter() - self._started
+        worker_log.log.warning("round failed after %d committed steps: %s", committed, peer_lost)
         return r
 
     def _take(self, done: list[StepResult]) -> None:

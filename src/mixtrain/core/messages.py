@@ -90,6 +90,8 @@ class ProbeResult:
     """The micro-batch it was timed at."""
     memory_cap: int | None
     """The largest micro-batch to run (None: no limit found up to the global batch)."""
+    peak_bytes: int | None = None
+    """Device memory at its peak while timing `batch` (CUDA), or the process's peak resident set (CPU)."""
 
 
 @dataclass(frozen=True)
@@ -142,6 +144,11 @@ class WorkerReport:
     sent_bytes: int = 0
     """Gradient or delta bytes this worker sent (wire size; buffers and drift checks not counted)."""
     memory_bytes: int | None = None
-    """Memory this worker held on its device at the round's end (CUDA: the round's peak; CPU: the RSS)."""
+    """Memory this worker held on its device (CUDA: the round's peak; CPU: the process's peak resident set)."""
+    state_bytes: dict[str, int] = field(default_factory=dict)
+    """What the replica holds, by part: weights, grads, optimizer (this rank's slice when sharded), strategy."""
     peer_lost: str = ""
-    """Set when a collective failed because a peer died or stopped answering; the round is void."""
+    """Set when a collective failed because a peer died or stopped answering; the round did not finish."""
+    committed_steps: int = 0
+    """How many of the round's steps stand should the round turn out failed (a peer lost): this replica's
+    committed steps; all of them after a round it finished; 0 under parameter servers (rounds are redone whole)."""

@@ -3,22 +3,23 @@
 from __future__ import annotations
 
 from statistics import fmean
+from typing import Any
 
 from mixtrain.core.messages import RoundPlan, WorkerReport
 
 
-def worker_times(reports: list[WorkerReport]) -> list[dict[str, float | None]]:
+def worker_times(reports: list[WorkerReport]) -> list[dict[str, Any]]:
     """Compute, wait and communication seconds per worker for a round.
 
     Waiting is not measured inside the all-reduce (that would cost another collective per
     step); it is derived: at each step a worker waits for the slowest one, so its wait is
     max_j compute_j - compute_i, and the rest of its collective time is communication.
     """
-    num_steps = len(reports[0].compute_s)
-    slowest = [max(r.compute_s[t] for r in reports) for t in range(num_steps)]
+    num_steps = max(len(r.compute_s) for r in reports)  # after a lost peer, survivors may differ by a step
+    slowest = [max(r.compute_s[t] for r in reports if t < len(r.compute_s)) for t in range(num_steps)]
     out = []
     for r in reports:
-        wait = sum(slowest[t] - r.compute_s[t] for t in range(num_steps))
+        wait = sum(slowest[t] - c for t, c in enumerate(r.compute_s))
         comm = max(0.0, sum(r.comm_s) + r.round_comm_s - wait)
         out.append(
             {
@@ -29,32 +30,42 @@ def worker_times(reports: list[WorkerReport]) -> list[dict[str, float | None]]:
                 "sent_bytes": r.sent_bytes,
                 "max_staleness": max(r.staleness, default=0),
                 "memory_bytes": r.memory_bytes,
+                "state_bytes": r.state_bytes,
             }
         )
     return out
 
 
-def summarize_round(plan: RoundPlan, reports: list[WorkerReport], wall_s: float) -> dict:
-    """The record of one round as it goes into metrics.jsonl."""
+def summarize_round(
+    plan: RoundPlan, reports: list[WorkerReport], wall_s: float, partial: tuple[int, int] | None = None
+) -> dict:
+    """The record of one round as it goes into metrics.jsonl. `partial`: (steps, samples) that stand of a
+    round a lost peer cut short; `reports` are then the survivors' (the same steps' global results)."""
     reports = sorted(reports, key=lambda r: r.rank)
-    samples = sum(r.samples for r in reports)
-    return {
+    num_steps, samples = partial if partial is not None else (plan.num_steps, sum(r.samples for r in reports))
+    lead = max(reports, key=lambda r: len(r.losses))  # every rank's global results agree; some may lag
+    losses = lead.losses[:num_steps]
+    last = plan.first_step + num_steps
+    record = {
         "epoch": plan.epoch,
         "first_step": plan.first_step,
-        "num_steps": plan.num_steps,
+        "num_steps": num_steps,
         "samples": samples,
-        "loss": fmean(reports[0].losses),
-        "last_loss": reports[0].losses[-1],
+        "loss": fmean(losses),
+        "last_loss": losses[-1],
         "samples_per_s": samples / wall_s if wall_s > 0 else 0.0,
         "wall_s": wall_s,
-        "skipped_steps": reports[0].skipped_steps,
-        "nonfinite_steps": [r.nonfinite_steps for r in reports],
+        "skipped_steps": [s for s in lead.skipped_steps if s < last],
+        "nonfinite_steps": [[s for s in r.nonfinite_steps if s < last] for r in reports],
         "drift": max(r.drift for r in reports),
         "rebroadcast": reports[0].rebroadcast,
         "shares": list(plan.shares),
         "grad_norm": _mean_norm(reports),
         "workers": worker_times(reports),
     }
+    if partial is not None:
+        record["partial"] = True
+    return record
 
 
 def _mean_norm(reports: list[WorkerReport]) -> float | None:

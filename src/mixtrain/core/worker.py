@@ -15,8 +15,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from mixtrain import checkpoint, compat, devices
+from mixtrain import compat, devices
 from mixtrain.comm import netif, process_group, registry
+from mixtrain.comm.state_transfer import pack, unpack
 from mixtrain.comm.strategy import JoinContext, SyncStrategy
 from mixtrain.config import StrategyConfig
 from mixtrain.core import evaluation, probe
@@ -96,7 +97,6 @@ class TrainWorker:
         self.data = WorkerData.empty()
         self._strategy: SyncStrategy | None = None
         self._rendezvous: process_group.Rendezvous | None = None
-        self._snapshot: dict | None = None  # the training state at the start of the round in flight
         self._loaded: dict | None = None  # a checkpoint's loss scale and strategy state, until join() applies them
 
     @property
@@ -202,14 +202,20 @@ class TrainWorker:
                 # the optimizer's state is not allocated yet and allocators fragment: keep a margin
                 cap = None if found >= limit else max(1, int(found * MEMORY_MARGIN))
             batch = min(guess, cap) if cap else guess
+            self.kind.reset_peak_memory(self.device.index or 0)
             step_s = probe.time_steps(self._probe_step, batch)
+            peak = self.kind.memory_in_use(self.device.index or 0)
         with torch.no_grad():
             for name, b in model.named_buffers():
                 b.copy_(buffers[name])
         model.zero_grad(set_to_none=True)
         self._sec_per_sample = step_s / batch
         return ProbeResult(
-            rank=self.rank, samples_per_s=batch / (step_s * max(slowdown, 1.0)), batch=batch, memory_cap=cap
+            rank=self.rank,
+            samples_per_s=batch / (step_s * max(slowdown, 1.0)),
+            batch=batch,
+            memory_cap=cap,
+            peak_bytes=peak,
         )
 
     def _probe_step(self, batch: int) -> None:
@@ -252,6 +258,8 @@ class TrainWorker:
         backend: str = "gloo",
         loss_scaling: bool = False,
         servers: tuple = (),
+        fresh_state: bool = True,
+        shard_optimizer: tuple[float, ...] | None = None,
     ) -> None:
         store = self._rendezvous.store if self.rank == 0 and self._rendezvous is not None else None
         netif.pin_interface(self.host, backend)
@@ -268,10 +276,14 @@ class TrainWorker:
             store=store,
         )
         previous, self._strategy = self._strategy, registry.make(strategy)
-        if previous is not None:  # a re-formed group keeps the strategy's state (the same on every rank)
+        loaded, self._loaded = self._loaded, None
+        # A re-formed group keeps the strategy's state (the same on every rank), unless state was just loaded
+        # (a resume, a replacement, a survivor that fell behind, a sharded optimizer re-split).
+        if loaded is not None:
+            self.strategy.load_state_dict(unpack(loaded["strategy"], copy=True))
+            self.strategy.load_optimizer_state(self.task, loaded["optimizer"])
+        elif previous is not None:
             self.strategy.load_state_dict(previous.state_dict())
-        elif self._loaded is not None and self._loaded["strategy"]:  # a replacement: what it loaded with the state
-            self.strategy.load_state_dict(self._loaded["strategy"])
         ctx = JoinContext(
             bucket_bytes=bucket_bytes,
             loss_scaling=loss_scaling,
@@ -279,12 +291,26 @@ class TrainWorker:
             world_size=self.world_size,
             timeout_s=collective_timeout_s,
             servers=tuple(servers),
+            fresh_state=fresh_state,
+            shard_weights=self._shard_weights(shard_optimizer),
         )
         self.strategy.setup(self.task, ctx)
-        if previous is not None:  # and the job-wide loss scale
+        if loaded is not None:  # and the job-wide loss scale
+            self.strategy.loss_scale.load_state_dict(loaded["loss_scale"])
+        elif previous is not None:
             self.strategy.loss_scale = previous.loss_scale
-        elif self._loaded is not None and self._loaded["loss_scale"]:
-            self.strategy.loss_scale.load_state_dict(self._loaded["loss_scale"])
+
+    def _shard_weights(self, requested: tuple[float, ...] | None) -> tuple[float, ...] | None:
+        """Per rank, how much optimizer state to hold: the user's figures, or (an empty tuple) every rank's
+        free memory, gathered here. None: the optimizer is not sharded."""
+        if requested is None or requested:
+            return requested
+        free = self.kind.memory(self.device.index or 0)[1]
+        mine = torch.tensor([float(free or 0)], dtype=torch.float64)
+        everyone = [torch.zeros_like(mine) for _ in range(self.world_size)]
+        torch.distributed.all_gather(everyone, mine)
+        weights = tuple(float(t) for t in everyone)
+        return weights if all(w > 0 for w in weights) else (1.0,) * self.world_size  # unknown: equal slices
 
     def load_data(self, train: Arrays | Loader, evaluation: Arrays | Loader | None) -> DataReport:
         """Open the training and held-out data here: in-memory fields from the object store, or a Dataset
@@ -295,18 +321,24 @@ class TrainWorker:
 
     # ---- training ---------------------------------------------------------------------------
     def run_round(self, plan: RoundPlan) -> WorkerReport:
-        """Run the round's steps. If a collective fails because a peer died or stopped answering, the
-        round is void: the report says so (peer_lost) and `rollback` restores the state it started from."""
-        self._snapshot = self._training_state(clone=True)
+        """Run the round's steps. If a collective fails because a peer died or stopped answering, the report
+        says so (peer_lost) with how many of the round's steps this replica committed; the driver then calls
+        `recover` and hands the most advanced survivor's state to those behind. No copy of the training state
+        is kept for this: committed steps are the same on every replica that saw them."""
+        ledger = RoundLedger(self.rank)
+        self.strategy.begin_round(self.task)
         try:
-            return self._run_round(plan)
+            report = self._run_round(plan, ledger)
         except Exception as exc:
             if not process_group.is_peer_failure(exc):
                 raise
-            return WorkerReport(rank=self.rank, peer_lost=str(exc).splitlines()[0][:300])
+            committed = ledger.committed_steps if self.strategy.keeps_partial_rounds else 0
+            return ledger.abort(str(exc).splitlines()[0][:300], committed)
+        if not self.strategy.keeps_partial_rounds:  # should a peer fail before the driver hears, all is redone
+            report.committed_steps = 0
+        return report
 
-    def _run_round(self, plan: RoundPlan) -> WorkerReport:
-        ledger = RoundLedger(self.rank)
+    def _run_round(self, plan: RoundPlan, ledger: RoundLedger) -> WorkerReport:
         index = self.device.index or 0
         self.kind.reset_peak_memory(index)
         steps = self.data.round_chunks(plan, self.rank)
@@ -323,7 +355,17 @@ class TrainWorker:
             ledger.step_done(step, outcome, time.perf_counter() - t0, num_samples, local_loss)
         weight = plan.shares[self.rank] / sum(plan.shares)  # for buffer averaging: this rank's part of the round
         sync = self.strategy.end_round(self.task, weight, plan.drift_tolerance)
-        return ledger.close(plan, sync, self.kind.memory_in_use(index))
+        return ledger.close(plan, sync, self.kind.memory_in_use(index), self._state_bytes())
+
+    def _state_bytes(self) -> dict[str, int]:
+        """What this replica holds, by part: weights (and buffers), gradients, optimizer state, strategy state."""
+        model = self.task.model
+        tensors = [*model.parameters(), *model.buffers()]
+        return {
+            "weights": sum(t.numel() * t.element_size() for t in tensors),
+            "grads": sum(p.grad.numel() * p.grad.element_size() for p in model.parameters() if p.grad is not None),
+            **self.strategy.state_bytes(self.task),
+        }
 
     def _emulate_slowdown(self, plan: RoundPlan, num_samples: int) -> None:
         """EMULATION of a slower device (MIXTRAIN_EMULATE_SLOWDOWN), off by default: sleep before computing,
@@ -364,21 +406,23 @@ class TrainWorker:
         return dict(sums)
 
     # ---- checkpoints, resume and recovery ---------------------------------------------------
-    def _training_state(self, clone: bool = False) -> dict:
-        """Everything a step changes: weights, optimizer, scheduler, the job-wide loss scale."""
+    def training_state(self) -> dict:
+        """Everything a step changes, packed for the object store (state_transfer): weights, optimizer
+        (gathered where the strategy keeps it elsewhere), scheduler, the job-wide loss scale and the
+        strategy's own state. For checkpoints, replacements and survivors that fell behind."""
         t = self.task
         state = {
             "model": t.model.state_dict(),
-            "optimizer": t.optimizer.state_dict(),
+            "optimizer": self.strategy.optimizer_state(t),
             "scheduler": t.scheduler.state_dict() if t.scheduler is not None else None,
             "loss_scale": self.strategy.loss_scale.state_dict(),
             "strategy": self.strategy.state_dict(),
         }
-        return copy.deepcopy(state) if clone else state
+        return pack(state)
 
-    def training_state(self) -> dict:
-        """For a checkpoint: the training state with every tensor on the CPU."""
-        return checkpoint.to_cpu(self._training_state())
+    def optimizer_part(self) -> dict:
+        """This rank's slice of a sharded optimizer's state (by the optimizer's parameter numbers), packed."""
+        return pack(self.strategy.optimizer_state(self.task)["state"])
 
     def rng_state(self) -> dict:
         """This worker's random streams (dropout and the like), on the CPU."""
@@ -389,29 +433,31 @@ class TrainWorker:
         return out
 
     def load_training_state(self, state: dict, rng: dict | None = None) -> None:
-        """Continue from a checkpoint (or a snapshot): every rank loads the same state."""
+        """Continue from `state` (a checkpoint's, or another replica's): weights and scheduler now; optimizer,
+        loss scale and the strategy's own state when the group forms next (join), which always follows, so a
+        sharded optimizer keeps only its slice."""
         t = self.task
-        t.model.load_state_dict(state["model"])
-        t.optimizer.load_state_dict(state["optimizer"])
+        t.model.load_state_dict(unpack(state["model"]))  # copies into the parameters
         if t.scheduler is not None and state.get("scheduler") is not None:
-            t.scheduler.load_state_dict(state["scheduler"])
-        self._loaded = {"loss_scale": state["loss_scale"], "strategy": state.get("strategy") or {}}
-        if self._strategy is not None:  # otherwise join() applies it (a replacement loads before joining)
-            self._strategy.loss_scale.load_state_dict(self._loaded["loss_scale"])
-            self._strategy.load_state_dict(self._loaded["strategy"])
+            t.scheduler.load_state_dict(unpack(state["scheduler"], copy=True))
+        self._loaded = {
+            "optimizer": state["optimizer"],
+            "loss_scale": state["loss_scale"],
+            "strategy": state.get("strategy") or {},
+        }
         if rng is not None:
             torch.set_rng_state(rng["cpu"])
             if self.kind.kind in rng:  # the device's own stream, when the checkpoint has one for this kind
                 self.kind.set_rng_state(rng[self.kind.kind])
 
-    def rollback(self) -> None:
-        """Back to the state at the start of the failed round, and out of the broken group."""
-        assert self._snapshot is not None, "rollback() is only called after a failed round"
-        self.load_training_state(self._snapshot)
+    def recover(self) -> None:
+        """After a failed round: back to this replica's last committed state, and out of the broken group."""
+        self.strategy.recover(self.task)
         self.leave()
 
-    def state_dict(self) -> dict[str, torch.Tensor]:
-        return {k: v.detach().to("cpu").clone() for k, v in self.task.model.state_dict().items()}
+    def state_dict(self) -> dict:
+        """The model's weights and buffers, packed (the driver unpacks them)."""
+        return pack(self.task.model.state_dict())
 
     def log_text(self) -> tuple[str, str] | None:
         """(file name, the end of this worker's log) when it was written on another node than the driver's,

@@ -210,13 +210,17 @@ class WorkerGroup:
             )
         return results, lost
 
-    def poll_replacements(self, task_factory: Any) -> list[tuple[placement.WorkerSpec, Any, Any]]:
-        """Start a replacement actor in every vacant bundle (once each) and return those whose replica is
-        built. Never blocks: a bundle on a node that is gone waits until Ray can place it again."""
+    def start_replacements(self, task_factory: Any) -> None:
+        """Start a replacement actor in every vacant bundle that has none yet; it builds its replica in the
+        background. Never blocks: a bundle on a node that is gone waits until Ray can place it again."""
         for spec in self.vacant:
             if spec.rank not in self._pending:
                 actor = self._make_actor(spec, -1, 0)
                 self._pending[spec.rank] = (spec, actor, actor.build.remote(task_factory))
+
+    def poll_replacements(self, task_factory: Any) -> list[tuple[placement.WorkerSpec, Any, Any]]:
+        """Start replacements where none runs yet, and return those whose replica is built."""
+        self.start_replacements(task_factory)
         ready = []
         for bundle, (spec, actor, ref) in list(self._pending.items()):
             if not ray.wait([ref], timeout=0)[0]:

@@ -81,7 +81,8 @@ class DeviceKind(ABC):
 
     @abstractmethod
     def memory_in_use(self, index: int = 0) -> int | None:
-        """Bytes this process holds on the device now (None where the platform does not tell); the
+        """Bytes this process holds on the device: its peak (CUDA: since the round started; CPU: since the
+        process started) or, where no peak is kept, now (MPS). None where the platform does not tell. The
         progress rows and metrics.jsonl show it per round."""
 
     def reset_peak_memory(self, index: int = 0) -> None:  # noqa: B027 - only CUDA tracks a resettable peak

@@ -21,6 +21,18 @@ def _cpu_name() -> str:
     return platform.processor() or platform.machine() or "CPU"
 
 
+def _peak_rss() -> int | None:
+    """VmHWM from /proc/self/status (not ru_maxrss, which a child inherits from its parent across exec)."""
+    try:
+        with open("/proc/self/status", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
 class CpuDevice(DeviceKind):
     kind = "cpu"
     probes_memory = False
@@ -45,7 +57,11 @@ class CpuDevice(DeviceKind):
             return None, None
 
     def memory_in_use(self, index: int = 0) -> int | None:
-        """The process's resident set: model, optimizer state, activations and the Python heap."""
+        """The process's peak resident set so far (Linux; elsewhere the resident set now): model, optimizer
+        state, activations, the Python heap, and object-store pages this process wrote or read."""
+        peak = _peak_rss()
+        if peak is not None:
+            return peak
         try:
             import psutil
 

@@ -10,7 +10,7 @@ from rich.live import Live
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 from rich.table import Table
 
-from mixtrain.core.messages import LeftOut, WorkerInfo
+from mixtrain.core.messages import LeftOut, ProbeResult, WorkerInfo
 from mixtrain.core.rounds import device_samples_per_s, time_split
 from mixtrain.policies.planner import Plan
 
@@ -105,6 +105,21 @@ class ProgressView:
         if self._last is not None:  # the last rows stay on the terminal (and in captured logs)
             self.console.print("last round, per device:")
             self.console.print(device_table(self._last))
+
+
+def probe_memory_line(workers: Sequence[WorkerInfo], probes: Sequence[ProbeResult]) -> str:
+    """What each device held while the start-up probe timed its micro-batch (before any optimizer state)."""
+    parts = [f"worker {i} {format_bytes(p.peak_bytes)} at micro-batch {p.batch}" for i, p in enumerate(probes)]
+    return "memory at start (peak while measuring, no optimizer state yet): " + "; ".join(parts)
+
+
+def state_memory_line(record: dict[str, Any]) -> str:
+    """After a round: each worker's peak and what its replica holds (a sharded optimizer shows its slice)."""
+    parts = []
+    for i, w in enumerate(record["workers"]):
+        held = ", ".join(f"{k} {format_bytes(v)}" for k, v in w.get("state_bytes", {}).items() if v)
+        parts.append(f"worker {i} peak {format_bytes(w.get('memory_bytes'))} ({held})")
+    return "memory per worker: " + "; ".join(parts)
 
 
 def plan_table(plan: Plan, workers: Sequence[WorkerInfo], title: str, left_out: Sequence[LeftOut] = ()) -> str:

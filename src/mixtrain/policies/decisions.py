@@ -8,11 +8,12 @@ the bring-up carry decisions out. No Ray, no I/O, no clock: every case is unit-t
 - `replan`: shares for the workers that are left after one is gone or one joins.
 - `FailureBudget`: how many lost-worker recoveries a run may make.
 - `NonFiniteStreak`: stop after too many NaN/Inf steps in a row, naming who produced them.
+- `recovery_source`: after a failed round, whose state the survivors continue from.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from mixtrain.policies.planner import Plan, largest_remainder, make_plan, needs_rebalance
@@ -197,3 +198,12 @@ class NonFiniteStreak:
                     f"{who or 'none (the summed gradients themselves overflowed)'}"
                 )
         return Noop()
+
+
+def recovery_source(committed: Mapping[int, int]) -> tuple[int, list[int]]:
+    """After a round a lost peer cut short, from each survivor's committed steps (by rank): the survivor
+    the others continue from (the most committed steps; the lowest rank among equals), and the survivors
+    behind it, which must take its state. A step's global result is the same on every replica that saw it,
+    so the most advanced survivor's state is a state every replica would have reached."""
+    source = min(committed, key=lambda r: (-committed[r], r))
+    return source, [r for r in sorted(committed) if committed[r] < committed[source]]

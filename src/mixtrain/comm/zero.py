@@ -1,0 +1,119 @@
+"""Optimizer state sharded across unequal devices (ZeRO stage 1, sized by memory).
+
+Every worker still holds the whole model and, after the all-reduce, the whole summed gradient.
+The optimizer state (AdamW's two moments: twice the weights) is what a small device cannot
+hold, so each worker keeps it for one contiguous run of the parameters only, its length set
+by the worker's weight (its free memory, or the user's figures): a 12 GB card takes more of
+it than an 8 GB MacBook. After the exchange each worker steps its own run with a private
+copy of the user's optimizer, then every owner broadcasts its updated run to the others.
+
+The math is the unsharded optimizer's: AdamW, SGD, Adam, ... update each parameter from its
+own gradient and state alone, so stepping a subset of the parameters changes nothing about
+them. The user's optimizer object stays the one the LR scheduler sees: before each step its
+groups' hyperparameters (lr, betas, weight decay) are copied into the shard's groups; it never
+steps and holds no state itself.
+
+Parameters are assigned whole, in order: a run is `params[lo:hi]`, so the parameter numbers of
+the user's optimizer stay valid keys for checkpoints and a different split can load them.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from mixtrain.comm import replicas
+from mixtrain.comm.state_transfer import unpack
+
+
+def split_runs(sizes: Sequence[int], weights: Sequence[float]) -> list[tuple[int, int]]:
+    """Contiguous runs [lo, hi) of parameters (by element count `sizes`) per rank, each rank's elements as
+    close to its fraction of `weights` as whole parameters allow. A rank with weight 0 owns nothing."""
+    if not weights or any(w < 0 for w in weights) or sum(weights) <= 0:
+        raise ValueError(f"optimizer shard weights {list(weights)} must be non-negative with a positive sum")
+    total = sum(sizes)
+    bounds = [0.0]
+    for w in weights:
+        bounds.append(bounds[-1] + total * w / sum(weights))
+    runs, lo, seen = [], 0, 0
+    for rank in range(len(weights)):
+        hi = lo
+        if rank == len(weights) - 1:
+            hi = len(sizes)
+        else:  # take parameters while the running total is nearer this rank's bound with them than without
+            while hi < len(sizes) and abs(seen + sizes[hi] - bounds[rank + 1]) <= abs(seen - bounds[rank + 1]):
+                seen += sizes[hi]
+                hi += 1
+        runs.append((lo, hi))
+        lo = hi
+    return runs
+
+
+def _constructor_defaults(optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """The optimizer's defaults its constructor takes (AdamW keeps `decoupled_weight_decay` in its defaults but
+    takes no such argument); the groups carry every hyperparameter anyway."""
+    accepted = inspect.signature(type(optimizer).__init__).parameters
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in accepted.values()):
+        return dict(optimizer.defaults)
+    return {k: v for k, v in optimizer.defaults.items() if k in accepted}
+
+
+class ShardedOptimizer:
+    """This rank's slice of the optimizer: a private instance of the user's optimizer class over its run."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, runs: list[tuple[int, int]], rank: int) -> None:
+        self.user = optimizer
+        self.params: list[torch.nn.Parameter] = [p for g in optimizer.param_groups for p in g["params"]]
+        self.runs = runs
+        self.rank = rank
+        lo, hi = runs[rank]
+        mine = {id(p) for p in self.params[lo:hi]}
+        groups = [
+            {**{k: v for k, v in g.items() if k != "params"}, "params": [p for p in g["params"] if id(p) in mine]}
+            for g in optimizer.param_groups
+        ]
+        self.local = type(optimizer)(groups, **_constructor_defaults(optimizer))  # same class, only this run
+        self.owned = range(lo, hi)
+
+    def step(self) -> None:
+        """Step this rank's run, then every owner broadcasts its run (one collective per rank)."""
+        for mine, theirs in zip(self.local.param_groups, self.user.param_groups):
+            for key, value in theirs.items():  # what the LR scheduler (or the user) changed since
+                if key != "params":
+                    mine[key] = value
+        if len(self.owned):
+            self.local.step()
+        for owner, (lo, hi) in enumerate(self.runs):
+            if hi > lo:
+                group = self.params[lo:hi]
+                flat = replicas.flat_on_host(group).to(replicas.comm_device())
+                dist.broadcast(flat, src=owner)
+                if owner != self.rank:
+                    replicas.unflatten_into(flat, group)
+
+    def state_part(self) -> dict[int, dict[str, Any]]:
+        """This rank's optimizer state keyed by the user's optimizer parameter numbers."""
+        state = self.local.state_dict()["state"]  # numbered 0.. over this run's parameters, in order
+        return {self.owned.start + i: s for i, s in state.items()}
+
+    def load_full(self, full: dict[str, Any]) -> None:
+        """From a full optimizer state_dict (a checkpoint's, packed or not): keep this rank's entries, copied (the
+        source may be read-only memory shared with other processes)."""
+        self.user.load_state_dict({"state": {}, "param_groups": full["param_groups"]})
+        sd = self.local.state_dict()
+        sd["state"] = {
+            i - self.owned.start: unpack(full["state"][i], copy=True) for i in self.owned if i in full["state"]
+        }
+        for mine, theirs in zip(sd["param_groups"], full["param_groups"]):
+            mine.update({k: v for k, v in theirs.items() if k != "params"})
+        self.local.load_state_dict(sd)
+
+    def state_bytes(self) -> int:
+        """Bytes of optimizer state this rank holds."""
+        return sum(
+            v.numel() * v.element_size() for s in self.local.state.values() for v in s.values() if torch.is_tensor(v)
+        )
