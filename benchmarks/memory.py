@@ -28,8 +28,8 @@ builds the model (the workers and the parameter-server shards); before the worke
 every recorder for a last reading and waits for it (a WorkerGroup subclass whose shutdown does that first), so
 the final state_dict is counted too. Result.workers maps pids to ranks; the driver's own peak is reported beside.
 VmHWM counts every resident page: torch's shared library text and the pages of Ray's object store that the
-process touched. Timestamps of the growth, matched with the run's rounds and checkpoints (metrics.jsonl), give
-the second table: where each mixtrain worker's peak grew.
+process touched. The thread also keeps VmRSS over time; matched with the run's rounds and checkpoints
+(metrics.jsonl), they give the second table: where each mixtrain process's memory goes, phase by phase.
 
 Fits under a cap: every DDP rank and mixtrain worker moves itself into its own cgroup v1 memory group, a child of
 this process's (/proc/self/cgroup), first thing (DDP: before importing torch; mixtrain: in the task factory).
@@ -81,6 +81,8 @@ RUNNERS = ("plain", "ddp", *(f"mx:{s}" for s in STRATEGIES), f"mx:allreduce{SHAR
 QUICK_RUNNERS = ("plain", "ddp", "mx:allreduce", f"mx:allreduce{SHARD}")
 FIT_RUNNERS = ("ddp", "mx:allreduce", f"mx:allreduce{SHARD}")
 SAMPLE_S = 0.05
+RSS_STEP_MB = 4.0
+RSS_EVERY_S = 0.5
 FLUSH = "flush"  # a file in the record folder: every recorder takes its last reading
 RECORDER_THREAD = "peak-rss-recorder"
 FIT_TIMEOUT_S = 300
@@ -161,7 +163,8 @@ class PeakRecorder(threading.Thread):
             "role": role,
             "peak_mb": 0.0,
             "marks": {"start": status_mb("VmRSS")},
-            "timeline": [],
+            "timeline": [],  # (time, VmHWM) whenever it grew
+            "rss": [],  # (time, VmRSS) whenever it moved by RSS_STEP_MB, and every RSS_EVERY_S
             "final": False,
         }
 
@@ -178,10 +181,13 @@ class PeakRecorder(threading.Thread):
 
     def sample(self, final: bool = False) -> None:
         with self.lock:
-            peak = status_mb("VmHWM")
+            peak, rss, now = status_mb("VmHWM"), status_mb("VmRSS"), time.time()
+            last = self.record["rss"][-1] if self.record["rss"] else (0.0, 0.0)
+            if abs(rss - last[1]) >= RSS_STEP_MB or now - last[0] >= RSS_EVERY_S:
+                self.record["rss"].append((now, rss))
             grew = peak > self.record["peak_mb"]
             if grew:
-                self.record["timeline"].append((time.time(), peak))
+                self.record["timeline"].append((now, peak))
                 self.record["peak_mb"] = peak
             if grew or (final and not self.record["final"]):
                 self.record["final"] = self.record["final"] or final
@@ -407,8 +413,9 @@ def run_one(args: argparse.Namespace) -> dict:
         records = read_records(Path(tmp))
     ranks = out.pop("ranks", None)
     if ranks is not None:  # mixtrain: a process that built the model is a worker, or else a parameter server
-        for r in records:
-            r["role"] = f"worker {ranks[str(r['pid'])]}" if str(r["pid"]) in ranks else "ps server"
+        servers = iter(range(len(records)))
+        for r in records:  # in pid order: the servers in the order they started
+            r["role"] = f"worker {ranks[str(r['pid'])]}" if str(r["pid"]) in ranks else f"ps server {next(servers)}"
     return {"runner": args.runner, "width": args.width, "params": num_params(args.width), "records": records, **out}
 
 
@@ -437,8 +444,8 @@ def run_subprocess(runner: str, width: int, steps: int, cap: tuple[Path, float] 
 
 def peaks_of(out: dict) -> dict[str, Any]:
     """Per-worker peaks in rank order, the other processes' (ps servers), the driver's, and RSS once built."""
-    workers = sorted((r for r in out["records"] if r["role"] != "ps server"), key=lambda r: r["role"])
-    servers = [r for r in out["records"] if r["role"] == "ps server"]
+    workers = sorted((r for r in out["records"] if not r["role"].startswith("ps")), key=lambda r: r["role"])
+    servers = [r for r in out["records"] if r["role"].startswith("ps")]
     return {
         "workers": [r["peak_mb"] for r in workers],
         "servers": [r["peak_mb"] for r in servers],
@@ -461,16 +468,19 @@ def phase_at(t: float, events: list[dict]) -> str:
     return "round 1" if following is rounds[0] else "later rounds"
 
 
-def growth_of(out: dict) -> dict[str, dict[str, float]]:
-    """Per mixtrain worker: VmHWM when the factory ran, then how much each phase of the run added."""
-    grown: dict[str, dict[str, float]] = {}
-    for r in sorted(out["records"], key=lambda r: r["role"]):
-        timeline = r["timeline"]
-        phases = dict.fromkeys(PHASES, 0.0)
-        for (_, before), (t, after) in itertools.pairwise(timeline):
-            phases[phase_at(t, out["events"])] += after - before
-        grown[r["role"]] = {"at factory": timeline[0][1], **phases, "peak": r["peak_mb"]}
-    return grown
+def phases_of(record: dict, events: list[dict]) -> dict[str, Any]:
+    """One mixtrain process: VmHWM when the factory ran, then per phase the most VmRSS sampled in it (the level
+    it came in with counts) and how much the phase raised VmHWM."""
+    rss_max = dict.fromkeys(PHASES, 0.0)
+    level = 0.0
+    for t, rss in record["rss"]:
+        phase = phase_at(t, events)
+        rss_max[phase] = max(rss_max[phase], rss, level)
+        level = rss
+    grew = dict.fromkeys(PHASES, 0.0)
+    for (_, before), (t, after) in itertools.pairwise(record["timeline"]):
+        grew[phase_at(t, events)] += after - before
+    return {"at factory": record["timeline"][0][1], "rss_max": rss_max, "grew": grew, "peak": record["peak_mb"]}
 
 
 def median_of(items: list[Any]) -> Any:
@@ -523,27 +533,35 @@ def peak_table(results: dict) -> str:
                 mb(p["built"]),
                 mb([p["driver"]] if p["driver"] else []),
                 mb(p["servers"]),
-                str(p["mid_run_checkpoints"]) if runner.startswith("mx:") else "-",
+                f"{p['mid_run_checkpoints']:.0f}" if runner.startswith("mx:") else "-",
             ]
             lines.append(f"| {' | '.join(cells)} |")
     return "\n".join(lines)
 
 
-def growth_table(results: dict) -> str:
-    columns = ("at factory", *PHASES, "peak")
+def phase_cell(rss_max: float, grew: float) -> str:
+    return f"{rss_max:,.0f} (+{grew:,.0f})" if rss_max else "-"  # no sample: a short phase, RSS flat
+
+
+def phase_table(results: dict) -> str:
     lines = [
-        "Where each mixtrain worker's peak (VmHWM, MB) grew: its value when the task factory ran, then what each "
-        "phase added",
-        f"| workload | runner | worker | {' | '.join(columns)} |",
-        "|---|---|---|" + "---:|" * len(columns),
+        "Where mixtrain's memory goes, per process: VmHWM when the task factory ran; per phase, the most VmRSS "
+        "sampled in it and in brackets what it added to VmHWM (once a phase has raised VmHWM, later phases show only "
+        "what they add above it; -: no sample in that phase); MB",
+        f"| workload | runner | process | at factory | {' | '.join(PHASES)} | peak |",
+        "|---|---|---|" + "---:|" * (len(PHASES) + 2),
     ]
     for workload, by_runner in results.items():
         for runner, outs in by_runner.items():
             if not runner.startswith("mx:"):
                 continue
-            for role, g in median_of([growth_of(o) for o in outs]).items():
-                cells = " | ".join(f"{g[c]:,.0f}" for c in columns)
-                lines.append(f"| {workload} | {runner} | {role} | {cells} |")
+            per_run = [{r["role"]: phases_of(r, o["events"]) for r in o["records"]} for o in outs]
+            for role, p in sorted(median_of(per_run).items()):
+                cells = [phase_cell(p["rss_max"][ph], p["grew"][ph]) for ph in PHASES]
+                lines.append(
+                    f"| {workload} | {runner} | {role} | {p['at factory']:,.0f} | {' | '.join(cells)} "
+                    f"| {p['peak']:,.0f} |"
+                )
     return "\n".join(lines)
 
 
@@ -666,7 +684,7 @@ def main() -> None:
         runners = available(args.runners.split(",") if args.runners else list(QUICK_RUNNERS if args.quick else RUNNERS))
         raw["peaks"] = measure_peaks(workloads, runners, steps, args.repeats)
         print(peak_table(raw["peaks"]), flush=True)
-        print(growth_table(raw["peaks"]), flush=True)
+        print(phase_table(raw["peaks"]), flush=True)
     if not args.skip_fit_search:
         cap_mb = args.cap_gb * 1024
         bisect_steps = args.bisect_steps if args.bisect_steps is not None else 0 if args.quick else 3
