@@ -2,7 +2,7 @@
 side by side in one run; then the largest MLP that trains with every worker capped (cgroup v1 memory limit).
 
 Command lines:
-    make bench-memory                                          # both parts, one repeat (about 20 min here)
+    make bench-memory                                          # both parts, one repeat (25 min on 2 cores)
     python benchmarks/memory.py --quick                        # smoke run: small models, one runner per kind
     python benchmarks/memory.py --repeats 3 --skip-fit-search  # peaks only, medians of 3
     python benchmarks/memory.py --workloads mlp-12m --runners ddp,mx:allreduce,mx:ps
@@ -208,7 +208,7 @@ def start_recorder(record_dir: str, role: str) -> PeakRecorder:
 
 
 def read_records(record_dir: Path) -> list[dict]:
-    return [json.loads(p.read_text()) for p in sorted(record_dir.glob("*.json"))]
+    return sorted((json.loads(p.read_text()) for p in record_dir.glob("*.json")), key=lambda r: r["pid"])
 
 
 def request_final_readings(record_dir: Path, wait_s: float = 5.0) -> None:
