@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 # The pinned CPU build of torch first: an unpinned torch pulls several GB of CUDA packages.
 TORCH ?= torch==2.13.0
 
-.PHONY: install install-dev demo test test-fast lint bench bench-strategies clean gpu-bundle gpu-check
+.PHONY: install install-dev demo test test-fast lint bench bench-strategies bench-memory clean gpu-bundle gpu-check
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -45,6 +45,12 @@ bench-strategies: install
 	$(BIN)/python benchmarks/compare.py --workloads mlp,cnn --runners ddp,mx:allreduce,mx:ps \
 		--json bench_results/ps_vs_allreduce.json
 	$(BIN)/python benchmarks/slow_link.py --strategies allreduce,allreduce+bf16,ps,ps-async:2,local-sgd:8,local-sgd:8+bf16
+
+# Peak resident memory per worker process (one plain process, torchrun DDP, every mixtrain strategy) on a 12.6M
+# and a 50M-parameter MLP, then the largest MLP that trains with each worker capped at 1.5 GB (a cgroup v1
+# memory limit per worker: needs root; --skip-fit-search without). Raw results: bench_results/memory.json
+bench-memory: install
+	$(BIN)/python benchmarks/memory.py
 
 # The GPU check (README, "What runs where"). Here, where pip works: `make gpu-bundle` builds .gpu-bundle/
 # (Ray without its unused parts, the few packages the GPU image lacks, mixtrain's wheel; about 20 MiB) for
