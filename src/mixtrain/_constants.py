@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 
 # (environment variable, default) pairs. Seconds unless the name says otherwise.
@@ -45,6 +46,8 @@ def env_float(pair: tuple[str, float]) -> float:
         value = float(raw)
     except ValueError:
         raise ValueError(f"{name}={raw!r} is not a number; set it to a positive number (default {default})") from None
-    if value <= 0:
-        raise ValueError(f"{name}={raw!r} must be positive (default {default})")
+    # float() takes "nan" and "inf": a NaN timeout compares false with everything (a deadline that never
+    # passes, a threshold never crossed) and an infinite one waits forever, so both are refused here.
+    if not math.isfinite(value) or value <= 0:
+        raise ValueError(f"{name}={raw!r} must be a positive, finite number (default {default})")
     return value
