@@ -15,7 +15,7 @@ Command lines:
     mixtrain devices
     mixtrain env                                           # everything a bug report needs
     mixtrain cluster up --interface eth0                   # on the desktop: prints the join command
-    mixtrain cluster join 192.168.1.10:6379 --token TOKEN  # on the Mac
+    mixtrain cluster join 192.168.1.10:6379 --token-file auth_token   # on the Mac, with the head's token file
     mixtrain cluster status
     mixtrain cluster down
 """
@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING
 from mixtrain.config import BACKENDS, COMPRESSION, NUMERICS_CHECKS, PRECISIONS, STRATEGY_NAMES
 
 if TYPE_CHECKING:  # the CLI imports torch and Ray only for the commands that need them
+    from mixtrain.cluster.state import NodeState
     from mixtrain.job import Job
     from mixtrain.trainer import Trainer
 
@@ -229,12 +230,29 @@ def _add_cluster_parser(sub: argparse._SubParsersAction) -> None:
         p.add_argument("--num-cpus", type=_positive_int, help="CPUs this node offers (default: all)")
         p.add_argument("--temp-dir", help="Ray's temporary folder on this node (default /tmp/ray)")
 
-    up = verbs.add_parser("up", help="start the head node here (token authentication, dashboard on loopback)")
+    up = verbs.add_parser(
+        "up",
+        help="start the head node here (token authentication, proven before it returns)",
+        description="Start the head node here with token authentication on (the head must refuse a call without "
+        "the token, or it is stopped again), without the Ray Client server, the dashboard or metrics export. The "
+        "token is kept in $MIXTRAIN_HOME/auth_token (mode 0600) and never printed. Ray sends it unencrypted: on a "
+        "network you do not trust, use a WireGuard/Tailscale interface (--interface) or Ray's TLS.",
+    )
     up.add_argument("--port", type=_positive_int, default=6379, help="the head's port (default 6379)")
+    up.add_argument("--dashboard", action="store_true", help="start Ray's dashboard too, on 127.0.0.1 only")
     node_flags(up)
-    join = verbs.add_parser("join", help="join this machine to a head")
+    join = verbs.add_parser(
+        "join",
+        help="join this machine to a head",
+        description="Join this machine to the head at ADDRESS. Give the head's token file with --token-file PATH "
+        "(or --token-file - to read it from standard input); without either, the token this machine keeps is "
+        "used, or asked for without echo.",
+    )
     join.add_argument("address", help="HOST:PORT that `mixtrain cluster up` printed")
-    join.add_argument("--token", help="the token that `mixtrain cluster up` printed")
+    join.add_argument("--token-file", metavar="PATH", help="the head's auth_token file; '-' reads standard input")
+    join.add_argument(
+        "--token", help="the token itself (visible to every user in the process list and kept in shell history)"
+    )
     node_flags(join)
     status = verbs.add_parser("status", help="every node with its devices and versions")
     status.add_argument("--address", help="HOST:PORT of the head (default: this machine's cluster)")
@@ -415,28 +433,47 @@ def cmd_devices(args: argparse.Namespace) -> int:
     return 0
 
 
+def _up_message(state: NodeState, token: Path) -> str:
+    """What `cluster up` prints: where the token is and join commands that keep it off every command line."""
+    return "\n".join(
+        [
+            f"head running at {state.address} (log: {state.log})",
+            f"token authentication is on (a call without the token was refused); the token is in {token}",
+            "(mode 0600). It opens every machine of the cluster, and Ray sends it unencrypted.",
+            "on each other machine, with the same Python, torch and mixtrain versions, copy that file over and run:",
+            f"  mixtrain cluster join {state.address} --token-file auth_token",
+            "or pipe it, so it is written nowhere on the way:",
+            f"  ssh {state.node_ip} cat {token} | mixtrain cluster join {state.address} --token-file -",
+            "then train from this machine with:",
+            f"  mixtrain train --address {state.address} --workers auto",
+        ]
+    )
+
+
 def cmd_cluster(args: argparse.Namespace) -> int:
     from mixtrain.cluster import headnode
 
     if args.verb == "up":
+        import platform
+
         state = headnode.up(
             port=args.port,
             interface=args.interface,
             node_ip=args.node_ip,
             num_cpus=args.num_cpus,
             temp_dir=args.temp_dir,
+            dashboard=args.dashboard,
         )
-        token = headnode.token_path().read_text()
-        print(f"head running at {state.address} (log: {state.log})")
-        print("on each other machine, with the same Python, torch and mixtrain versions, run:")
-        print(f"  mixtrain cluster join {state.address} --token {token}")
-        print("then train from this machine with:")
-        print(f"  mixtrain train --address {state.address} --workers auto")
+        print(_up_message(state, headnode.token_path()))
+        if platform.system() == "Darwin":
+            print(headnode.MAC_HEAD_ADVICE)
         return 0
     if args.verb == "join":
+        from mixtrain.cluster.auth import read_token_arg
+
         state = headnode.join(
             args.address,
-            token=args.token,
+            token=read_token_arg(args.token, args.token_file, sys.stdin),
             interface=args.interface,
             node_ip=args.node_ip,
             num_cpus=args.num_cpus,
@@ -453,7 +490,12 @@ def cmd_cluster(args: argparse.Namespace) -> int:
         print(headnode.format_status(headnode.status(address)))
         return 0
     gone = headnode.down()
-    print(f"stopped the Ray {gone.role} for {gone.address}" if gone else "no mixtrain cluster runs here")
+    if gone is None:
+        print("no mixtrain cluster runs here")
+    elif gone[1] is None:
+        print(f"stopped the Ray {gone[0].role} for {gone[0].address}")
+    else:
+        print(f"nothing to stop: the Ray {gone[0].role} for {gone[0].address} is gone ({gone[1]}); record removed")
     return 0
 
 
