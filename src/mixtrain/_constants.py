@@ -34,6 +34,9 @@ SHUTDOWN_WAIT_S = ("MIXTRAIN_SHUTDOWN_WAIT_S", 5.0)
 """At shutdown: how long workers get to leave the group and send their logs before they are killed."""
 RENUMBER_TIMEOUT_S = ("MIXTRAIN_RENUMBER_TIMEOUT_S", 30.0)
 """How long telling every worker its new rank may take."""
+UNREACHABLE_PROBE_S = ("MIXTRAIN_UNREACHABLE_PROBE_S", 2.0)
+"""After a peer could not be reached: how long each connection attempt of the "No route to host" diagnosis
+(the peer, then the gateway) may take."""
 
 
 def env_float(pair: tuple[str, float]) -> float:

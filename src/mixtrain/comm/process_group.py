@@ -6,6 +6,8 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
+from mixtrain.comm.netif import unreachable_hint
+
 
 class RendezvousError(RuntimeError):
     """A peer never arrived at the rendezvous, or the group could not be formed."""
@@ -66,11 +68,12 @@ def join_group(
             backend, store=store, rank=rank, world_size=world_size, timeout=timedelta(seconds=collective_timeout_s)
         )
     except (RuntimeError, dist.DistStoreError) as exc:  # DistStoreError is a RuntimeError; named for clarity
+        hint = unreachable_hint(host, port) if store is None else None  # only when rank 0 was never reached
+        advice = hint or f"Check that every node can reach {host}:{port} (firewall, wrong interface)"
         raise RendezvousError(
             f"rank {rank} of {world_size} could not form the {backend} group at {host}:{port} within "
             f"{rendezvous_timeout_s:.0f} s (MIXTRAIN_RENDEZVOUS_TIMEOUT_S): a peer did not arrive or cannot reach "
-            f"rank 0's address. Check that every node can reach {host}:{port} (firewall, wrong interface). "
-            f"Cause: {exc}"
+            f"rank 0's address. {advice}. Cause: {exc}"
         ) from exc
 
 
