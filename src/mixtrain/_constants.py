@@ -37,6 +37,8 @@ RENUMBER_TIMEOUT_S = ("MIXTRAIN_RENUMBER_TIMEOUT_S", 30.0)
 UNREACHABLE_PROBE_S = ("MIXTRAIN_UNREACHABLE_PROBE_S", 2.0)
 """After a peer could not be reached: how long each connection attempt of the "No route to host" diagnosis
 (the peer, then the gateway) may take."""
+PS_START_TIMEOUT_S = ("MIXTRAIN_PS_START_TIMEOUT_S", 120.0)
+"""How long the parameter-server actors may take to build their part of the model and answer."""
 
 
 def env_float(pair: tuple[str, float]) -> float:

@@ -94,7 +94,15 @@ def build_parser() -> argparse.ArgumentParser:
         "--resume",
         metavar="RUN_DIR",
         help="continue a run from its newest good checkpoint, with the flags it was started with (flags given "
-        "now override them; --epochs is the total to reach)",
+        "now override them; --epochs is the total to reach). The run folder names the job function to run "
+        "again: resuming a folder you did not make runs code. A package.module:function job is refused when "
+        "the module would now be loaded from another file than when the run started, unless --trust-job",
+    )
+    train.add_argument(
+        "--trust-job",
+        action="store_true",
+        help="with --resume: run the job function the run folder names even from another file than the "
+        "run started with (or from a folder written before mixtrain recorded it)",
     )
     train.add_argument(
         "--checkpoint-every",
@@ -342,7 +350,8 @@ def _with_saved_flags(raw: list[str], resume: str) -> list[str]:
                 f"--resume {resume!r} continues the run's own job ({saved} holds its flags); leave out "
                 "TASK, --example and --config (other flags given now override the saved ones)"
             )
-        return ["train", *json.loads(saved.read_text())["argv"], *raw[1:]]
+        argv = [a for a in json.loads(saved.read_text())["argv"] if a != "--trust-job"]  # only given now counts
+        return ["train", *argv, *raw[1:]]
     return raw
 
 
@@ -377,29 +386,56 @@ def _subparser(parser: argparse.ArgumentParser, name: str) -> argparse.ArgumentP
     return action.choices[name]
 
 
-def _save_flags(raw: list[str], run_dir: Path) -> None:
+def _save_flags(raw: list[str], run_dir: Path, target: str) -> None:
     keep, skip = [], False
     for item in raw[1:]:  # without "train", --resume and --run-dir: the folder is the run
         if skip:
             skip = False
         elif item in ("--resume", "--run-dir"):
             skip = True
-        elif not item.startswith(("--resume=", "--run-dir=")):
+        elif not item.startswith(("--resume=", "--run-dir=")) and item != "--trust-job":
             keep.append(item)
     for i, item in enumerate(keep[:-1]):  # a config file found again from any folder
         if item in ("--config", "--data-dir"):
             keep[i + 1] = str(Path(keep[i + 1]).expanduser().resolve())
+    from mixtrain.job import module_file
+
     run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / COMMAND_FILE).write_text(json.dumps({"argv": keep}) + "\n")
+    record = {"argv": keep, "job": target, "job_file": module_file(target)}
+    (run_dir / COMMAND_FILE).write_text(json.dumps(record) + "\n")
+
+
+def _check_resumed_job(args: argparse.Namespace) -> None:
+    """Resuming imports and runs the job function the run folder names. Refuse a module:function whose module
+    would now come from another file than the one the run recorded (a folder from elsewhere, a module that
+    moved), unless --trust-job was given now."""
+    from mixtrain.job import module_file
+
+    target = _task(args)[0]
+    if ":" not in target or args.trust_job:
+        return
+    saved = Path(args.resume) / COMMAND_FILE
+    recorded = json.loads(saved.read_text()).get("job_file") if saved.is_file() else None
+    here = module_file(target)
+    if recorded is None or here is None or Path(here) != Path(recorded):
+        raise ValueError(
+            f"--resume {args.resume!r} would import and run {target} from {here or 'nowhere (not found)'}, but the run "
+            f"started with {recorded or 'no recorded file'}; resuming runs the job code the folder names. Check "
+            f"{saved} and that file, then add --trust-job to run it"
+        )
 
 
 def cmd_train(args: argparse.Namespace, raw: list[str]) -> int:
     import time
 
     run_dir = Path(args.run_dir or args.resume or time.strftime("mixtrain_runs/run-%Y%m%d-%H%M%S"))
+    if args.resume:
+        _check_resumed_job(args)  # before the job's module is imported
+    elif args.trust_job:
+        raise ValueError("--trust-job goes with --resume RUN_DIR")
     job, trainer = _trainer(args, str(run_dir), args.steps_per_round)  # checks the flags first
     if not args.resume:
-        _save_flags(raw, run_dir)
+        _save_flags(raw, run_dir, _task(args)[0])
     result = trainer.fit(epochs=args.epochs or job.epochs, resume=args.resume)
     metrics = result.metrics
     summary = ", ".join(f"{k} {v:.4f}" for k, v in metrics.items() if k not in ("samples", "epoch"))
