@@ -98,6 +98,7 @@ def test_up_prints_where_the_token_is_and_joins_that_keep_it_off_the_command_lin
     assert "join 10.0.0.1:6379 --token-file auth_token" in text
     assert f"cat {tmp_path / 'auth_token'} | mixtrain cluster join 10.0.0.1:6379 --token-file -" in text
     assert "--token " not in text
+    assert "travels encrypted" in _up_message(state, tmp_path / "auth_token", tls=True)
 
 
 def test_a_ray_without_token_authentication_is_refused(monkeypatch):
@@ -186,3 +187,85 @@ def test_a_mac_node_is_told_to_be_one_of_several_and_to_advertise_its_lan_addres
     assert headnode.node_env(None)["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] == "1"
     assert "--node-ip-address=192.168.1.20" in headnode._common_args("192.168.1.20", None, None)
     assert "desktop the head" in headnode.MAC_HEAD_ADVICE and "sleeps" in headnode.MAC_HEAD_ADVICE
+
+
+def _tls_files(tmp_path) -> dict[str, str]:
+    """A CA and one node certificate for 127.0.0.1, as Ray's TLS guide makes them (every node signed by one CA)."""
+    import datetime
+    import ipaddress
+
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import NameOID
+
+    def name(text: str) -> x509.Name:
+        return x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, text)])
+
+    now = datetime.datetime.now(datetime.timezone.utc)
+    ca_key, key = ec.generate_private_key(ec.SECP256R1()), ec.generate_private_key(ec.SECP256R1())
+    ca = (
+        x509.CertificateBuilder()
+        .subject_name(name("ca"))
+        .issuer_name(name("ca"))
+        .public_key(ca_key.public_key())
+        .serial_number(1)
+        .not_valid_before(now)
+        .not_valid_after(now + datetime.timedelta(days=1))
+        .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
+        .sign(ca_key, hashes.SHA256())
+    )
+    node = (
+        x509.CertificateBuilder()
+        .subject_name(name("node"))
+        .issuer_name(name("ca"))
+        .public_key(key.public_key())
+        .serial_number(2)
+        .not_valid_before(now)
+        .not_valid_after(now + datetime.timedelta(days=1))
+        .add_extension(x509.SubjectAlternativeName([x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]), False)
+        .sign(ca_key, hashes.SHA256())
+    )
+    pem = serialization.Encoding.PEM
+    files = {
+        "RAY_TLS_CA_CERT": ca.public_bytes(pem),
+        "RAY_TLS_SERVER_CERT": node.public_bytes(pem),
+        "RAY_TLS_SERVER_KEY": key.private_bytes(pem, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()),
+    }
+    for var, data in files.items():
+        (tmp_path / var).write_bytes(data)
+    return {var: str(tmp_path / var) for var in files}
+
+
+def test_the_token_check_speaks_rays_tls_when_the_cluster_uses_it(tmp_path, monkeypatch):
+    # RAY_USE_TLS=1: Ray's gRPC servers demand a certificate signed by the cluster's CA (mutual TLS); the
+    # check must present this node's, as Ray's own clients do, or `cluster up` could never prove the token
+    files = _tls_files(tmp_path)
+    for var, path in files.items():
+        monkeypatch.setenv(var, path)
+    monkeypatch.setenv("RAY_USE_TLS", "1")
+
+    def kv_get(request: bytes, context: grpc.ServicerContext) -> bytes:
+        if dict(context.invocation_metadata()).get("authorization") != f"Bearer {TOKEN}":
+            context.abort(grpc.StatusCode.UNAUTHENTICATED, "InvalidAuthToken")
+        return b""
+
+    handler = grpc.method_handlers_generic_handler(
+        "ray.rpc.InternalKVGcsService", {"InternalKVGet": grpc.unary_unary_rpc_method_handler(kv_get)}
+    )
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=2), handlers=[handler])
+    read = {var: open(path, "rb").read() for var, path in files.items()}
+    credentials = grpc.ssl_server_credentials(
+        [(read["RAY_TLS_SERVER_KEY"], read["RAY_TLS_SERVER_CERT"])],
+        root_certificates=read["RAY_TLS_CA_CERT"],
+        require_client_auth=True,
+    )
+    port = server.add_secure_port("127.0.0.1:0", credentials)
+    server.start()
+    try:
+        assert auth.token_check(f"127.0.0.1:{port}", TOKEN, timeout_s=5)[0] is True
+        monkeypatch.delenv("RAY_TLS_CA_CERT")
+        with pytest.raises(headnode.ClusterError, match="RAY_USE_TLS is set but RAY_TLS_CA_CERT is not"):
+            auth.token_check(f"127.0.0.1:{port}", TOKEN, timeout_s=5)
+    finally:
+        server.stop(None)

@@ -469,13 +469,14 @@ def cmd_devices(args: argparse.Namespace) -> int:
     return 0
 
 
-def _up_message(state: NodeState, token: Path) -> str:
+def _up_message(state: NodeState, token: Path, tls: bool = False) -> str:
     """What `cluster up` prints: where the token is and join commands that keep it off every command line."""
+    wire = "Ray's TLS is on, so it travels encrypted" if tls else "Ray sends it unencrypted (README: security)"
     return "\n".join(
         [
             f"head running at {state.address} (log: {state.log})",
             f"token authentication is on (a call without the token was refused); the token is in {token}",
-            "(mode 0600). It opens every machine of the cluster, and Ray sends it unencrypted.",
+            f"(mode 0600). It opens every machine of the cluster, and {wire}.",
             "on each other machine, with the same Python, torch and mixtrain versions, copy that file over and run:",
             f"  mixtrain cluster join {state.address} --token-file auth_token",
             "or pipe it, so it is written nowhere on the way:",
@@ -500,7 +501,9 @@ def cmd_cluster(args: argparse.Namespace) -> int:
             temp_dir=args.temp_dir,
             dashboard=args.dashboard,
         )
-        print(_up_message(state, headnode.token_path()))
+        from mixtrain.cluster.auth import tls_on
+
+        print(_up_message(state, headnode.token_path(), tls_on()))
         if platform.system() == "Darwin":
             print(headnode.MAC_HEAD_ADVICE)
         return 0

@@ -13,7 +13,7 @@ import re
 import sys
 import tempfile
 from pathlib import Path
-from typing import TextIO
+from typing import Any, TextIO
 
 from mixtrain._constants import CONNECT_TIMEOUT_S, env_float
 from mixtrain.cluster.state import ClusterError, home, load_state
@@ -130,6 +130,29 @@ def use_cluster_token(address: str) -> None:
         apply_auth_env(auth_env())
 
 
+_TLS_FILES = ("RAY_TLS_SERVER_CERT", "RAY_TLS_SERVER_KEY", "RAY_TLS_CA_CERT")
+
+
+def tls_on() -> bool:
+    """Whether Ray's own TLS is asked for (RAY_USE_TLS): then its gRPC traffic, the token with it, is encrypted."""
+    return os.environ.get("RAY_USE_TLS", "0").lower() in ("1", "true")
+
+
+def _channel(address: str) -> Any:
+    """A gRPC channel to `address` as Ray's own clients open it: plain, or with Ray's TLS (RAY_USE_TLS=1 and
+    the three RAY_TLS_* files: this node's certificate and key, and the CA that signed every node's)."""
+    import grpc
+
+    if not tls_on():
+        return grpc.insecure_channel(address)
+    missing = [name for name in _TLS_FILES if not os.environ.get(name)]
+    if missing:
+        raise ClusterError(f"RAY_USE_TLS is set but {', '.join(missing)} is not: Ray needs all three TLS files")
+    cert, key, ca = (Path(os.environ[name]).read_bytes() for name in _TLS_FILES)
+    credentials = grpc.ssl_channel_credentials(root_certificates=ca, private_key=key, certificate_chain=cert)
+    return grpc.secure_channel(address, credentials)
+
+
 def token_check(address: str, token: str, timeout_s: float | None = None) -> tuple[bool | None, str]:
     """Ask the GCS at `address` for a key twice over plain gRPC: without the token (it must refuse) and with
     it (it must answer, so the refusal was about the token). (True, how) when the token is required,
@@ -137,7 +160,7 @@ def token_check(address: str, token: str, timeout_s: float | None = None) -> tup
     import grpc
 
     timeout = env_float(CONNECT_TIMEOUT_S) if timeout_s is None else timeout_s
-    with grpc.insecure_channel(address) as channel:
+    with _channel(address) as channel:
         call = channel.unary_unary(_KV_GET, request_serializer=bytes, response_deserializer=bytes)
         try:
             call(b"", timeout=timeout)
