@@ -110,7 +110,7 @@ def test_a_ray_without_token_authentication_is_refused(monkeypatch):
         auth.require_token_auth()
 
 
-def test_pyproject_requires_ray_with_tokens_and_torch_without_the_weights_only_holes():
+def test_pyproject_requires_ray_with_tokens_torch_without_the_weights_only_holes_and_safetensors():
     try:
         import tomllib
     except ImportError:  # Python 3.10
@@ -118,6 +118,7 @@ def test_pyproject_requires_ray_with_tokens_and_torch_without_the_weights_only_h
 
     deps = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["dependencies"]
     assert "ray[default]>=2.52" in deps and "torch>=2.10" in deps
+    assert any(d.startswith("safetensors") for d in deps)
 
 
 def _kv_server(require: str | None) -> tuple[grpc.Server, str]:
