@@ -270,3 +270,15 @@ def test_the_token_check_speaks_rays_tls_when_the_cluster_uses_it(tmp_path, monk
             auth.token_check(f"127.0.0.1:{port}", TOKEN, timeout_s=5)
     finally:
         server.stop(None)
+
+
+def test_cluster_up_on_a_mac_recommends_the_desktop_as_head(monkeypatch, capsys, tmp_path):
+    import platform
+
+    monkeypatch.setenv("MIXTRAIN_HOME", str(tmp_path))
+    state = NodeState(role="head", address="192.168.1.20:6379", node_ip="192.168.1.20", pgid=1, log="head.log")
+    monkeypatch.setattr(headnode, "up", lambda **kw: state)  # starting Ray is not what is shown here
+    for system, advised in (("Linux", False), ("Darwin", True)):
+        monkeypatch.setattr(platform, "system", lambda s=system: s)
+        assert main(["cluster", "up"]) == 0
+        assert (headnode.MAC_HEAD_ADVICE in capsys.readouterr().out) is advised
