@@ -158,8 +158,9 @@ def test_the_token_check_passes_only_a_head_that_refuses_calls_without_the_token
 
 
 def test_every_node_starts_without_the_parts_mixtrain_does_not_use(monkeypatch):
-    env = headnode.node_env("eth7")
+    env = headnode.node_env("eth7", head=True)
     assert env["RAY_START_HOOK"] == "mixtrain.cluster.ray_hook.harden"
+    assert "RAY_START_HOOK" not in headnode.node_env(None, head=False)  # a worker node starts no client server
     assert env["RAY_enable_metrics_collection"] == "false" and env["GLOO_SOCKET_IFNAME"] == "eth7"
     assert "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER" not in env
     assert exposure.ray_start_args(head=True) == [
@@ -185,7 +186,8 @@ def test_a_mac_node_is_told_to_be_one_of_several_and_to_advertise_its_lan_addres
     import platform
 
     monkeypatch.setattr(platform, "system", lambda: "Darwin")
-    assert headnode.node_env(None)["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] == "1"
+    for head in (True, False):
+        assert headnode.node_env(None, head=head)["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] == "1"
     assert "--node-ip-address=192.168.1.20" in headnode._common_args("192.168.1.20", None, None)
     assert "desktop the head" in headnode.MAC_HEAD_ADVICE and "sleeps" in headnode.MAC_HEAD_ADVICE
 

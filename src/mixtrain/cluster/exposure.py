@@ -28,13 +28,15 @@ def ray_start_args(*, head: bool, dashboard: bool = False) -> list[str]:
     ]
 
 
-def ray_start_env() -> dict[str, str]:
+def ray_start_env(*, head: bool) -> dict[str, str]:
     """Environment for `ray start` (and so every Ray process of the node)."""
-    return {
-        "RAY_START_HOOK": HOOK,  # no Ray Client server
+    env = {
         "RAY_enable_metrics_collection": "false",  # no Prometheus export from the agents
         "RAY_USAGE_STATS_ENABLED": "0",
     }
+    if head:  # only a head starts the Ray Client server (the hook imports mixtrain: seconds, so only here)
+        env["RAY_START_HOOK"] = HOOK
+    return env
 
 
 def _processes(pgid: int) -> list[Any]:

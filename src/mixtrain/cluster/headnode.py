@@ -36,6 +36,7 @@ from mixtrain.cluster.connect import check_reachable, device_resources
 from mixtrain.cluster.state import (
     ClusterError,
     NodeState,
+    forget,
     home,
     kill_started,
     load_state,
@@ -191,12 +192,12 @@ def _refuse_if_running() -> None:
             f"{state.pgid}); run `mixtrain cluster down` first"
         )
     print(f"note: dropped a stale record of a Ray {state.role} for {state.address}: {why}", file=sys.stderr)
-    (home() / "cluster.json").unlink(missing_ok=True)
+    forget()
 
 
-def node_env(interface: str | None) -> dict[str, str]:
+def node_env(interface: str | None, *, head: bool) -> dict[str, str]:
     """Environment of this node's Ray processes (and so of the workers on it)."""
-    env = {**exposure.ray_start_env(), **platform_env()}
+    env = {**exposure.ray_start_env(head=head), **platform_env()}
     if interface:
         env.update(GLOO_SOCKET_IFNAME=interface, NCCL_SOCKET_IFNAME=interface)
     return env
@@ -215,7 +216,7 @@ def up(
     _refuse_if_running()
     ip = pick_node_ip(interface, node_ip, None)
     token = secrets.token_hex(24)
-    env = {**auth_env(token), **node_env(interface)}
+    env = {**auth_env(token), **node_env(interface, head=True)}
     log = home() / "ray-head.log"
     args = ["start", "--head", f"--port={port}", *exposure.ray_start_args(head=True, dashboard=dashboard)]
     proc = _spawn([*args, *_common_args(ip, num_cpus, temp_dir)], env, log)
@@ -293,7 +294,7 @@ def join(
             file=sys.stderr,
         )
     ip = pick_node_ip(interface, node_ip, address.rpartition(":")[0])
-    env.update(node_env(interface))
+    env.update(node_env(interface, head=False))
     log = home() / "ray-worker.log"
     offset = log.stat().st_size if log.exists() else 0
     proc = _spawn(["start", f"--address={address}", *_common_args(ip, num_cpus, temp_dir)], env, log)
