@@ -100,11 +100,12 @@ def _settled(host: netns.Host, want: dict) -> list[dict]:
         time.sleep(0.5)
 
 
-def _probe_from(stranger: netns.Host, nodes: dict, home) -> list[dict]:
-    """Each port of `nodes` ({host: its sockets}) reachable from the LAN, called by `stranger` without a token."""
+def _probe_from(stranger: netns.Host, nodes: list[tuple[netns.Host, list[dict]]], home) -> list[dict]:
+    """Each port of `nodes` ((host, its sockets) pairs) reachable from the LAN, called by `stranger` without a
+    token."""
     reachable = [
         {**s, "ip": node.ip, "every_interface": s["ip"] == "*"}
-        for node, sockets in nodes.items()
+        for node, sockets in nodes
         for s in sockets
         if s["ip"] in ("*", node.ip)
     ]
@@ -190,7 +191,7 @@ def test_cluster_up_join_train_across_two_hosts_and_refuse_a_client_without_toke
             assert _shape(other_sockets, other.ip) == WORKER_LISTENS, other_sockets
             assert {s["port"] for s in head_sockets} & {10001, 44217, 8265} == set()
             assert [s["port"] for s in head_sockets if s["process"] == "python3"] == [44227]
-            answers = _probe_from(intruder, {head: head_sockets, other: other_sockets}, homes["intruder"])
+            answers = _probe_from(intruder, [(head, head_sockets), (other, other_sockets)], homes["intruder"])
             assert len(answers) == 12  # every socket not on loopback: 7 on the head, 5 on the other host
             _only_metrics_page_answers_without_a_token(answers)
 
