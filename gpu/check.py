@@ -415,6 +415,14 @@ STEPS = [
         240,
     ),
     Step(
+        "lost-worker",
+        "a worker stopped mid-round under gloo (CUDA + CPU) and NCCL: the survivors get an exception, not the "
+        "NCCL watchdog's kill, re-form and end with single-process weights",
+        lambda c: c.api_step("lost-worker", "lost-worker", "--devices", "cuda"),
+        True,
+        200,
+    ),
+    Step(
         "ps-cuda-cpu",
         "--strategy ps over CUDA + 2 CPU workers",
         train_step(

@@ -1,6 +1,6 @@
 """The check's steps that need the Python API; `gpu/check.py` runs each as its own process:
 
-    python -m gpu.steps env|exactness|overhead|nccl [--devices cpu|cuda] --out RESULT.json
+    python -m gpu.steps env|exactness|overhead|nccl|lost-worker [--devices cpu|cuda] --out RESULT.json
 
 Only mixtrain's public API (`from mixtrain import ...`), its built-in examples and the tests' task
 factories (tests/models.py) are used, so this keeps working while mixtrain's modules move. Each step
@@ -15,6 +15,7 @@ import importlib
 import json
 import os
 import platform
+import re
 import sys
 import time
 import traceback
@@ -253,9 +254,111 @@ def nccl(work: Path) -> dict[str, Any]:
     return {"result": result, "figure": "; ".join(f"{r[0]}: {o}" for r, o in zip(runs, outcomes)), "detail": detail}
 
 
+LOST_AT_CALL = 7
+"""The lost worker stops (SIGSTOP, a laptop asleep) in its 7th training step: the others wait in a collective."""
+LOST_TIMEOUT_S = "10"
+"""MIXTRAIN_COLLECTIVE_TIMEOUT_S for the lost-worker runs: how long the survivors wait before they give up."""
+
+
+def _lost_run(what: str, groups: list, shares: list[int], lost_rank: int, backend: str, run_dir: Path) -> str:
+    """One run with worker `lost_rank` stopped mid-round: (pass|fail|refused, one line of detail)."""
+    import functools
+
+    from mixtrain import RunConfig, ScalingConfig, Trainer
+    from tests.models import data, faulty_task
+
+    x, y = data("mlp", EXACT_SAMPLES)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    task = functools.partial(faulty_task, "mlp", "sgd", "stop", lost_rank, LOST_AT_CALL, str(run_dir / "fired"))
+    trainer = Trainer(
+        task,
+        (x, y),
+        global_batch=EXACT_SAMPLES,
+        scaling=ScalingConfig(groups=groups, shares=shares, backend=backend, leave_out_slow=False),
+        run=RunConfig(
+            run_dir=str(run_dir / "run"), seed=7, progress=False, tensorboard=False, rejoin=False, steps_per_round=2
+        ),
+    )
+    try:
+        result = trainer.fit(epochs=EXACT_STEPS)
+    except Exception as e:
+        return f"refused|{what}: {' '.join(f'{type(e).__name__}: {e}'.split())[:500]}"
+    lines = (Path(result.run_dir) / "metrics.jsonl").read_text().splitlines()
+    records = [json.loads(line) for line in lines if line.strip()]
+    started = next(r["workers"] for r in records if r.get("kind") == "workers")
+    failures = [r for r in records if r.get("kind") == "failure"]
+    lost = sorted(w["worker"]["rank"] for f in failures for w in f["lost"])
+    # the survivors are the same processes: none was ended by the NCCL watchdog (the last round names its
+    # workers "cuda:0 on host (pid N)")
+    survivors = {w["pid"] for w in started if w["rank"] != lost_rank}
+    last = [r for r in records if r.get("kind") == "round"][-1]
+    same = survivors == {int(re.search(r"pid (\d+)", w["worker"]).group(1)) for w in last["workers"]}  # type: ignore[union-attr]
+    err = _max_rel_diff(result.state_dict, _reference("sgd"))
+    ok = lost == [lost_rank] and same and err <= EXACT_TOL["cuda"] and (run_dir / "fired").exists()
+    return (
+        f"{'pass' if ok else 'fail'}|{what}: lost {lost} (stopped: {lost_rank}); survivors kept their processes: "
+        f"{same}; max relative difference to one process {err:.1e}"
+    )
+
+
+def lost_worker(work: Path, devices: str = "cuda") -> dict[str, Any]:
+    """A worker lost mid-round (SIGSTOP) on the GPU paths: the survivors' collective must fail with a Python
+    exception within MIXTRAIN_COLLECTIVE_TIMEOUT_S (under NCCL: not the watchdog ending the process), and the
+    run re-forms without it and ends with single-process weights. `devices="cpu"`: the same on 3 CPU workers
+    (gloo), to check the step itself where there is no GPU."""
+    from mixtrain import DeviceGroup
+
+    os.environ["MIXTRAIN_COLLECTIVE_TIMEOUT_S"] = LOST_TIMEOUT_S
+    if devices == "cpu":
+        runs = [
+            (
+                "gloo, 3 CPU workers, worker 2 stopped",
+                [DeviceGroup(device="cpu", num_workers=3)],
+                [300, 200, 140],
+                2,
+                "gloo",
+            )
+        ]
+    elif not torch.cuda.is_available():
+        return {"result": "skipped", "figure": "no CUDA device: skipped", "detail": []}
+    else:
+        runs = _gpu_lost_runs()
+    outcomes, detail = [], []
+    for i, (what, groups, shares, lost, backend) in enumerate(runs):
+        outcome, line = _lost_run(what, groups, shares, lost, backend, work / f"lost-{i}").split("|", 1)
+        outcomes.append(outcome)
+        detail.append(f"{line} ({outcome})")
+    detail.append(f"MIXTRAIN_COLLECTIVE_TIMEOUT_S={LOST_TIMEOUT_S}; stopped in its {LOST_AT_CALL}th step; rejoin off")
+    result = "fail" if "fail" in outcomes else ("refused" if "refused" in outcomes else "pass")
+    figure = "; ".join(f"{r[4]}: {o}" for r, o in zip(runs, outcomes))
+    return {"result": result, "figure": figure, "detail": detail}
+
+
+def _gpu_lost_runs() -> list[tuple[str, list, list[int], int, str]]:
+    from mixtrain import DeviceGroup
+
+    gpu_share = 1.0 if torch.cuda.device_count() > 1 else 0.5  # NCCL may refuse two ranks on one card
+    return [
+        (
+            "gloo, CUDA + 2 CPU workers, CPU worker 2 stopped",
+            [DeviceGroup(device="cuda", num_workers=1), DeviceGroup(device="cpu", num_workers=2)],
+            [300, 200, 140],
+            2,
+            "gloo",
+        ),
+        (
+            f"nccl, 2 CUDA workers (GPU {gpu_share} each), worker 1 stopped",
+            [DeviceGroup(device="cuda", num_workers=2, resources_per_worker={"GPU": gpu_share})],
+            [400, 240],
+            1,
+            "nccl",
+        ),
+    ]
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="gpu.steps")
-    ap.add_argument("step", choices=["env", "exactness", "overhead", "nccl"])
+    ap.add_argument("step", choices=["env", "exactness", "overhead", "nccl", "lost-worker"])
     ap.add_argument("--devices", choices=["cpu", "cuda"], default="cpu")
     ap.add_argument("--epochs", type=int, default=OVERHEAD_EPOCHS, help="overhead: epochs (the first untimed)")
     ap.add_argument("--work", type=Path, default=Path("."))
@@ -268,13 +371,15 @@ def main(argv: list[str] | None = None) -> int:
             out = exactness(args.devices, args.work)
         elif args.step == "overhead":
             out = overhead(args.work, args.devices, args.epochs)
+        elif args.step == "lost-worker":
+            out = lost_worker(args.work, args.devices)
         else:
             out = nccl(args.work)
     except Exception as e:
         traceback.print_exc()
         out = {"result": "fail", "figure": " ".join(f"{type(e).__name__}: {e}".split())[:300], "detail": []}
     args.out.write_text(json.dumps(out, default=str))
-    return 0 if out["result"] in ("pass", "refused", "below goal") else 1
+    return 0 if out["result"] in ("pass", "refused", "below goal", "skipped") else 1
 
 
 if __name__ == "__main__":

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 
 # (environment variable, default) pairs. Seconds unless the name says otherwise.
@@ -33,6 +34,11 @@ SHUTDOWN_WAIT_S = ("MIXTRAIN_SHUTDOWN_WAIT_S", 5.0)
 """At shutdown: how long workers get to leave the group and send their logs before they are killed."""
 RENUMBER_TIMEOUT_S = ("MIXTRAIN_RENUMBER_TIMEOUT_S", 30.0)
 """How long telling every worker its new rank may take."""
+UNREACHABLE_PROBE_S = ("MIXTRAIN_UNREACHABLE_PROBE_S", 2.0)
+"""After a peer could not be reached: how long each connection attempt of the "No route to host" diagnosis
+(the peer, then the gateway) may take."""
+PS_START_TIMEOUT_S = ("MIXTRAIN_PS_START_TIMEOUT_S", 120.0)
+"""How long the parameter-server actors may take to build their part of the model and answer."""
 
 
 def env_float(pair: tuple[str, float]) -> float:
@@ -45,6 +51,8 @@ def env_float(pair: tuple[str, float]) -> float:
         value = float(raw)
     except ValueError:
         raise ValueError(f"{name}={raw!r} is not a number; set it to a positive number (default {default})") from None
-    if value <= 0:
-        raise ValueError(f"{name}={raw!r} must be positive (default {default})")
+    # float() takes "nan" and "inf": a NaN timeout compares false with everything (a deadline that never
+    # passes, a threshold never crossed) and an infinite one waits forever, so both are refused here.
+    if not math.isfinite(value) or value <= 0:
+        raise ValueError(f"{name}={raw!r} must be a positive, finite number (default {default})")
     return value

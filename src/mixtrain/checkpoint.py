@@ -1,4 +1,11 @@
-"""Writing weights and training checkpoints atomically, and loading them without running pickled code."""
+"""Writing weights and training checkpoints atomically, and loading them without running pickled code.
+
+Weights (the final model, and the model part of each checkpoint) are `.safetensors` files: tensors and a
+JSON header, nothing that can run, and the format Hugging Face users load everywhere. What is not a
+tensor dictionary (optimizer, scheduler, random streams) stays a `torch.save` file, loaded only with
+`weights_only=True`. Files written by earlier versions (`model.pt`, checkpoints with one `state.pt`) load
+as before.
+"""
 
 from __future__ import annotations
 
@@ -25,15 +32,15 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def atomic_save(obj: Any, path: str | Path) -> Path:
-    """torch.save to a temporary file in the same folder, fsync, rename, fsync the folder:
+def _atomic_write(path: str | Path, write: Callable[[Any], None]) -> Path:
+    """`write(file)` into a temporary file in the same folder, fsync, rename, fsync the folder:
     a crash leaves either the old file or the new one, never half of one."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
         with os.fdopen(fd, "wb") as f:
-            torch.save(obj, f)
+            write(f)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
@@ -44,8 +51,87 @@ def atomic_save(obj: Any, path: str | Path) -> Path:
     return path
 
 
+def atomic_save(obj: Any, path: str | Path) -> Path:
+    """torch.save, atomically (for what is not a tensor dictionary; weights go through save_weights)."""
+    return _atomic_write(path, lambda f: torch.save(obj, f))
+
+
+_EXTRA = "mixtrain.extra"
+"""safetensors metadata key: a state_dict's entries that are not tensors, as JSON."""
+
+
+def _split(state_dict: dict[str, Any]) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """(tensors on the CPU, the other entries). Tensors that share memory (tied weights) are copied apart:
+    safetensors stores each tensor once and refuses aliases."""
+    tensors: dict[str, torch.Tensor] = {}
+    other: dict[str, Any] = {}
+    seen: set[int] = set()
+    for key, value in state_dict.items():
+        if not isinstance(value, torch.Tensor):
+            other[key] = value
+            continue
+        t = value.detach().to("cpu").contiguous()
+        storage = t.untyped_storage().data_ptr()
+        tensors[key] = t.clone() if storage in seen else t
+        seen.add(storage)
+    return tensors, other
+
+
+def _safetensors_bytes(state_dict: dict[str, Any]) -> bytes:
+    from safetensors.torch import save
+
+    tensors, other = _split(state_dict)
+    try:
+        extra = json.dumps(other)
+    except TypeError:
+        bad = next(k for k, v in other.items() if not _json_ok(v))
+        raise ValueError(
+            f"state_dict entry {bad!r} is a {type(other[bad]).__name__}: a weights file holds tensors (and JSON "
+            "values); make it a tensor or a number"
+        ) from None
+    return save(tensors, {_EXTRA: extra} if other else None)
+
+
+def _json_ok(value: Any) -> bool:
+    try:
+        json.dumps(value)
+    except TypeError:
+        return False
+    return True
+
+
+def save_weights(state_dict: dict[str, Any], path: str | Path) -> Path:
+    """A state_dict as a .safetensors file, atomically; load it with load_weights (or safetensors itself)."""
+    data = _safetensors_bytes(state_dict)
+    return _atomic_write(path, lambda f: f.write(data))
+
+
+def _is_safetensors(path: Path) -> bool:
+    """A safetensors file starts with its header's length (8 bytes, little-endian) and then the JSON header."""
+    with open(path, "rb") as f:
+        head = f.read(9)
+    return len(head) == 9 and head[8:9] == b"{" and int.from_bytes(head[:8], "little") < path.stat().st_size
+
+
+def _read_safetensors(path: Path) -> dict[str, Any]:
+    from safetensors import safe_open
+
+    with safe_open(str(path), framework="pt", device="cpu") as f:
+        out: dict[str, Any] = {key: f.get_tensor(key) for key in f.keys()}
+        extra = (f.metadata() or {}).get(_EXTRA)
+    if extra:
+        out.update(json.loads(extra))
+    return out
+
+
 def load_weights(path: str | Path) -> Any:
-    """Load a file written by atomic_save; weights_only=True refuses pickled code."""
+    """The weights in `path`: a .safetensors file (what mixtrain writes), or a torch.save file of an earlier
+    version, loaded with weights_only=True, which refuses pickled code. A run folder means its final weights."""
+    path = Path(path)
+    if path.is_dir():
+        path = next((p for p in (path / "model.safetensors", path / "model.pt") if p.exists()), path / "model.pt")
+    if _is_safetensors(path):
+        return _read_safetensors(path)
     return torch.load(path, map_location="cpu", weights_only=True)
 
 
@@ -69,11 +155,18 @@ class CheckpointMeta:
 
     @classmethod
     def from_manifest(cls, manifest: dict[str, Any]) -> CheckpointMeta:
+        missing = [f.name for f in fields(cls) if f.name not in manifest]
+        if missing:
+            raise CheckpointError(f"its manifest lacks {', '.join(missing)} (malformed)")
         return cls(**{f.name: manifest[f.name] for f in fields(cls)})
 
 
 STATE = "state.pt"
-FORMAT = 1
+MODEL = "model.safetensors"
+"""The model's weights; state.pt holds the rest (optimizer, scheduler, loss scale, random streams)."""
+FORMAT = 2
+READS = (1, 2)
+"""Format 1 (before safetensors): everything in state.pt."""
 
 
 class CheckpointError(RuntimeError):
@@ -86,6 +179,31 @@ def _sha256(path: Path) -> str:
         for block in iter(lambda: f.read(1 << 20), b""):
             digest.update(block)
     return digest.hexdigest()
+
+
+def _write_synced(path: Path, write: Callable[[Any], None]) -> None:
+    with open(path, "wb") as f:
+        write(f)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _files(path: Path, manifest: Any) -> dict[str, dict[str, Any]]:
+    """The manifest's file entries, after checking its shape: a malformed manifest is a CheckpointError (the
+    checkpoint is skipped), never a KeyError."""
+    if not isinstance(manifest, dict):
+        raise CheckpointError(f"{path}: the manifest is not a JSON object (malformed)")
+    if manifest.get("format") not in READS:
+        raise CheckpointError(f"{path}: format {manifest.get('format')!r}, this mixtrain reads {READS}")
+    files = manifest.get("files")
+    if not isinstance(files, dict) or STATE not in files:
+        raise CheckpointError(f"{path}: the manifest lists no {STATE} (malformed)")
+    for name, entry in files.items():
+        if name not in (STATE, MODEL) or not isinstance(entry, dict):  # a name is never a path elsewhere
+            raise CheckpointError(f"{path}: the manifest's entry {name!r} is not one of its files (malformed)")
+        if not isinstance(entry.get("bytes"), int) or not isinstance(entry.get("sha256"), str):
+            raise CheckpointError(f"{path}: the manifest's entry for {name} lacks its size or hash (malformed)")
+    return files
 
 
 class CheckpointStore:
@@ -118,15 +236,15 @@ class CheckpointStore:
         final = self.root / f"step-{int(meta['global_step']):09d}"
         tmp = Path(tempfile.mkdtemp(dir=self.root, prefix=".tmp-"))
         try:
-            with open(tmp / STATE, "wb") as f:
-                torch.save(state, f)
-                f.flush()
-                os.fsync(f.fileno())
-            manifest = {
-                "format": FORMAT,
-                "files": {STATE: {"sha256": _sha256(tmp / STATE), "bytes": (tmp / STATE).stat().st_size}},
-                **meta,
-            }
+            files = {}
+            if isinstance(state.get("model"), dict):  # the weights without pickle; the rest keeps torch.save
+                weights, other = _split(state["model"])
+                _write_synced(tmp / MODEL, lambda f: f.write(_safetensors_bytes(weights)))
+                files[MODEL] = {"sha256": _sha256(tmp / MODEL), "bytes": (tmp / MODEL).stat().st_size}
+                state = {**state, "model": other}
+            _write_synced(tmp / STATE, lambda f: torch.save(state, f))
+            files[STATE] = {"sha256": _sha256(tmp / STATE), "bytes": (tmp / STATE).stat().st_size}
+            manifest = {"format": FORMAT, "files": files, **meta}
             with open(tmp / MANIFEST, "w") as f:
                 json.dump(manifest, f, indent=1)
                 f.flush()
@@ -150,9 +268,7 @@ class CheckpointStore:
             manifest = json.loads((path / MANIFEST).read_text())
         except (OSError, ValueError) as exc:
             raise CheckpointError(f"{path}: unreadable manifest ({exc})") from None
-        if manifest.get("format") != FORMAT:
-            raise CheckpointError(f"{path}: format {manifest.get('format')!r}, this mixtrain reads {FORMAT}")
-        for name, entry in manifest["files"].items():
+        for name, entry in _files(path, manifest).items():
             file = path / name
             if not file.is_file():
                 raise CheckpointError(f"{path}: {name} is missing")
@@ -176,14 +292,24 @@ class CheckpointStore:
                 f"{path}: refused to load {STATE}: it holds more than tensors and plain values "
                 f"(weights_only=True found {str(exc).splitlines()[0][:200]!r}); it was not written by mixtrain"
             ) from None
+        if MODEL in manifest["files"]:
+            try:
+                state["model"] = {**_read_safetensors(path / MODEL), **state.get("model", {})}
+            except Exception as exc:  # safetensors raises its own error types for a damaged header
+                raise CheckpointError(f"{path}: {MODEL} is not a valid safetensors file ({exc})") from None
         return state, manifest
 
-    def latest(self, warn: Callable[[str], None] = lambda _m: None) -> tuple[dict[str, Any], dict[str, Any], Path]:
-        """The newest checkpoint that passes its checks; each one skipped is reported through `warn`."""
+    def latest(
+        self, warn: Callable[[str], None] = lambda _m: None, accept: Callable[[dict[str, Any]], Any] | None = None
+    ) -> tuple[dict[str, Any], dict[str, Any], Path]:
+        """The newest checkpoint that passes its checks (and `accept(manifest)`, which raises CheckpointError
+        for a manifest it cannot use); each one skipped is reported through `warn`."""
         problems = []
         for path in self.paths():
             try:
                 state, manifest = self.read(path)
+                if accept is not None:
+                    accept(manifest)
             except CheckpointError as exc:
                 problems.append(str(exc))
                 warn(f"checkpoint skipped: {exc}; trying the previous one")

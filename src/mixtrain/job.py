@@ -103,12 +103,36 @@ def load_job(
     return job
 
 
+def _search_path() -> list[str]:
+    """Where a job module is looked for: sys.path, with the current folder first (as `python -m` has it)."""
+    if "" not in sys.path and str(Path.cwd()) not in sys.path:
+        sys.path.insert(0, str(Path.cwd()))
+    return sys.path
+
+
+def module_file(target: str) -> str | None:
+    """The file that `package.module:function` would be imported from here, found without running any of
+    its code (not even its packages' __init__); None for a built-in example or a module that is not found."""
+    from importlib.machinery import PathFinder
+
+    if ":" not in target:
+        return None
+    parts = target.partition(":")[0].split(".")
+    search: list[str] | None = _search_path()
+    spec = None
+    for i in range(len(parts)):
+        spec = PathFinder.find_spec(".".join(parts[: i + 1]), search)
+        if spec is None:
+            return None
+        search = list(spec.submodule_search_locations or [])
+    return str(Path(spec.origin).resolve()) if spec is not None and spec.origin else None
+
+
 def _import(target: str, flag: str) -> Callable[..., Any]:
     module_name, _, attr = target.partition(":")
     if not module_name or not attr:
         raise ValueError(f"{flag} {target!r}: write package.module:function, e.g. mytrain.jobs:make_job")
-    if "" not in sys.path and str(Path.cwd()) not in sys.path:
-        sys.path.insert(0, str(Path.cwd()))  # like `python -m`: the current folder's modules import
+    _search_path()  # like `python -m`: the current folder's modules import
     try:
         module = importlib.import_module(module_name)
     except ImportError as exc:

@@ -12,9 +12,9 @@ import torch
 @dataclass
 class Result:
     run_dir: Path
-    """Folder with config.json, metrics.jsonl and model.pt."""
+    """Folder with config.json, metrics.jsonl and model.safetensors (the final weights)."""
     model_path: Path
-    """The final weights (a state_dict; load with mixtrain.load_weights or torch.load(weights_only=True))."""
+    """The final weights as a .safetensors file: mixtrain.load_weights(path), or safetensors itself."""
     state_dict: dict[str, torch.Tensor]
     """The final weights, on CPU."""
     history: list[dict[str, Any]] = field(default_factory=list)

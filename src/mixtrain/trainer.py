@@ -11,7 +11,7 @@ from typing import Any
 import ray
 
 from mixtrain._constants import COLLECTIVE_TIMEOUT_S, env_float
-from mixtrain.checkpoint import MANIFEST, CheckpointMeta, CheckpointStore, atomic_save
+from mixtrain.checkpoint import MANIFEST, CheckpointMeta, CheckpointStore, save_weights
 from mixtrain.cluster import connect
 from mixtrain.comm.state_transfer import pack, unpack
 from mixtrain.config import RunConfig, ScalingConfig, StrategyConfig
@@ -119,7 +119,7 @@ class Trainer:
             group.shutdown()
             if log is not None:
                 log.close()
-        model_path = atomic_save(state, run_dir / "model.pt")
+        model_path = save_weights(state, run_dir / "model.safetensors")
         view.log(f"done: weights in {model_path}")
         return Result(
             run_dir=run_dir,
@@ -242,10 +242,11 @@ def load_resume(resume: str | Path, warn: Callable[[str], None]) -> Resumed:
     path = Path(resume)
     if (path / MANIFEST).is_file():
         state, manifest = CheckpointStore.read(path)
+        CheckpointMeta.from_manifest(manifest)
         return state, manifest, path
     if not path.is_dir():
         raise ValueError(f"resume={str(resume)!r}: no such folder; give a run folder or one of its checkpoints")
-    return CheckpointStore(path).latest(warn)
+    return CheckpointStore(path).latest(warn, accept=CheckpointMeta.from_manifest)  # a malformed one: the previous
 
 
 def _cpus_needed(scaling: ScalingConfig) -> float:

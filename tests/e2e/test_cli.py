@@ -9,6 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from mixtrain import load_weights
+
 MIXTRAIN = str(Path(sys.executable).parent / "mixtrain")
 
 
@@ -42,7 +44,7 @@ def test_digits_main_job_end_to_end(tmp_path):
     assert all(len(r["workers"]) == workers for r in rounds)
     # either worker may be the one measured slower (both are CPUs on a loaded machine); the note names it
     assert workers == 2 or re.search(r"left out worker [01] \(", proc.stderr)
-    state = torch.load(run_dir / "model.pt", weights_only=True)
+    state = load_weights(run_dir / "model.safetensors")
     assert "head.3.weight" in state
     assert len(list((run_dir / "logs").glob("worker-*.log"))) == 2  # worker output: in the run folder only
 
@@ -358,8 +360,8 @@ def test_a_killed_cli_run_resumes_from_its_checkpoint_and_ends_like_an_uninterru
     assert "resumed from" in resumed.stderr and killed_at in resumed.stderr
     straight = run_cli("train", *flags, "--run-dir", str(tmp_path / "straight"))
     assert straight.returncode == 0, straight.stderr
-    got = torch.load(run_dir / "model.pt", weights_only=True)
-    want = torch.load(tmp_path / "straight" / "model.pt", weights_only=True)
+    got = load_weights(run_dir / "model.safetensors")
+    want = load_weights(tmp_path / "straight" / "model.safetensors")
     for name in want:
         assert torch.allclose(got[name], want[name], rtol=1e-6, atol=1e-7), name
     from mixtrain.checkpoint import CheckpointStore

@@ -5,7 +5,7 @@ import copy
 import pytest
 import torch
 
-from mixtrain import RunConfig, ScalingConfig, Trainer
+from mixtrain import RunConfig, ScalingConfig, Trainer, load_weights
 from mixtrain.data.sampling import epoch_permutation, steps_per_epoch
 from tests.models import data, factory, make_task
 
@@ -67,7 +67,7 @@ def test_unequal_shares_match_single_process(model, opt, shares, tmp_path):
     assert sum(r["samples"] for r in result.history) == NUM_SAMPLES
     assert_same_weights(result.state_dict, reference(model, opt, x, y))
     # the saved file holds the same weights
-    saved = torch.load(result.model_path, weights_only=True)
+    saved = load_weights(result.model_path)
     assert all(torch.equal(saved[k], result.state_dict[k]) for k in saved)
 
 

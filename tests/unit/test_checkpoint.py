@@ -105,3 +105,89 @@ def test_a_checkpoint_carrying_pickled_code_is_refused_and_never_run(tmp_path):
     with pytest.raises(CheckpointError, match=r"refused to load state\.pt"):
         CheckpointStore.read(path)
     assert not (tmp_path / "pwned").exists() and not os.path.exists("pwned")
+
+
+# ---- issue 18, item 6: weights without pickle; item 5: malformed manifests fall back ------------------------
+def test_final_weights_are_safetensors_and_load_weights_reads_both_formats(tmp_path):
+    from safetensors.torch import load_file
+
+    from mixtrain.checkpoint import save_weights
+
+    emb = torch.nn.Embedding(5, 3)
+    head = torch.nn.Linear(3, 5, bias=False)
+    head.weight = emb.weight  # tied weights share memory: written once each, loaded as equal tensors
+    state = {"emb.weight": emb.weight, "head.weight": head.weight, "scale": torch.tensor(2.0, dtype=torch.bfloat16)}
+    path = save_weights(state, tmp_path / "model.safetensors")
+    assert path.read_bytes()[8:9] == b"{" and os.listdir(tmp_path) == ["model.safetensors"]
+    plain = load_file(path)  # what anyone with safetensors (Hugging Face, no mixtrain) loads
+    got = load_weights(path)
+    for name, want in state.items():
+        assert torch.equal(got[name], want) and torch.equal(plain[name], want) and got[name].dtype == want.dtype
+    old = atomic_save({"w": torch.ones(2)}, tmp_path / "old" / "model.pt")  # written by an earlier mixtrain
+    assert torch.equal(load_weights(old)["w"], torch.ones(2))
+    assert torch.equal(load_weights(tmp_path / "old")["w"], torch.ones(2))  # a run folder: its final weights
+    assert set(load_weights(tmp_path)) == set(state)
+    with pytest.raises(ValueError, match="entry 'opt' is a object"):
+        save_weights({"w": torch.ones(1), "opt": object()}, tmp_path / "bad.safetensors")
+
+
+def test_a_checkpoints_model_is_a_safetensors_file_and_the_rest_keeps_torch_save(tmp_path):
+    from safetensors.torch import load_file
+
+    from mixtrain.checkpoint import MODEL
+
+    store = CheckpointStore(tmp_path)
+    model = {"w": torch.arange(3.0), "step_count": 7}  # a non-tensor entry (a module's extra state) too
+    path = store.save({"model": model, "optimizer": {"state": {}, "lr": 0.1}}, {"global_step": 2, "epoch": 0})
+    manifest = json.loads((path / "manifest.json").read_text())
+    assert manifest["format"] == 2 and set(manifest["files"]) == {MODEL, STATE}
+    assert torch.equal(load_file(path / MODEL)["w"], torch.arange(3.0))
+    raw = torch.load(path / STATE, weights_only=True)
+    assert "w" not in raw["model"] and raw["optimizer"]["lr"] == 0.1
+    state, _ = store.read(path)
+    assert torch.equal(state["model"]["w"], torch.arange(3.0)) and state["model"]["step_count"] == 7
+
+
+def test_a_checkpoint_of_the_earlier_format_still_loads(tmp_path):
+    path = tmp_path / "checkpoints" / "step-000000002"
+    path.mkdir(parents=True)
+    torch.save({"model": {"w": torch.ones(3)}, "epoch": 0}, path / STATE)
+    entry = {"sha256": _sha256(path / STATE), "bytes": (path / STATE).stat().st_size}
+    (path / "manifest.json").write_text(json.dumps({"format": 1, "files": {STATE: entry}, "global_step": 2}))
+    state, manifest, _ = CheckpointStore(tmp_path).latest()
+    assert manifest["format"] == 1 and torch.equal(state["model"]["w"], torch.ones(3))
+
+
+@pytest.mark.parametrize(
+    "manifest",
+    [
+        [],  # not an object
+        {"format": 2, "global_step": 4},  # no files
+        {"format": 2, "files": {STATE: {"sha256": "x"}}, "global_step": 4},  # an entry without its size
+        {"format": 2, "files": {STATE: "x"}, "global_step": 4},
+        {"format": 2, "files": {"../../etc/passwd": {"sha256": "x", "bytes": 1}, STATE: {}}, "global_step": 4},
+    ],
+    ids=["list", "no-files", "no-bytes", "entry-not-object", "path-outside"],
+)
+def test_a_malformed_manifest_falls_back_to_the_previous_checkpoint(tmp_path, manifest):
+    store = CheckpointStore(tmp_path)
+    _save(store, 2, 2)
+    newest = _save(store, 4, 4)
+    (newest / "manifest.json").write_text(json.dumps(manifest))
+    warnings = []
+    state, good, _ = store.latest(warnings.append)
+    assert good["global_step"] == 2 and torch.equal(state["model"]["w"], torch.full((3,), 2.0))
+    assert len(warnings) == 1 and "malformed" in warnings[0] and "step-000000004" in warnings[0]
+
+
+def test_resume_skips_a_checkpoint_whose_manifest_lacks_where_to_continue(tmp_path):
+    from mixtrain.trainer import load_resume
+
+    store = CheckpointStore(tmp_path)
+    meta = {"epoch": 0, "step": 2, "shares": [4], "num_workers": 1, "workers": []}
+    store.save({"model": {"w": torch.ones(3)}}, {**meta, "global_step": 2})
+    store.save({"model": {"w": torch.zeros(3)}}, {"global_step": 4})  # the rest of its metadata is missing
+    warnings = []
+    _, manifest, path = load_resume(tmp_path, warnings.append)
+    assert manifest["global_step"] == 2 and path.name == "step-000000002"
+    assert "lacks epoch, step, shares, num_workers, workers" in warnings[0]

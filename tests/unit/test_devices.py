@@ -110,3 +110,47 @@ def test_make_current_sets_the_cuda_device_and_is_a_no_op_elsewhere(monkeypatch)
     devices.get("cpu").make_current(0)
     devices.get("mps").make_current(0)
     assert chosen == [1]
+
+
+# ---- issue 18, item 7: copies to MPS and finite checks on MPS (no Mac here: torch's MPS side is not run) ----
+def test_batches_go_to_mps_with_blocking_copies_and_to_cuda_non_blocking():
+    # A non-blocking copy to MPS from a CPU batch that is freed before the stream syncs can land corrupted
+    # (pytorch#189690). Mock(spec=Tensor) passes isinstance checks and records how .to was called.
+    from unittest import mock
+
+    from mixtrain.data.sources import to_device
+
+    for device, non_blocking in ((torch.device("mps"), False), (torch.device("cuda", 0), True)):
+        x, y = mock.Mock(spec=torch.Tensor), mock.Mock(spec=torch.Tensor)
+        to_device({"x": x, "pair": (y, 3)}, device)
+        x.to.assert_called_once_with(device, non_blocking=non_blocking)
+        y.to.assert_called_once_with(device, non_blocking=non_blocking)
+    assert devices.get("mps").non_blocking_copies is False and devices.get("cpu").non_blocking_copies is False
+
+
+def test_no_copy_in_mixtrain_is_non_blocking_unless_the_device_allows_it():
+    from tests.conftest import REPO
+
+    literal = [p for p in (REPO / "src" / "mixtrain").rglob("*.py") if "non_blocking=True" in p.read_text()]
+    assert literal == []
+
+
+def test_finite_checks_cover_at_most_the_devices_reduction_limit(monkeypatch):
+    # MPS `any`/`all` are wrong past 2**31 - 1 elements: each check covers at most that many. Shown here with
+    # the CPU's limit shrunk to 10 elements, and every isfinite call's size recorded.
+    assert devices.get("mps").max_reduce_numel == 2**31 - 1 and devices.get("cpu").max_reduce_numel is None
+    monkeypatch.setattr(devices.get("cpu"), "max_reduce_numel", 10)
+    sizes = []
+    real = torch.isfinite
+
+    def spy(t):
+        sizes.append(t.numel())
+        return real(t)
+
+    monkeypatch.setattr(torch, "isfinite", spy)
+    t = torch.zeros(2, 15)
+    assert devices.all_finite([t, torch.ones(3)])
+    t[1, 10] = float("nan")  # element 25: in the third slice
+    assert not devices.all_finite([torch.ones(3), t])
+    assert sizes and max(sizes) <= 10
+    assert not devices.all_finite([torch.tensor([1.0, float("inf")])]) and devices.all_finite([torch.zeros(0)])

@@ -129,3 +129,18 @@ def test_the_report_goes_to_OUT_when_it_is_set(tmp_path, monkeypatch):
     report = json.loads((tmp_path / "o" / "gpu-check.json").read_text())
     assert [(s["step"], s["result"]) for s in report["steps"]] == [("install", "not run"), ("env", "not run")]
     assert (tmp_path / "o" / "gpu-check.txt").exists()
+
+
+def test_the_lost_worker_step_is_in_the_check_and_is_skipped_cleanly_without_cuda(tmp_path):
+    # issue 18, item 10: the first GPU session loses a worker under gloo and NCCL; here there is no GPU
+    import subprocess
+
+    from tests.conftest import REPO
+
+    [step] = [s for s in check.STEPS if s.name == "lost-worker"]
+    assert step.needs_cuda and step.timeout_s <= 240
+    out = tmp_path / "lost.json"
+    cmd = [sys.executable, "-m", "gpu.steps", "lost-worker", "--devices", "cuda", "--out", str(out)]
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert json.loads(out.read_text()) == {"result": "skipped", "figure": "no CUDA device: skipped", "detail": []}

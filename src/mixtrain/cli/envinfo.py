@@ -11,6 +11,11 @@ from mixtrain.compat import platform_info, versions
 
 SETTINGS = (
     "RAY_ADDRESS",
+    "RAY_AUTH_MODE",
+    "RAY_AUTH_TOKEN_PATH",
+    "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER",
+    "TORCH_NCCL_ASYNC_ERROR_HANDLING",
+    "TORCH_NCCL_BLOCKING_WAIT",
     "PYTORCH_ENABLE_MPS_FALLBACK",
     "CUDA_VISIBLE_DEVICES",
     "GLOO_SOCKET_IFNAME",
@@ -29,7 +34,7 @@ def bug_report() -> dict[str, Any]:
     from importlib import metadata
 
     from mixtrain import devices
-    from mixtrain.cluster.headnode import load_state
+    from mixtrain.cluster.state import load_state
     from mixtrain.comm.netif import hostname_trap, ipv4_addresses
 
     optional: dict[str, str | None] = {}
@@ -57,10 +62,56 @@ def bug_report() -> dict[str, Any]:
             "hostname_warning": hostname_trap(),
             "interfaces": {k: v for k, v in ipv4_addresses().items() if v},
         },
-        "cluster": None if state is None else {"role": state.role, "address": state.address, "node_ip": state.node_ip},
+        "cluster": None if state is None else cluster_report(state),
         "settings": {k: v for k, v in sorted(os.environ.items()) if k in SETTINGS or k.startswith("MIXTRAIN_")},
         "optional_packages": optional,
     }
+
+
+def cluster_report(state: Any) -> dict[str, Any]:
+    """This machine's node of a mixtrain cluster: is it running, does its head require the token (asked over
+    the network), and which TCP addresses its processes listen on."""
+    import stat
+
+    from mixtrain.cluster import exposure
+    from mixtrain.cluster.auth import token_check, token_path
+    from mixtrain.cluster.state import not_ours
+
+    gone = not_ours(state)
+    path = token_path()
+    auth: dict[str, Any] = {"token_file": str(path), "token_file_mode": None, "check": "not checked: not running"}
+    if path.exists():
+        auth["token_file_mode"] = f"{stat.S_IMODE(path.stat().st_mode):04o}"
+    if gone is None and path.exists():
+        required, how = token_check(state.address, path.read_text().strip(), timeout_s=3.0)
+        auth["mode"] = {True: "token required", False: "NOT ENFORCED", None: "unknown"}[required]
+        auth["check"] = how
+    return {
+        "role": state.role,
+        "address": state.address,
+        "node_ip": state.node_ip,
+        "running": gone is None,
+        "not_running_because": gone,
+        "auth": auth,
+        "listening": exposure.listening(state.pgid) if gone is None else [],
+    }
+
+
+def _format_cluster(c: dict[str, Any] | None) -> list[str]:
+    if c is None:
+        return ["cluster: none started here"]
+    if not c["running"]:
+        return [f"cluster: {c['role']} of {c['address']} recorded, not running ({c['not_running_because']})"]
+    a = c["auth"]
+    lines = [
+        f"cluster: {c['role']} of {c['address']} as {c['node_ip']}",
+        f"  ray auth: {a.get('mode', 'unknown')}: {a['check']}; token file {a['token_file']} ({a['token_file_mode']})",
+        "  listening (this node's Ray processes; * = every interface):",
+    ]
+    for sock in c["listening"]:
+        where = "*" if sock["all"] else sock["ip"]
+        lines.append(f"    {where}:{sock['port']}  {sock['process']}")
+    return lines
 
 
 def format_bug_report(r: dict[str, Any]) -> str:
@@ -82,8 +133,7 @@ def format_bug_report(r: dict[str, Any]) -> str:
     ]
     if net["hostname_warning"]:
         lines.append(f"  warning: {net['hostname_warning']}; give `cluster up/join` --interface or --node-ip")
-    c = r["cluster"]
-    lines.append(f"cluster: {c['role']} of {c['address']} as {c['node_ip']}" if c else "cluster: none started here")
+    lines += _format_cluster(r["cluster"])
     settings = r["settings"]
     lines.append("settings: " + (", ".join(f"{k}={val}" for k, val in settings.items()) or "none set"))
     opt = r["optional_packages"]

@@ -15,7 +15,7 @@ Command lines:
     mixtrain devices
     mixtrain env                                           # everything a bug report needs
     mixtrain cluster up --interface eth0                   # on the desktop: prints the join command
-    mixtrain cluster join 192.168.1.10:6379 --token TOKEN  # on the Mac
+    mixtrain cluster join 192.168.1.10:6379 --token-file auth_token   # on the Mac, with the head's token file
     mixtrain cluster status
     mixtrain cluster down
 """
@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING
 from mixtrain.config import BACKENDS, COMPRESSION, NUMERICS_CHECKS, PRECISIONS, STRATEGY_NAMES
 
 if TYPE_CHECKING:  # the CLI imports torch and Ray only for the commands that need them
+    from mixtrain.cluster.state import NodeState
     from mixtrain.job import Job
     from mixtrain.trainer import Trainer
 
@@ -93,7 +94,15 @@ def build_parser() -> argparse.ArgumentParser:
         "--resume",
         metavar="RUN_DIR",
         help="continue a run from its newest good checkpoint, with the flags it was started with (flags given "
-        "now override them; --epochs is the total to reach)",
+        "now override them; --epochs is the total to reach). The run folder names the job function to run "
+        "again: resuming a folder you did not make runs code. A package.module:function job is refused when "
+        "the module would now be loaded from another file than when the run started, unless --trust-job",
+    )
+    train.add_argument(
+        "--trust-job",
+        action="store_true",
+        help="with --resume: run the job function the run folder names even from another file than the "
+        "run started with (or from a folder written before mixtrain recorded it)",
     )
     train.add_argument(
         "--checkpoint-every",
@@ -235,12 +244,29 @@ def _add_cluster_parser(sub: argparse._SubParsersAction) -> None:
         p.add_argument("--num-cpus", type=_positive_int, help="CPUs this node offers (default: all)")
         p.add_argument("--temp-dir", help="Ray's temporary folder on this node (default /tmp/ray)")
 
-    up = verbs.add_parser("up", help="start the head node here (token authentication, dashboard on loopback)")
+    up = verbs.add_parser(
+        "up",
+        help="start the head node here (token authentication, proven before it returns)",
+        description="Start the head node here with token authentication on (the head must refuse a call without "
+        "the token, or it is stopped again), without the Ray Client server, the dashboard or metrics export. The "
+        "token is kept in $MIXTRAIN_HOME/auth_token (mode 0600) and never printed. Ray sends it unencrypted: on a "
+        "network you do not trust, use a WireGuard/Tailscale interface (--interface) or Ray's TLS.",
+    )
     up.add_argument("--port", type=_positive_int, default=6379, help="the head's port (default 6379)")
+    up.add_argument("--dashboard", action="store_true", help="start Ray's dashboard too, on 127.0.0.1 only")
     node_flags(up)
-    join = verbs.add_parser("join", help="join this machine to a head")
+    join = verbs.add_parser(
+        "join",
+        help="join this machine to a head",
+        description="Join this machine to the head at ADDRESS. Give the head's token file with --token-file PATH "
+        "(or --token-file - to read it from standard input); without either, the token this machine keeps is "
+        "used, or asked for without echo.",
+    )
     join.add_argument("address", help="HOST:PORT that `mixtrain cluster up` printed")
-    join.add_argument("--token", help="the token that `mixtrain cluster up` printed")
+    join.add_argument("--token-file", metavar="PATH", help="the head's auth_token file; '-' reads standard input")
+    join.add_argument(
+        "--token", help="the token itself (visible to every user in the process list and kept in shell history)"
+    )
     node_flags(join)
     status = verbs.add_parser("status", help="every node with its devices and versions")
     status.add_argument("--address", help="HOST:PORT of the head (default: this machine's cluster)")
@@ -331,7 +357,8 @@ def _with_saved_flags(raw: list[str], resume: str) -> list[str]:
                 f"--resume {resume!r} continues the run's own job ({saved} holds its flags); leave out "
                 "TASK, --example and --config (other flags given now override the saved ones)"
             )
-        return ["train", *json.loads(saved.read_text())["argv"], *raw[1:]]
+        argv = [a for a in json.loads(saved.read_text())["argv"] if a != "--trust-job"]  # only given now counts
+        return ["train", *argv, *raw[1:]]
     return raw
 
 
@@ -366,29 +393,56 @@ def _subparser(parser: argparse.ArgumentParser, name: str) -> argparse.ArgumentP
     return action.choices[name]
 
 
-def _save_flags(raw: list[str], run_dir: Path) -> None:
+def _save_flags(raw: list[str], run_dir: Path, target: str) -> None:
     keep, skip = [], False
     for item in raw[1:]:  # without "train", --resume and --run-dir: the folder is the run
         if skip:
             skip = False
         elif item in ("--resume", "--run-dir"):
             skip = True
-        elif not item.startswith(("--resume=", "--run-dir=")):
+        elif not item.startswith(("--resume=", "--run-dir=")) and item != "--trust-job":
             keep.append(item)
     for i, item in enumerate(keep[:-1]):  # a config file found again from any folder
         if item in ("--config", "--data-dir"):
             keep[i + 1] = str(Path(keep[i + 1]).expanduser().resolve())
+    from mixtrain.job import module_file
+
     run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / COMMAND_FILE).write_text(json.dumps({"argv": keep}) + "\n")
+    record = {"argv": keep, "job": target, "job_file": module_file(target)}
+    (run_dir / COMMAND_FILE).write_text(json.dumps(record) + "\n")
+
+
+def _check_resumed_job(args: argparse.Namespace) -> None:
+    """Resuming imports and runs the job function the run folder names. Refuse a module:function whose module
+    would now come from another file than the one the run recorded (a folder from elsewhere, a module that
+    moved), unless --trust-job was given now."""
+    from mixtrain.job import module_file
+
+    target = _task(args)[0]
+    if ":" not in target or args.trust_job:
+        return
+    saved = Path(args.resume) / COMMAND_FILE
+    recorded = json.loads(saved.read_text()).get("job_file") if saved.is_file() else None
+    here = module_file(target)
+    if recorded is None or here is None or Path(here) != Path(recorded):
+        raise ValueError(
+            f"--resume {args.resume!r} would import and run {target} from {here or 'nowhere (not found)'}, but the run "
+            f"started with {recorded or 'no recorded file'}; resuming runs the job code the folder names. Check "
+            f"{saved} and that file, then add --trust-job to run it"
+        )
 
 
 def cmd_train(args: argparse.Namespace, raw: list[str]) -> int:
     import time
 
     run_dir = Path(args.run_dir or args.resume or time.strftime("mixtrain_runs/run-%Y%m%d-%H%M%S"))
+    if args.resume:
+        _check_resumed_job(args)  # before the job's module is imported
+    elif args.trust_job:
+        raise ValueError("--trust-job goes with --resume RUN_DIR")
     job, trainer = _trainer(args, str(run_dir), args.steps_per_round)  # checks the flags first
     if not args.resume:
-        _save_flags(raw, run_dir)
+        _save_flags(raw, run_dir, _task(args)[0])
     result = trainer.fit(epochs=args.epochs or job.epochs, resume=args.resume)
     metrics = result.metrics
     summary = ", ".join(f"{k} {v:.4f}" for k, v in metrics.items() if k not in ("samples", "epoch"))
@@ -422,28 +476,50 @@ def cmd_devices(args: argparse.Namespace) -> int:
     return 0
 
 
+def _up_message(state: NodeState, token: Path, tls: bool = False) -> str:
+    """What `cluster up` prints: where the token is and join commands that keep it off every command line."""
+    wire = "Ray's TLS is on, so it travels encrypted" if tls else "Ray sends it unencrypted (README: security)"
+    return "\n".join(
+        [
+            f"head running at {state.address} (log: {state.log})",
+            f"token authentication is on (a call without the token was refused); the token is in {token}",
+            f"(mode 0600). It opens every machine of the cluster, and {wire}.",
+            "on each other machine, with the same Python, torch and mixtrain versions, copy that file over and run:",
+            f"  mixtrain cluster join {state.address} --token-file auth_token",
+            "or pipe it, so it is written nowhere on the way:",
+            f"  ssh {state.node_ip} cat {token} | mixtrain cluster join {state.address} --token-file -",
+            "then train from this machine with:",
+            f"  mixtrain train --address {state.address} --workers auto",
+        ]
+    )
+
+
 def cmd_cluster(args: argparse.Namespace) -> int:
     from mixtrain.cluster import headnode
 
     if args.verb == "up":
+        import platform
+
         state = headnode.up(
             port=args.port,
             interface=args.interface,
             node_ip=args.node_ip,
             num_cpus=args.num_cpus,
             temp_dir=args.temp_dir,
+            dashboard=args.dashboard,
         )
-        token = headnode.token_path().read_text()
-        print(f"head running at {state.address} (log: {state.log})")
-        print("on each other machine, with the same Python, torch and mixtrain versions, run:")
-        print(f"  mixtrain cluster join {state.address} --token {token}")
-        print("then train from this machine with:")
-        print(f"  mixtrain train --address {state.address} --workers auto")
+        from mixtrain.cluster.auth import tls_on
+
+        print(_up_message(state, headnode.token_path(), tls_on()))
+        if platform.system() == "Darwin":
+            print(headnode.MAC_HEAD_ADVICE)
         return 0
     if args.verb == "join":
+        from mixtrain.cluster.auth import read_token_arg
+
         state = headnode.join(
             args.address,
-            token=args.token,
+            token=read_token_arg(args.token, args.token_file, sys.stdin),
             interface=args.interface,
             node_ip=args.node_ip,
             num_cpus=args.num_cpus,
@@ -460,7 +536,12 @@ def cmd_cluster(args: argparse.Namespace) -> int:
         print(headnode.format_status(headnode.status(address)))
         return 0
     gone = headnode.down()
-    print(f"stopped the Ray {gone.role} for {gone.address}" if gone else "no mixtrain cluster runs here")
+    if gone is None:
+        print("no mixtrain cluster runs here")
+    elif gone[1] is None:
+        print(f"stopped the Ray {gone[0].role} for {gone[0].address}")
+    else:
+        print(f"nothing to stop: the Ray {gone[0].role} for {gone[0].address} is gone ({gone[1]}); record removed")
     return 0
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import logging
 import math
 import os
@@ -82,9 +83,16 @@ def check_reachable(address: str, timeout_s: float | None = None) -> None:
                 return
         except OSError as exc:
             if time.monotonic() >= deadline:
+                from mixtrain.comm.netif import unreachable_hint
+
+                hint = unreachable_hint(host, int(port)) if exc.errno == errno.EHOSTUNREACH else None
                 raise ConnectionError(
                     f"no Ray head answers at {address} (tried for {timeout:g} s, MIXTRAIN_CONNECT_TIMEOUT_S): {exc}. "
-                    "Check the address that `ray start --head` printed, that the head is running, and that no "
-                    "firewall blocks the port; or leave the address out to start a local Ray."
+                    + (
+                        f"{hint}."
+                        if hint
+                        else "Check the address that `ray start --head` printed, that the head is running, and that "
+                        "no firewall blocks the port; or leave the address out to start a local Ray."
+                    )
                 ) from exc
             time.sleep(0.5)

@@ -1,9 +1,10 @@
 """Start, join, inspect and stop a mixtrain Ray cluster: `mixtrain cluster up|join|status|down`.
 
-Each node runs `ray start --block` as a detached process group that this module records in
-$MIXTRAIN_HOME/cluster.json (default ~/.mixtrain), so `down` stops exactly the processes
-`up`/`join` started: never `ray stop`, which kills every Ray on the machine. Token
-authentication is always on; the token lives in $MIXTRAIN_HOME/auth_token (mode 0600).
+Each node runs `ray start --block` as a detached process group recorded in $MIXTRAIN_HOME/cluster.json
+(default ~/.mixtrain; state.py), so `down` stops exactly the processes `up`/`join` started, and only
+while they are still those: never `ray stop`, which kills every Ray on the machine. Token
+authentication is always on and proven after `up` (auth.py); what the node opens is kept small
+(exposure.py).
 """
 
 from __future__ import annotations
@@ -12,96 +13,59 @@ import json
 import os
 import platform
 import secrets
-import signal
 import socket
 import subprocess
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 from mixtrain import compat
 from mixtrain._constants import RAY_READY_TIMEOUT_S, env_float
+from mixtrain.cluster import exposure
+from mixtrain.cluster.auth import (
+    apply_auth_env,
+    auth_env,
+    prove_token_required,
+    require_token_auth,
+    token_path,
+    use_cluster_token,
+)
 from mixtrain.cluster.connect import check_reachable, device_resources
+from mixtrain.cluster.state import (
+    ClusterError,
+    NodeState,
+    forget,
+    home,
+    kill_started,
+    load_state,
+    not_ours,
+    record,
+    stop,
+)
 from mixtrain.comm.netif import hostname_trap, ipv4_addresses
 from mixtrain.compat import version_mismatches
 
+__all__ = [
+    "ClusterError",
+    "NodeState",
+    "auth_env",
+    "down",
+    "join",
+    "load_state",
+    "status",
+    "token_path",
+    "up",
+    "use_cluster_token",
+]
+
 CARD_KEY, CARD_NS = b"head", b"mixtrain"
-
-
-class ClusterError(RuntimeError):
-    """A cluster command could not do its work; the message says why and what to do."""
-
-
-def home() -> Path:
-    path = Path(os.environ.get("MIXTRAIN_HOME", Path.home() / ".mixtrain"))
-    path.mkdir(parents=True, exist_ok=True)
-    return path
-
-
-@dataclass(kw_only=True)
-class NodeState:
-    role: str  # "head" or "worker"
-    address: str  # the head's GCS address, HOST:PORT
-    node_ip: str
-    pgid: int
-    log: str
-
-
-def load_state() -> NodeState | None:
-    path = home() / "cluster.json"
-    return NodeState(**json.loads(path.read_text())) if path.exists() else None
-
-
-def _save_state(state: NodeState) -> None:
-    (home() / "cluster.json").write_text(json.dumps(asdict(state), indent=2))
-
-
-def token_path() -> Path:
-    return home() / "auth_token"
-
-
-def _write_token(token: str) -> Path:
-    path = token_path()
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "w") as f:
-        f.write(token)
-    return path
-
-
-def auth_env(token: str | None = None) -> dict[str, str]:
-    """Environment for a Ray process or driver of this cluster: token mode, token from our file."""
-    if token is not None:
-        _write_token(token)
-    if not token_path().exists():
-        raise ClusterError(
-            f"no cluster token in {token_path()}: on the head, run `mixtrain cluster up`; elsewhere pass the "
-            "token that `cluster up` printed (--token), or set RAY_AUTH_TOKEN"
-        )
-    return {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": str(token_path())}
-
-
-def apply_auth_env(env: dict[str, str]) -> None:
-    """Put the token settings into this process. Ray reads them once, when it is imported, so its
-    config and token cache are reloaded too (as Ray's own test utilities do)."""
-    os.environ.update(env)
-    try:
-        from ray._raylet import AuthenticationTokenLoader, Config  # type: ignore[attr-defined]
-
-        Config.initialize("")
-        AuthenticationTokenLoader.instance().reset_cache()
-    except (ImportError, AttributeError):  # another Ray: the environment alone must do
-        pass
-
-
-def use_cluster_token(address: str) -> None:
-    """For a driver (`mixtrain train --address`): use this machine's cluster token for its own
-    cluster's address unless the user set one."""
-    state = load_state()
-    if state is not None and state.address == address and not os.environ.get("RAY_AUTH_TOKEN"):
-        apply_auth_env(auth_env())
+MAC_HEAD_ADVICE = (
+    "note: this Mac is the head. If it sleeps (lid closed, idle), the whole cluster stops, and Ray runs "
+    "macOS nodes in a multi-node cluster only at your own risk: where you can, make the Linux or Windows "
+    "desktop the head and join from the Mac."
+)
 
 
 def interface_ip(name: str) -> str:
@@ -124,7 +88,8 @@ def route_ip(peer: str) -> str:
 
 
 def pick_node_ip(interface: str | None, node_ip: str | None, peer: str | None) -> str:
-    """The address other nodes reach this one at; refuses loopback (the 127.0.1.1 trap)."""
+    """The address other nodes reach this one at; refuses loopback (the 127.0.1.1 trap, and a Mac's Ray,
+    which advertises 127.0.0.1 unless it is given the node's address)."""
     if node_ip:
         ip = node_ip
     elif interface:
@@ -145,6 +110,14 @@ def pick_node_ip(interface: str | None, node_ip: str | None, peer: str | None) -
     return ip
 
 
+def platform_env() -> dict[str, str]:
+    """What Ray needs on this OS to be one node of several: on macOS (and Windows) Ray refuses to join a
+    multi-node cluster, and reports 127.0.0.1 as the node's address, unless this is set."""
+    if platform.system() in ("Darwin", "Windows"):
+        return {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "1"}
+    return {}
+
+
 def _ray_cmd() -> list[str]:
     sibling = Path(sys.executable).with_name("ray")
     return [str(sibling)] if sibling.exists() else [sys.executable, "-m", "ray.scripts.scripts"]
@@ -156,6 +129,7 @@ def _spawn(args: list[str], env: dict[str, str], log: Path) -> subprocess.Popen:
             _ray_cmd() + args,
             stdout=out,
             stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
             env={**os.environ, **env},
             start_new_session=True,  # its own process group: `down` stops exactly these processes
         )
@@ -177,7 +151,7 @@ def _wait_started(proc: subprocess.Popen, log: Path, ready: Callable[[], bool]) 
             f"its log ({log}) ends:\n{_tail(log)}"
         )
     except BaseException:
-        _kill_group(proc.pid)
+        kill_started(proc)
         raise
 
 
@@ -185,22 +159,8 @@ def _tail(log: Path, lines: int = 15) -> str:
     return "\n".join(log.read_text(errors="replace").splitlines()[-lines:])
 
 
-def _kill_group(pgid: int, timeout_s: float = 20.0) -> None:
-    for sig in (signal.SIGTERM, signal.SIGKILL):
-        try:
-            os.killpg(pgid, sig)
-        except ProcessLookupError:
-            return
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            try:
-                os.killpg(pgid, 0)
-            except ProcessLookupError:
-                return
-            time.sleep(0.2)
-
-
 def _common_args(node_ip: str, num_cpus: int | None, temp_dir: str | None) -> list[str]:
+    # --node-ip-address always: without it a Mac's Ray advertises 127.0.0.1 (ray#24945, #30770)
     args = ["--block", f"--node-ip-address={node_ip}", "--disable-usage-stats"]
     resources = device_resources()
     if resources:
@@ -220,31 +180,48 @@ def _gcs(address: str) -> Any:
 
 
 def _refuse_if_running() -> None:
+    """Refuse to start a second node here; a record whose processes are gone (or were never these) is
+    dropped with a note instead of blocking for no reason."""
     state = load_state()
-    if state is not None:
-        try:
-            os.killpg(state.pgid, 0)
-        except ProcessLookupError:
-            return
+    if state is None:
+        return
+    why = not_ours(state)
+    if why is None:
         raise ClusterError(
             f"this machine already runs a mixtrain Ray {state.role} for {state.address} (process group "
             f"{state.pgid}); run `mixtrain cluster down` first"
         )
+    print(f"note: dropped a stale record of a Ray {state.role} for {state.address}: {why}", file=sys.stderr)
+    forget()
+
+
+def node_env(interface: str | None, *, head: bool) -> dict[str, str]:
+    """Environment of this node's Ray processes (and so of the workers on it)."""
+    env = {**exposure.ray_start_env(head=head), **platform_env()}
+    if interface:
+        env.update(GLOO_SOCKET_IFNAME=interface, NCCL_SOCKET_IFNAME=interface)
+    return env
 
 
 def up(
-    *, port: int, interface: str | None, node_ip: str | None, num_cpus: int | None, temp_dir: str | None
+    *,
+    port: int,
+    interface: str | None,
+    node_ip: str | None,
+    num_cpus: int | None,
+    temp_dir: str | None,
+    dashboard: bool = False,
 ) -> NodeState:
+    require_token_auth()
     _refuse_if_running()
     ip = pick_node_ip(interface, node_ip, None)
-    env = auth_env(secrets.token_hex(24))
-    if interface:
-        env.update(GLOO_SOCKET_IFNAME=interface, NCCL_SOCKET_IFNAME=interface)
+    token = secrets.token_hex(24)
+    env = {**auth_env(token), **node_env(interface, head=True)}
     log = home() / "ray-head.log"
-    args = ["start", "--head", f"--port={port}", "--dashboard-host=127.0.0.1", *_common_args(ip, num_cpus, temp_dir)]
-    proc = _spawn(args, env, log)
+    args = ["start", "--head", f"--port={port}", *exposure.ray_start_args(head=True, dashboard=dashboard)]
+    proc = _spawn([*args, *_common_args(ip, num_cpus, temp_dir)], env, log)
     address = f"{ip}:{port}"
-    apply_auth_env(env)
+    apply_auth_env(auth_env())
 
     def ready() -> bool:
         try:
@@ -257,9 +234,12 @@ def up(
             return False
 
     _wait_started(proc, log, ready)
-    state = NodeState(role="head", address=address, node_ip=ip, pgid=proc.pid, log=str(log))
-    _save_state(state)
-    return state
+    try:
+        prove_token_required(address, token)
+    except BaseException:
+        kill_started(proc)
+        raise
+    return record(role="head", address=address, node_ip=ip, pid=proc.pid, log=str(log))
 
 
 def head_card(address: str) -> dict[str, str]:
@@ -287,6 +267,7 @@ def join(
     num_cpus: int | None,
     temp_dir: str | None,
 ) -> NodeState:
+    require_token_auth()
     _refuse_if_running()
     check_reachable(address)
     env = auth_env(token)
@@ -297,8 +278,8 @@ def join(
         raise
     except Exception as exc:  # Ray raises several types for a bad token or a dead head
         raise ClusterError(
-            f"could not read the head's version card at {address}: {exc}. Check the token that "
-            "`mixtrain cluster up` printed (--token)."
+            f"could not read the head's version card at {address}: {exc}. Check the token: copy the file that "
+            "`mixtrain cluster up` named (its auth_token) again and pass it with --token-file."
         ) from exc
     problems = parity_problems(card, compat.versions())
     if problems:
@@ -306,16 +287,14 @@ def join(
             "refusing to join: " + "; ".join(problems) + ". Install the same versions here (for Python: a "
             f"virtual environment with Python {card.get('python')}, e.g. `uv venv -p {card.get('python')}`)."
         )
-    if platform.system() == "Darwin":
-        env["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "1"
+    if platform_env():
         print(
             "note: Ray supports macOS nodes in a multi-node cluster only at your own risk "
             "(RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=1 is set for this node).",
             file=sys.stderr,
         )
     ip = pick_node_ip(interface, node_ip, address.rpartition(":")[0])
-    if interface:
-        env.update(GLOO_SOCKET_IFNAME=interface, NCCL_SOCKET_IFNAME=interface)
+    env.update(node_env(interface, head=False))
     log = home() / "ray-worker.log"
     offset = log.stat().st_size if log.exists() else 0
     proc = _spawn(["start", f"--address={address}", *_common_args(ip, num_cpus, temp_dir)], env, log)
@@ -324,19 +303,16 @@ def join(
         return "Ray runtime started" in log.read_text(errors="replace")[offset:]
 
     _wait_started(proc, log, ready)
-    state = NodeState(role="worker", address=address, node_ip=ip, pgid=proc.pid, log=str(log))
-    _save_state(state)
-    return state
+    return record(role="worker", address=address, node_ip=ip, pid=proc.pid, log=str(log))
 
 
-def down() -> NodeState | None:
-    """Stop the Ray processes this machine's `up`/`join` started; None when there were none."""
+def down() -> tuple[NodeState, str | None] | None:
+    """Stop the Ray processes this machine's `up`/`join` started. None when there is no record; else the
+    record and, when nothing was signalled, why (the processes were gone, or are another program's now)."""
     state = load_state()
     if state is None:
         return None
-    _kill_group(state.pgid)
-    (home() / "cluster.json").unlink(missing_ok=True)
-    return state
+    return state, stop(state)
 
 
 def node_report() -> dict:

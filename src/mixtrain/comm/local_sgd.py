@@ -23,6 +23,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from mixtrain import devices
 from mixtrain.comm import replicas
 from mixtrain.comm.compress import wire_dtype
 from mixtrain.comm.strategy import (
@@ -76,7 +77,7 @@ class LocalSGDStrategy(SyncStrategy):
     def step(self, task: Task, local_stats: torch.Tensor, weight: float) -> StepOutcome:
         grads = [p.grad for p in self.params if p.grad is not None]
         norm = None
-        finite = all(bool(torch.isfinite(g).all()) for g in grads) and bool(torch.isfinite(local_stats).all())
+        finite = devices.all_finite([*grads, local_stats])  # on the device: MPS checks in slices of < 2**31
         if weight > 0:
             if finite:
                 factor = 1.0 / (weight * self.loss_scale.scale)  # this rank's own mean gradient

@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import logging
+import os
 from datetime import timedelta
 
 import torch.distributed as dist
+
+from mixtrain.comm.netif import unreachable_hint
 
 
 class RendezvousError(RuntimeError):
@@ -39,6 +43,27 @@ def choose_backend(requested: str, kinds: list[str], nccl_available: bool) -> st
     return requested
 
 
+NCCL_ERRORS_AS_EXCEPTIONS = {
+    # 2 = CleanUpOnly: on a timed-out or failed collective the watchdog aborts the communicator and leaves the
+    # process alone; torch's default (3, SkipCleanUp) and 1 (TearDown) end the whole process instead, and a
+    # worker that is killed cannot roll back and rejoin.
+    "TORCH_NCCL_ASYNC_ERROR_HANDLING": "2",
+    # wait() blocks until the collective is done and raises there when it times out or is aborted, so the
+    # failure reaches the step loop as a Python exception (is_peer_failure) instead of a later CUDA hang.
+    "TORCH_NCCL_BLOCKING_WAIT": "1",
+}
+
+
+def nccl_errors_as_exceptions() -> None:
+    """Make a lost NCCL peer a Python exception in this process (read when the NCCL group is created)."""
+    for name, value in NCCL_ERRORS_AS_EXCEPTIONS.items():
+        if os.environ.get(name, value) != value:
+            logging.getLogger("mixtrain").warning(
+                "%s=%s would end this worker on a lost peer; mixtrain sets %s", name, os.environ[name], value
+            )
+        os.environ[name] = value
+
+
 def join_group(
     *,
     rank: int,
@@ -53,6 +78,8 @@ def join_group(
     """Join the default process group; raises RendezvousError within the timeout if a peer is missing."""
     if dist.is_initialized():
         dist.destroy_process_group()
+    if backend == "nccl":
+        nccl_errors_as_exceptions()
     try:
         if store is None:
             store = dist.TCPStore(
@@ -66,11 +93,12 @@ def join_group(
             backend, store=store, rank=rank, world_size=world_size, timeout=timedelta(seconds=collective_timeout_s)
         )
     except (RuntimeError, dist.DistStoreError) as exc:  # DistStoreError is a RuntimeError; named for clarity
+        hint = unreachable_hint(host, port) if store is None else None  # only when rank 0 was never reached
+        advice = hint or f"Check that every node can reach {host}:{port} (firewall, wrong interface)"
         raise RendezvousError(
             f"rank {rank} of {world_size} could not form the {backend} group at {host}:{port} within "
             f"{rendezvous_timeout_s:.0f} s (MIXTRAIN_RENDEZVOUS_TIMEOUT_S): a peer did not arrive or cannot reach "
-            f"rank 0's address. Check that every node can reach {host}:{port} (firewall, wrong interface). "
-            f"Cause: {exc}"
+            f"rank 0's address. {advice}. Cause: {exc}"
         ) from exc
 
 

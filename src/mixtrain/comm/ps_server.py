@@ -27,6 +27,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from mixtrain._constants import COLLECTIVE_TIMEOUT_S, PS_START_TIMEOUT_S, env_float
 from mixtrain.comm import replicas
 from mixtrain.comm.compress import decode
 from mixtrain.task import Task, build_task
@@ -214,8 +215,10 @@ class ParameterServer:
         max_norm / (global norm + 1e-6), at most 1. Returns the global norm before clipping."""
         self._norm_parts[step] = float(total.double().pow(2).sum())
         self._ready(step).set()
+        # a peer shard that never sums this step (its workers are gone) must not hold this one forever
+        wait_s = env_float(COLLECTIVE_TIMEOUT_S)
         parts = [
-            self._norm_parts[step] if i == self.index else await peer.norm_part.remote(step)
+            self._norm_parts[step] if i == self.index else await asyncio.wait_for(peer.norm_part.remote(step), wait_s)
             for i, peer in enumerate(self.peers or [None])
         ]
         norm = math.sqrt(sum(parts))  # in shard order: the same float on every shard
@@ -259,6 +262,16 @@ def start(factory: Callable[[], Task], shards: int, seed: int, compress: str, no
     cls: Any = ray.remote(num_cpus=0, max_restarts=0)(ParameterServer)
     where = NodeAffinitySchedulingStrategy(node, soft=False)
     actors = [cls.options(scheduling_strategy=where).remote(factory, i, shards, seed, compress) for i in range(shards)]
-    ray.get([a.ready.remote() for a in actors])
-    ray.get([a.set_peers.remote(actors) for a in actors])
+    wait_s = env_float(PS_START_TIMEOUT_S)
+    try:
+        ray.get([a.ready.remote() for a in actors], timeout=wait_s)
+        ray.get([a.set_peers.remote(actors) for a in actors], timeout=wait_s)
+    except ray.exceptions.GetTimeoutError:
+        for actor in actors:
+            ray.kill(actor)
+        raise RuntimeError(
+            f"the {shards} parameter-server actor(s) did not start within {wait_s:g} s "
+            "(MIXTRAIN_PS_START_TIMEOUT_S): building the model there hung or the head node is out of memory; "
+            "check the task factory, or raise the limit"
+        ) from None
     return actors

@@ -21,6 +21,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 from torch.utils.data import default_collate as _default_collate
 
+from mixtrain import devices
 from mixtrain.data.sampling import Arrays, as_tensors, to_arrays
 
 EVAL_EPOCH = -1
@@ -100,7 +101,8 @@ def to_device(batch: Any, device: torch.device, where: str = "the batch") -> Any
     """Move every tensor in `batch` (tensors, tuples, lists, dicts, nested, or anything with `.to(device)`
     such as a Hugging Face BatchEncoding) to `device`; other leaves (numbers, strings, None) stay."""
     if isinstance(batch, torch.Tensor):
-        return batch.to(device, non_blocking=True)
+        # non-blocking only into CUDA: to MPS a non-blocking copy of this (temporary) batch can be corrupted
+        return batch.to(device, non_blocking=devices.get(device.type).non_blocking_copies)
     if isinstance(batch, Mapping):
         return {k: to_device(v, device, f"{where}[{k!r}]") for k, v in batch.items()}
     if isinstance(batch, tuple) and hasattr(batch, "_fields"):  # a namedtuple

@@ -7,6 +7,10 @@ devices.resolve("gpu")         # where a worker that asked for a GPU actually ru
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
+import torch
+
 from mixtrain.devices.base import DeviceInfo, DeviceKind
 from mixtrain.devices.cpu import CpuDevice
 from mixtrain.devices.cuda import CudaDevice
@@ -69,6 +73,19 @@ def local_devices() -> list[DeviceInfo]:
     return out
 
 
+def all_finite(tensors: Iterable[torch.Tensor]) -> bool:
+    """True when no tensor holds a NaN or an Inf. Each check covers at most the device's max_reduce_numel
+    elements (MPS reductions are wrong past 2**31 - 1), so a large tensor is checked in slices."""
+    for t in tensors:
+        kind = KINDS.get(t.device.type)
+        limit = kind.max_reduce_numel if kind is not None else None
+        flat = t.detach().reshape(-1)
+        step = limit or max(flat.numel(), 1)
+        if not all(bool(torch.isfinite(flat[i : i + step]).all()) for i in range(0, flat.numel(), step)):
+            return False
+    return True
+
+
 __all__ = [
     "DETECT_ORDER",
     "KINDS",
@@ -76,6 +93,7 @@ __all__ = [
     "DeviceInfo",
     "DeviceKind",
     "DeviceUnavailableError",
+    "all_finite",
     "detect",
     "get",
     "local_devices",

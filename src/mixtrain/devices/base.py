@@ -40,6 +40,10 @@ class DeviceKind(ABC):
     """Whether the data loader should use page-locked host memory (faster copies to the device)."""
     auto_low_precision: bool = True
     """Whether precision="auto" computes in bf16/fp16 here (the CPU stays fp32: low precision is slower there)."""
+    non_blocking_copies: bool = False
+    """Whether a host-to-device copy may be non-blocking: worth it, and safe, only into CUDA from pinned memory."""
+    max_reduce_numel: int | None = None
+    """The most elements one reduction (`any`, `all`, `isfinite(...).all()`) may cover here; None: no limit."""
 
     @abstractmethod
     def available(self) -> bool: ...

@@ -11,6 +11,7 @@ class CudaDevice(DeviceKind):
     kind = "cuda"
     has_own_random_stream = True
     pins_memory = True
+    non_blocking_copies = True
 
     def available(self) -> bool:
         return torch.cuda.is_available()

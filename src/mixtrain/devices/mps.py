@@ -28,6 +28,12 @@ class MpsDevice(DeviceKind):
     kind = "mps"
     supports_float64 = False
     has_own_random_stream = True
+    # A non-blocking copy to MPS from a CPU tensor that is freed before the stream syncs can land corrupted
+    # (pytorch#189690, open; OLMo-core stopped using it): every copy to or from MPS is blocking. The CPU staging
+    # of collectives (comm/buckets.py) is blocking as well, so a staged gradient is complete when it is summed.
+    non_blocking_copies = False
+    # MPS `any`/`all` give wrong answers on one tensor of more than 2**31 - 1 elements (torch 2.13/2.14)
+    max_reduce_numel = 2**31 - 1
 
     def available(self) -> bool:
         return torch.backends.mps.is_available()

@@ -2,14 +2,17 @@
 
 Each worker points its stdout and stderr (file descriptors 1 and 2, so C++ output such as gloo's is
 caught too) and mixtrain's log records at one file. A worker on the driver's machine writes straight
-into RUN_DIR/logs; one on another machine writes to its own temporary folder, and the driver copies
-that file into RUN_DIR/logs when the run ends.
+into RUN_DIR/logs; one on another machine writes to a private folder of its own under the temporary
+folder (`mixtrain-logs-UID`, mode 0700, never one that another user made or a symlink), and the driver
+copies that file into RUN_DIR/logs when the run ends. Log files are created 0600 and never opened
+through a symlink: a log can hold data and paths, and a predictable name in /tmp is an invitation.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import stat
 import sys
 import tempfile
 from pathlib import Path
@@ -19,21 +22,58 @@ MAX_FETCH = 4 * 2**20
 """Bytes of a remote worker's log copied back (its end)."""
 
 
+_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)  # Linux and macOS; Windows has no symlink attack of this kind
+
+
+def _user() -> str:
+    return str(os.getuid()) if hasattr(os, "getuid") else os.environ.get("USERNAME", "user")
+
+
+def _private_dir(path: Path) -> bool:
+    """Make `path` a folder only this user can enter; False when it is another user's or a symlink."""
+    try:
+        path.mkdir(mode=0o700, exist_ok=True)
+        info = os.lstat(path)
+    except OSError:
+        return False
+    if not stat.S_ISDIR(info.st_mode) or (hasattr(os, "getuid") and info.st_uid != os.getuid()):
+        return False
+    if stat.S_IMODE(info.st_mode) & 0o077:
+        os.chmod(path, 0o700)
+    return True
+
+
+def remote_log_dir(run_name: str) -> Path:
+    """This user's private folder for the logs of run `run_name` on a node other than the driver's."""
+    base = Path(tempfile.gettempdir()) / f"mixtrain-logs-{_user()}"
+    if not _private_dir(base):  # taken by someone else (or a planted link): a fresh private one instead
+        base = Path(tempfile.mkdtemp(prefix=f"mixtrain-logs-{_user()}-"))
+    folder = base / run_name
+    if not _private_dir(folder):
+        folder = Path(tempfile.mkdtemp(prefix=f"{run_name}-", dir=base))
+    return folder
+
+
 def log_path(log_dir: str, driver_node: str, this_node: str, name: str) -> Path:
-    """Where this worker writes: the run folder when it shares the driver's node, else a local temp folder."""
+    """Where this worker writes: the run folder when it shares the driver's node, else a private folder here."""
     if this_node == driver_node:
         folder = Path(log_dir)
+        folder.mkdir(parents=True, exist_ok=True)
     else:
-        folder = Path(tempfile.gettempdir()) / "mixtrain-logs" / Path(log_dir).parent.name
-    folder.mkdir(parents=True, exist_ok=True)
+        folder = remote_log_dir(Path(log_dir).parent.name)
     return folder / name
+
+
+def open_log(path: Path) -> int:
+    """A descriptor for appending to `path`: created 0600, refused (OSError) when `path` is a symlink."""
+    return os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | _NOFOLLOW, 0o600)
 
 
 def redirect_output(path: Path) -> None:
     """Send this process's stdout, stderr and INFO-level mixtrain records to `path` (appending)."""
     sys.stdout.flush()
     sys.stderr.flush()
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    fd = open_log(path)
     os.dup2(fd, 1)
     os.dup2(fd, 2)
     os.close(fd)
@@ -47,6 +87,6 @@ def redirect_output(path: Path) -> None:
 
 def read_tail(path: Path) -> str:
     """The end of a log file, for copying a remote worker's log back."""
-    with open(path, "rb") as f:
-        f.seek(max(0, path.stat().st_size - MAX_FETCH))
+    with os.fdopen(os.open(path, os.O_RDONLY | _NOFOLLOW), "rb") as f:
+        f.seek(max(0, os.fstat(f.fileno()).st_size - MAX_FETCH))
         return f.read().decode("utf-8", errors="replace")

@@ -1,0 +1,102 @@
+"""`cluster down` (and up/join) with a cluster.json that no longer describes what runs: real processes, the
+recorded process-group id held by an unrelated program, which must never be signalled."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from mixtrain.cli.main import main
+from mixtrain.cluster import headnode, state
+
+
+@pytest.fixture
+def home(tmp_path, monkeypatch):
+    monkeypatch.setenv("MIXTRAIN_HOME", str(tmp_path))
+    return tmp_path
+
+
+@pytest.fixture
+def unrelated():
+    """An unrelated program that leads its own process group, as a recorded `ray start --block` did."""
+    proc = subprocess.Popen(["sleep", "120"], start_new_session=True)
+    yield proc
+    proc.kill()
+    proc.wait()
+
+
+def _write(home, **fields) -> None:
+    record = {"role": "head", "address": "10.0.0.1:6379", "node_ip": "10.0.0.1", "log": "x.log", **fields}
+    (home / "cluster.json").write_text(json.dumps(record))
+
+
+def _down(capsys) -> str:
+    assert main(["cluster", "down"]) == 0
+    return capsys.readouterr().out
+
+
+def test_after_a_reboot_down_signals_nothing_and_up_is_not_refused(home, unrelated, capsys):
+    # the machine rebooted and the recorded group id now belongs to someone else's program
+    _write(home, pgid=unrelated.pid, boot_id="a-boot-before", started_at=state.start_time(unrelated.pid))
+    headnode._refuse_if_running()  # up/join go ahead, dropping the stale record
+    assert "dropped a stale record" in capsys.readouterr().err and not (home / "cluster.json").exists()
+    _write(home, pgid=unrelated.pid, boot_id="a-boot-before", started_at=state.start_time(unrelated.pid))
+    out = _down(capsys)
+    assert "nothing to stop" in out and "restarted" in out
+    assert unrelated.poll() is None and not (home / "cluster.json").exists()
+
+
+def test_a_reused_process_group_id_on_the_same_boot_is_not_signalled(home, unrelated, capsys):
+    # same boot, same number, but the process holding it started long after the recorded one
+    started = state.start_time(unrelated.pid)
+    assert started is not None
+    _write(home, pgid=unrelated.pid, boot_id=state.boot_id(), started_at=started - 3600)
+    out = _down(capsys)
+    assert f"process {unrelated.pid} is another program now" in out
+    assert unrelated.poll() is None  # (a signalled group is waited for until it is gone before down returns)
+
+
+def test_a_record_from_before_boot_ids_is_checked_by_command_line(home, unrelated, capsys):
+    _write(home, pgid=unrelated.pid)  # no boot id, no start time: an older mixtrain wrote it
+    assert f"process {unrelated.pid} is not `ray start`" in _down(capsys)
+    assert unrelated.poll() is None
+
+
+def test_the_group_that_was_recorded_is_stopped_with_its_children(home, capsys):
+    # a stand-in for `ray start --block` and the processes it starts, recorded as up/join record it
+    code = "import subprocess, sys, time; subprocess.Popen(['sleep', '120']); print('up', flush=True); time.sleep(120)"
+    leader = subprocess.Popen(
+        [sys.executable, "-c", code, "ray", "start", "--block"], start_new_session=True, stdout=subprocess.PIPE
+    )
+    try:
+        assert leader.stdout is not None and leader.stdout.readline() == b"up\n"
+        child = next(p for p in state._members(leader.pid) if p.pid != leader.pid)
+        state.record(role="worker", address="10.0.0.1:6379", node_ip="10.0.0.2", pid=leader.pid, log="x.log")
+        with pytest.raises(headnode.ClusterError, match="already runs a mixtrain Ray worker"):
+            headnode._refuse_if_running()
+        assert "stopped the Ray worker for 10.0.0.1:6379" in _down(capsys)
+        assert leader.wait(timeout=10) is not None
+        child.wait(timeout=10)  # the whole group, not only its leader
+    finally:
+        leader.kill()
+        leader.wait()
+
+
+def test_a_group_whose_leader_exited_is_still_stopped(home, capsys):
+    # `ray start --block` died, the processes it started live on in its group: they are still ours
+    code = "import subprocess; subprocess.Popen(['sleep', '120']); print('up', flush=True)"
+    leader = subprocess.Popen([sys.executable, "-c", code], start_new_session=True, stdout=subprocess.PIPE)
+    assert leader.stdout is not None and leader.stdout.readline() == b"up\n"
+    started = state.start_time(leader.pid)
+    leader.wait()
+    [orphan] = state._members(leader.pid)
+    try:
+        _write(home, pgid=leader.pid, boot_id=state.boot_id(), started_at=started)
+        assert "stopped the Ray head" in _down(capsys)
+        orphan.wait(timeout=10)
+    finally:
+        if orphan.is_running():
+            orphan.kill()

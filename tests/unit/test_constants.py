@@ -1,0 +1,26 @@
+"""Env-var/default pairs: a bad value is refused with the variable's name, never used."""
+
+from __future__ import annotations
+
+import pytest
+
+from mixtrain._constants import COLLECTIVE_TIMEOUT_S, env_float
+
+
+@pytest.mark.parametrize("raw", ["nan", "NaN", "inf", "-inf", "Infinity", "1e999"])
+def test_nan_and_infinite_values_are_refused(monkeypatch, raw):
+    # float() takes all of these; a NaN deadline never passes and an infinite one waits forever
+    monkeypatch.setenv(COLLECTIVE_TIMEOUT_S[0], raw)
+    with pytest.raises(ValueError, match=r"MIXTRAIN_COLLECTIVE_TIMEOUT_S=.*positive, finite number \(default 60"):
+        env_float(COLLECTIVE_TIMEOUT_S)
+
+
+def test_good_bad_and_missing_values(monkeypatch):
+    monkeypatch.delenv(COLLECTIVE_TIMEOUT_S[0], raising=False)
+    assert env_float(COLLECTIVE_TIMEOUT_S) == 60.0
+    monkeypatch.setenv(COLLECTIVE_TIMEOUT_S[0], "2.5")
+    assert env_float(COLLECTIVE_TIMEOUT_S) == 2.5
+    for raw in ("0", "-1", "ten"):
+        monkeypatch.setenv(COLLECTIVE_TIMEOUT_S[0], raw)
+        with pytest.raises(ValueError, match="MIXTRAIN_COLLECTIVE_TIMEOUT_S"):
+            env_float(COLLECTIVE_TIMEOUT_S)
