@@ -83,14 +83,16 @@ def faulty_task(
     marker: str,
     sleep_s: float = 0.0,
     replacement_for: int = 0,
+    sleep_per_sample_s: float = 0.0,
 ) -> Task:
     """make_task(model, opt) whose loss injects a REAL fault on worker `rank` at its `at_call`-th training
     loss (counted once the collective group exists, so the start-up probe does not count):
     "kill" SIGKILLs its own process, "stop" SIGSTOPs it (a laptop asleep), once per `marker` file;
     "nan" makes its loss NaN from then on; rank -1 injects nothing. `sleep_s`: every training loss on
-    every worker sleeps that long. `replacement_for` (the full group's size): in a group smaller than that,
-    training losses wait until a replacement process has built its replica (it marks `marker`.replacement),
-    so the replacement joins at the next round boundary however long its start takes."""
+    every worker sleeps that long, plus `sleep_per_sample_s` per sample (compute that scales with the
+    share: two workers then really are twice as fast as one). `replacement_for` (the full group's size): in
+    a group smaller than that, training losses wait until a replacement process has built its replica (it
+    marks `marker`.replacement), so the replacement joins at the next round boundary however long it takes."""
     import os
     import signal
     import time
@@ -107,8 +109,8 @@ def faulty_task(
         loss = nn.functional.cross_entropy(out, target)
         if not dist.is_initialized():
             return loss
-        if sleep_s:
-            time.sleep(sleep_s)
+        if sleep_s or sleep_per_sample_s:
+            time.sleep(sleep_s + sleep_per_sample_s * len(target))
         if dist.get_world_size() < replacement_for:
             _wait_for(replacement)
         if dist.get_rank() != rank:

@@ -40,10 +40,11 @@ def test_digits_main_job_end_to_end(tmp_path):
     assert len(evals) == 10 and abs(evals[-1]["accuracy"] - accuracy) < 1e-4
     rounds = [r for r in records if r["kind"] == "round"]
     assert sum(r["samples"] for r in rounds) == 10 * config["num_samples"]
-    workers = len(config["shares"])  # 1 when the planner measured one worker alone to be faster (it says why)
-    assert all(len(r["workers"]) == workers for r in rounds)
-    # either worker may be the one measured slower (both are CPUs on a loaded machine); the note names it
-    assert workers == 2 or re.search(r"left out worker [01] \(", proc.stderr)
+    # One worker alone may be measured faster on this 2-core machine, at the start or mid-run, and a worker
+    # left out mid-run may be taken back; either worker may be the one (both are CPUs); the notes say why.
+    assert all(len(r["workers"]) == len(r["shares"]) for r in rounds)
+    if any(len(r["workers"]) == 1 for r in rounds):
+        assert re.search(r"left out worker [01] \(", proc.stderr), proc.stderr
     state = load_weights(run_dir / "model.safetensors")
     assert "head.3.weight" in state
     assert len(list((run_dir / "logs").glob("worker-*.log"))) == 2  # worker output: in the run folder only

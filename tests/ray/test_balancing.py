@@ -132,3 +132,60 @@ def test_keep_all_devices_keeps_the_slow_worker(tmp_path):
     [first_plan] = [r for r in run_records(result.run_dir, "plan") if r["after_round"] == 0]
     assert list(first_plan["excluded"]) == ["1"]  # still named in the table as slowing the job down
     assert first_plan["shares"][1] < first_plan["shares"][0]
+
+
+def _paced_task(tmp_path):
+    """The mlp task with 1 ms of compute per sample on every worker: two workers really are twice one."""
+    import functools
+
+    from tests.models import faulty_task
+
+    return functools.partial(faulty_task, "mlp", "sgd", "none", -1, 0, str(tmp_path / "unused"), 0.0, 0, 0.001)
+
+
+def test_a_pair_measured_slower_than_the_fast_worker_alone_drops_the_slow_one_exactly(tmp_path, monkeypatch):
+    # The model is told never to leave anyone out (a 100x gain required); worker 1 turns 10000x slower from
+    # round 2. The wall clock shows the pair far below what worker 0 computes alone: worker 1 is left out
+    # at a round boundary on that measurement, the check confirms it, and the math is one process's.
+    monkeypatch.setenv("MIXTRAIN_EXCLUDE_GAIN", "100")
+    x, y = data("mlp", NUM_SAMPLES)
+    trainer = Trainer(
+        _paced_task(tmp_path),
+        (x, y),
+        global_batch=GLOBAL_BATCH,
+        scaling=ScalingConfig(num_workers=2, cpus_per_worker=0.5, emulate_slowdown={1: (10000.0, 2)}),
+        run=RunConfig(run_dir=str(tmp_path), seed=SEED, steps_per_round=2, progress=False),
+    )
+    result = trainer.fit(epochs=1)
+    widths = [len(r["shares"]) for r in result.history]
+    [gone] = run_records(result.run_dir, "left_out")
+    assert gone["worker"]["rank"] == 1 and gone["reason"].startswith("measured"), gone["reason"]
+    assert widths[:2] == [2, 2] and widths[-1] == 1 and not run_records(result.run_dir, "readmitted"), widths
+    assert_same_weights(result.state_dict, reference("mlp", "sgd", x, y))
+
+
+def test_a_leave_out_the_wall_clock_proves_wrong_is_taken_back_and_training_stays_exact(tmp_path, monkeypatch):
+    # A margin of -95% makes the measured check leave out one of two equal, useful workers (the model is
+    # told never to). Without it the job runs at about half the pair's samples/s, so two measured rounds
+    # later it is taken back with the current state, and nobody is left out again for the cool-down; the
+    # math never changes.
+    from mixtrain.policies import decisions
+
+    monkeypatch.setenv("MIXTRAIN_EXCLUDE_GAIN", "100")
+    monkeypatch.setattr(decisions, "MEASURED_MARGIN", -0.95)
+    x, y = data("mlp", NUM_SAMPLES)
+    trainer = Trainer(
+        _paced_task(tmp_path),
+        (x, y),
+        global_batch=GLOBAL_BATCH,
+        scaling=ScalingConfig(num_workers=2, cpus_per_worker=0.5),
+        run=RunConfig(run_dir=str(tmp_path), seed=SEED, steps_per_round=2, progress=False),
+    )
+    result = trainer.fit(epochs=1)
+    widths = [len(r["shares"]) for r in result.history]
+    print("workers per round:", widths)
+    [gone], [back] = run_records(result.run_dir, "left_out"), run_records(result.run_dir, "readmitted")
+    assert gone["after_round"] < back["after_round"] and "taking it back" in back["reason"], (gone, back)
+    assert widths[0] == 2 and 1 in widths and widths[-1] == 2, widths
+    assert widths[widths.index(1) :].count(1) == back["after_round"] - gone["after_round"], widths
+    assert_same_weights(result.state_dict, reference("mlp", "sgd", x, y))

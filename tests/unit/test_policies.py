@@ -4,12 +4,15 @@ failure and NaN tests drive through real workers, here one decision at a time.""
 from __future__ import annotations
 
 from mixtrain.policies.decisions import (
+    COOLDOWN_ROUNDS,
     EXCLUDE_ROUNDS,
     Adopt,
     FailureBudget,
     LeaveOut,
+    LeaveOutCheck,
     NonFiniteStreak,
     Noop,
+    Readmit,
     Rebalancer,
     Stop,
     first_plan,
@@ -145,3 +148,41 @@ def test_a_good_step_ends_the_streak_and_an_overflow_with_no_culprit_says_so():
     assert streak.observe(epoch=1, steps=range(0, 3), skipped_steps=[0, 2], nonfinite_steps=[[]], names=["w"]) == Noop()
     decision = streak.observe(epoch=1, steps=range(3, 4), skipped_steps=[3], nonfinite_steps=[[]], names=["w"])
     assert isinstance(decision, Stop) and "none (the summed gradients themselves overflowed)" in decision.reason
+
+
+def test_a_measured_pair_slower_than_the_fast_worker_alone_leaves_the_slow_one_out():
+    # The model sees no communication cost (comm_s 0: hidden in compute on a loaded machine), so by the model
+    # the pair is faster; the wall clock says the two together ran 5,367 samples/s while worker 0 alone
+    # computes 7,000: after two such rounds worker 1 is left out, with the measurement as the reason.
+    r = rebalancer()
+    figures = dict(speeds=[7000.0, 2333.0], step_compute_s=[0.0069, 0.0069], shares=[48, 16], memory_caps=None)
+    first = r.decide(**figures, comm_s=0.0, measured_rate=5367.0)
+    second = r.decide(**figures, comm_s=0.0, measured_rate=5367.0)
+    assert not isinstance(first, LeaveOut)
+    assert isinstance(second, LeaveOut) and second.rank == 1 and "measured" in second.reason
+    # the same pair measured near its prediction keeps both
+    r = rebalancer()
+    assert not any(isinstance(r.decide(**figures, comm_s=0.0, measured_rate=8900.0), LeaveOut) for _ in range(3))
+
+
+def test_after_a_readmission_nobody_is_left_out_for_the_cooldown():
+    r = rebalancer()
+    r.hold_rounds = COOLDOWN_ROUNDS
+    assert not any(isinstance(slow_case(r), LeaveOut) for _ in range(COOLDOWN_ROUNDS))
+    assert isinstance(slow_case(r), LeaveOut) or isinstance(slow_case(r), LeaveOut)
+
+
+def test_a_worker_left_out_comes_back_when_the_job_alone_runs_slower_than_the_pair_did():
+    check = LeaveOutCheck(pair_rate=5000.0)
+    assert check.observe(9000.0) == Noop()  # the first round after the change warms up: not counted
+    assert check.observe(4500.0) == Noop()
+    decision = check.observe(4600.0)
+    assert isinstance(decision, Readmit) and "4,550 samples/s" in decision.reason and "5,000" in decision.reason
+    assert check.done
+
+
+def test_a_leave_out_confirmed_by_the_wall_clock_ends_the_check():
+    check = LeaveOutCheck(pair_rate=5000.0)
+    for rate in (3000.0, 7400.0, 7600.0):
+        assert check.observe(rate) == Noop()
+    assert check.done

@@ -32,10 +32,14 @@ from mixtrain.data.sampling import steps_per_epoch
 from mixtrain.observe.progress import ProgressView, plan_table, state_memory_line
 from mixtrain.observe.runlog import RunLog
 from mixtrain.policies.decisions import (
+    COOLDOWN_ROUNDS,
+    EXCLUDE_ROUNDS,
     Adopt,
     FailureBudget,
     LeaveOut,
+    LeaveOutCheck,
     NonFiniteStreak,
+    Readmit,
     Rebalancer,
     Stop,
     replan,
@@ -85,6 +89,16 @@ class Roster:
             self.slowdown = {r - (r > rank): v for r, v in self.slowdown.items() if r != rank}
 
 
+@dataclass(frozen=True)
+class _Parked:
+    """What the roster knew of a worker left out mid-run, to restore if it is taken back."""
+
+    info: WorkerInfo
+    speed: float | None
+    memory_cap: int | None
+    slowdown: tuple[float, int] | None
+
+
 class _Rewind(Exception):
     """Training continues from the last checkpoint at (epoch, step): a sharded optimizer lost a slice."""
 
@@ -129,6 +143,8 @@ class Controller:
         self.budget = FailureBudget(settings.max_failures)
         self.nonfinite = NonFiniteStreak(settings.max_nonfinite_steps)
         self._reported_exclusions: set[int] = set()
+        self._parked: _Parked | None = None
+        self._leave_out_check: LeaveOutCheck | None = None
         self.last_checkpoint: Path | None = None
         self._checkpointed_at = time.monotonic()
         self.num_steps = steps_per_epoch(settings.num_samples, settings.global_batch)
@@ -220,7 +236,9 @@ class Controller:
             self.view.log(state_memory_line(record))
         if len(self.history) > 1:  # the first round is warm-up (allocations, caches), not a measurement
             self._measure(record)
-            if self.settings.balanced:
+            if self._leave_out_check is not None:
+                self._check_leave_out(record)
+            elif self.settings.balanced:
                 self._rebalance(record)
         if step < self.num_steps and self._checkpoint_due():
             self._checkpoint(epoch, step)
@@ -250,6 +268,7 @@ class Controller:
             shares=r.shares,
             memory_caps=r.memory_caps,
             comm_s=self.comm_s,
+            measured_rate=record["samples_per_s"],
         )
         if isinstance(decision, LeaveOut):
             self._leave_out(decision.rank, decision.reason)
@@ -266,13 +285,52 @@ class Controller:
 
     def _leave_out(self, rank: int, reason: str) -> None:
         """Between rounds every replica holds the same state, so the others re-form the group and go on:
-        nothing is lost and the epoch's sample order is unchanged (only the split of each batch is)."""
-        info = self.roster.workers[rank]
-        self.ops.leave_out([rank])
+        nothing is lost and the epoch's sample order is unchanged (only the split of each batch is). The
+        worker is parked, not stopped: the wall clock then checks the call (`LeaveOutCheck`)."""
+        r = self.roster
+        info = r.workers[rank]
+        pair_rate = sum(h["samples_per_s"] for h in self.history[-EXCLUDE_ROUNDS:]) / len(
+            self.history[-EXCLUDE_ROUNDS:]
+        )
+        self._parked = _Parked(
+            info=info,
+            speed=r.speeds[rank] if r.speeds else None,
+            memory_cap=r.memory_caps[rank],
+            slowdown=r.slowdown.get(rank),
+        )
+        self._leave_out_check = LeaveOutCheck(pair_rate)
+        self.ops.leave_out([rank], park=True)
         self.log.write("left_out", {"after_round": len(self.history), "worker": info, "reason": reason})
         self.view.log(f"left out {info.short(rank)}: {reason}")
         self._forget([rank])
         self._adopt(self._replan(), f"re-planned without worker {rank} after round {len(self.history)}")
+
+    def _check_leave_out(self, record: dict[str, Any]) -> None:
+        assert self._leave_out_check is not None
+        decision = self._leave_out_check.observe(record["samples_per_s"])
+        if isinstance(decision, Readmit):
+            self._readmit(decision.reason)
+        elif self._leave_out_check.done:  # confirmed by the wall clock: free the parked worker's device
+            self._leave_out_check, self._parked = None, None
+            self.ops.release_parked()
+
+    def _readmit(self, reason: str) -> None:
+        """The worker left out mid-run rejoins with the current state; nobody is left out for a while."""
+        parked, r = self._parked, self.roster
+        assert parked is not None
+        info = self.ops.readmit()
+        r.workers.append(info)
+        if r.speeds is not None:
+            r.speeds.append(parked.speed or min(r.speeds))
+        r.memory_caps.append(parked.memory_cap)
+        r.shares.append(max(1, self.settings.global_batch // len(r.workers)))
+        if parked.slowdown is not None:
+            r.slowdown[len(r.workers) - 1] = parked.slowdown
+        self._parked, self._leave_out_check = None, None
+        self.rebalancer.hold_rounds = COOLDOWN_ROUNDS
+        self.log.write("readmitted", {"after_round": len(self.history), "worker": info, "reason": reason})
+        self.view.log(f"took back {info.short()}: {reason}")
+        self._adopt(self._replan(), f"re-formed with {len(r.workers)} workers after round {len(self.history)}")
 
     def _forget(self, ranks: list[int]) -> None:
         self.roster.forget(ranks)

@@ -129,6 +129,7 @@ class GroupOps:
         recover: dict[int, int] | None = None,
         lost: bool = False,
         restore: Any = None,
+        park: bool = False,
     ) -> None:
         """Every other worker leaves the group, `ranks` are stopped, the rest renumbered, and the group
         re-formed. Workers that were `lost` (dead, or stopped and about to be killed) are not asked anything,
@@ -138,14 +139,19 @@ class GroupOps:
         their last committed state, and those behind the most advanced one receive its state before the
         group forms again, so every replica continues from the same step. `restore`: a state (an object
         ref) every worker loads instead, e.g. the last checkpoint when a slice of a sharded optimizer died
-        with its worker. A sharded optimizer left whole is re-split among the workers that are left."""
+        with its worker. A sharded optimizer left whole is re-split among the workers that are left. `park`:
+        the (one) worker left out keeps its process, outside the group, so `readmit` can take it back."""
         keep = [r for r in range(self.group.num_workers) if r not in ranks]
         wait_s = setup_wait_s()
         if restore is None and self.shards_optimizer and not lost:
             restore = ray.put(self.full_state(wait_s))
         method = "recover" if recover is not None and restore is None else "leave"
-        self.group.call(method, timeout_s=env_float(COLLECTIVE_TIMEOUT_S), ranks=keep)
-        self.group.drop(ranks, replaceable=lost)
+        self.group.call(method, timeout_s=env_float(COLLECTIVE_TIMEOUT_S), ranks=keep + (ranks if park else []))
+        if park:
+            [rank] = ranks
+            self.group.park(rank)
+        else:
+            self.group.drop(ranks, replaceable=lost)
         if restore is not None:
             self.group.call("load_training_state", restore, None, timeout_s=wait_s)
         elif recover:
@@ -153,6 +159,30 @@ class GroupOps:
             source, behind = recovery_source({r: recover[r] for r in keep})
             self._copy_state(renumbered[source], [renumbered[r] for r in behind])
         self.form()
+
+    def readmit(self) -> WorkerInfo:
+        """The worker parked last rejoins as the last rank with rank 0's current state (the group re-forms)."""
+        wait_s = setup_wait_s()
+        _, actor = self.group.parked[-1]
+        if self.shards_optimizer:
+            state_ref = ray.put(self.full_state(wait_s))
+        else:
+            state_ref = self.group.actors[0].training_state.remote()
+        ray.get(actor.load_training_state.remote(state_ref, None), timeout=wait_s)
+        self.group.call("leave", timeout_s=env_float(COLLECTIVE_TIMEOUT_S))
+        self.group.unpark()
+        if self.shards_optimizer:
+            self.group.call(
+                "load_training_state", state_ref, None, timeout_s=wait_s, ranks=range(self.group.num_workers - 1)
+            )
+        self.form()
+        return self.group.call("info", timeout_s=wait_s, ranks=[self.group.num_workers - 1])[0]
+
+    def release_parked(self) -> None:
+        """Stop the parked workers (the job is confirmed faster without them)."""
+        for _, actor in self.group.parked:
+            ray.kill(actor)
+        self.group.parked = []
 
     def start_replacements(self) -> None:
         """Start replacements for lost workers now (they build while training goes on; `admit` takes them in

@@ -53,6 +53,8 @@ class WorkerGroup:
         self._pending: dict[int, tuple[placement.WorkerSpec, Any, Any]] = {}  # bundle -> (spec, actor, build ref)
         self.servers: list[Any] = []
         """Parameter-server actors the job started (ps strategies); stopped with the workers."""
+        self.parked: list[tuple[placement.WorkerSpec, Any]] = []
+        """Workers left out mid-run but kept alive (outside the group), to take back if the job was faster with them."""
         self.log_dir: Path | None = None
         """Where the workers' output goes (RUN_DIR/logs); None leaves it to Ray's log files."""
 
@@ -136,6 +138,18 @@ class WorkerGroup:
             ray.kill(self.actors[r])
         self.actors = [a for r, a in enumerate(self.actors) if r not in gone]
         self.specs = [s for r, s in enumerate(self.specs) if r not in gone]
+        self._renumber()
+
+    def park(self, rank: int) -> None:
+        """Take the worker at `rank` out of the numbering (it has left the group) but keep its process."""
+        self.parked.append((self.specs.pop(rank), self.actors.pop(rank)))
+        self._renumber()
+
+    def unpark(self) -> None:
+        """The last parked worker comes back as the last rank (outside any group; form it next)."""
+        spec, actor = self.parked.pop()
+        self.specs.append(spec)
+        self.actors.append(actor)
         self._renumber()
 
     def _renumber(self) -> None:
@@ -253,6 +267,9 @@ class WorkerGroup:
         for _, actor, _ in self._pending.values():
             ray.kill(actor)
         self._pending = {}
+        for _, actor in self.parked:
+            ray.kill(actor)
+        self.parked = []
         if self.actors:
             refs = [a.shutdown.remote() for a in self.actors]
             ray.wait(refs, num_returns=len(refs), timeout=env_float(SHUTDOWN_WAIT_S))

@@ -3,7 +3,10 @@ the bring-up carry decisions out. No Ray, no I/O, no clock: every case is unit-t
 
 - `smooth_speeds`: compute speed per worker, smoothed over rounds, a step change taken at once.
 - `Rebalancer`: re-plan shares past an imbalance threshold; leave out a worker that slows the job down
-  once `EXCLUDE_ROUNDS` measured rounds in a row say so.
+  once `EXCLUDE_ROUNDS` measured rounds in a row say so, by the model (speeds and communication) or by
+  what the job measurably did (two workers slower than the faster one computes alone).
+- `LeaveOutCheck`: after a worker was left out mid-run, compare the job without it with what it did
+  with it, and take it back (`Readmit`) when the call turns out wrong; no new leave-out for a while after.
 - `first_plan`: the plan before the first step, and whether a worker should be left out first.
 - `replan`: shares for the workers that are left after one is gone or one joins.
 - `FailureBudget`: how many lost-worker recoveries a run may make.
@@ -20,6 +23,14 @@ from mixtrain.policies.planner import Plan, largest_remainder, make_plan, needs_
 
 EXCLUDE_ROUNDS = 2
 """Measured rounds in a row that must find a worker slowing the job down before it is left out."""
+MEASURED_MARGIN = 0.10
+"""Two workers are left to one when the faster one's compute speed alone beats the pair's measured samples/s
+by this fraction: the model missed costs (a loaded machine, communication hidden in compute), the wall
+clock did not."""
+READMIT_MARGIN = 0.05
+"""A worker left out mid-run comes back when the job without it runs this fraction slower than with it."""
+COOLDOWN_ROUNDS = 30
+"""Rounds after a re-admission in which no worker is left out again (no flapping)."""
 STEP_CHANGE = 0.5
 """A measured speed this far (relative) from the smoothed one replaces it instead of being averaged in:
 far above round-to-round noise (about 30% for short rounds on a busy machine), far below a 3x throttle."""
@@ -46,13 +57,20 @@ class LeaveOut:
 
 
 @dataclass(frozen=True)
+class Readmit:
+    """Take back the worker left out on measurement: the job was faster with it."""
+
+    reason: str
+
+
+@dataclass(frozen=True)
 class Stop:
     """Training cannot go on; `reason` says why (the controller adds where to resume from)."""
 
     reason: str
 
 
-Decision = Noop | Adopt | LeaveOut | Stop
+Decision = Noop | Adopt | LeaveOut | Readmit | Stop
 
 
 def smooth_speeds(old: Sequence[float] | None, new: Sequence[float]) -> list[float]:
@@ -76,6 +94,8 @@ class Rebalancer:
         self.threshold = threshold
         self.min_gain = min_gain
         self._votes, self._vote_rank = 0, -1
+        self.hold_rounds = 0
+        """Rounds left in which nobody is left out (after a re-admission)."""
 
     def reset(self) -> None:
         """Forget the vote (the workers were renumbered)."""
@@ -89,10 +109,14 @@ class Rebalancer:
         shares: Sequence[int],
         memory_caps: Sequence[int | None] | None,
         comm_s: float,
+        measured_rate: float | None = None,
     ) -> Decision:
+        """`measured_rate`: the job's samples/s over the last round, by the wall clock."""
         plan = make_plan(speeds, self.global_batch, memory_caps=memory_caps, comm_s=comm_s, min_gain=self.min_gain)
-        if plan.excluded and self.leave_out_slow:
-            rank, reason = next(iter(plan.excluded.items()))
+        found = self._exclusion(plan, speeds, measured_rate)
+        self.hold_rounds = max(0, self.hold_rounds - 1)
+        if found is not None:
+            rank, reason = found
             self._votes = self._votes + 1 if self._vote_rank == rank else 1
             self._vote_rank = rank
             if self._votes >= EXCLUDE_ROUNDS:
@@ -103,6 +127,51 @@ class Rebalancer:
         if not needs_rebalance(step_compute_s, self.threshold) or plan.shares == list(shares):
             return Noop()
         return Adopt(plan)
+
+    def _exclusion(self, plan: Plan, speeds: Sequence[float], measured_rate: float | None) -> tuple[int, str] | None:
+        """The worker to leave out and why, by the model or by the measured pair; None to keep everyone."""
+        if not self.leave_out_slow or self.hold_rounds > 0:
+            return None
+        if plan.excluded:
+            return next(iter(plan.excluded.items()))
+        if measured_rate is None or len(speeds) != 2:
+            return None
+        fast = max(range(2), key=lambda i: (speeds[i], -i))
+        if speeds[fast] < measured_rate * (1.0 + MEASURED_MARGIN):
+            return None
+        return 1 - fast, (
+            f"measured: the two workers ran {measured_rate:,.0f} samples/s together, while worker {fast} alone "
+            f"computes {speeds[fast]:,.0f} (communication and waiting cost more than worker {1 - fast} adds)"
+        )
+
+
+class LeaveOutCheck:
+    """After a worker was left out mid-run: the job's measured samples/s without it against what it did with
+    it (`pair_rate`). A loaded machine can make the call wrong either way, so the check is the wall clock:
+    after a warm-up round, `EXCLUDE_ROUNDS` rounds without it that run at least `READMIT_MARGIN` slower than
+    the pair did bring it back (`Readmit`). Rounds at the pair's pace or better end the check."""
+
+    def __init__(self, pair_rate: float) -> None:
+        self.pair_rate = pair_rate
+        self._rounds: list[float] = []
+        self.done = False
+
+    def observe(self, measured_rate: float) -> Decision:
+        if self.done:
+            return Noop()
+        self._rounds.append(measured_rate)
+        recent = self._rounds[1:]  # the first round after the change warms up
+        if len(recent) < EXCLUDE_ROUNDS:
+            return Noop()
+        rate = sum(recent[-EXCLUDE_ROUNDS:]) / EXCLUDE_ROUNDS
+        if rate < self.pair_rate * (1.0 - READMIT_MARGIN):
+            self.done = True
+            return Readmit(
+                f"without it the job ran {rate:,.0f} samples/s, with it {self.pair_rate:,.0f}: taking it back"
+            )
+        if rate >= self.pair_rate:
+            self.done = True  # confirmed by the wall clock
+        return Noop()
 
 
 def first_plan(
