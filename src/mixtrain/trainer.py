@@ -15,7 +15,7 @@ from mixtrain.checkpoint import MANIFEST, CheckpointMeta, CheckpointStore, save_
 from mixtrain.cluster import connect
 from mixtrain.comm.state_transfer import pack, unpack
 from mixtrain.config import RunConfig, ScalingConfig, StrategyConfig
-from mixtrain.core.bringup import Bringup, bring_up
+from mixtrain.core.bringup import Bringup, Phases, bring_up
 from mixtrain.core.controller import Controller, Roster, RunSettings
 from mixtrain.core.worker_group import WorkerGroup
 from mixtrain.data.sources import describe
@@ -90,12 +90,14 @@ class Trainer:
         run_dir = make_run_dir(self.run)
         view = ProgressView(False, 0)
         log: RunLog | None = None
+        phases = Phases()
         connect.ensure_ray(self.scaling.address, _cpus_needed(self.scaling))
+        phases.mark("Ray")
         group = self.worker_group_cls(self.scaling, self.run.seed)
         group.log_dir = run_dir / "logs"
         try:
             group.start()
-            up = self._bring_up(group)
+            up = self._bring_up(group, phases)
             log = self._open_log(run_dir, up, epochs)
             view = ProgressView(self.run.progress, up.num_samples * epochs, epochs)
             self._announce(view, up, run_dir, epochs, warnings)
@@ -160,6 +162,7 @@ class Trainer:
         log.write("workers", {"workers": up.workers})
         log.write("preflight", up.checks)
         log.write("plan", {"after_round": 0, **plan_record(up.plan)})
+        log.write("startup", {"seconds": up.phases.seconds})
         return log
 
     def _announce(self, view: ProgressView, up: Bringup, run_dir: Path, epochs: int, warnings: list[str]) -> None:
@@ -169,6 +172,7 @@ class Trainer:
         )
         view.log(plan_table(up.plan, up.workers, "plan", up.left_out))
         view.log(probe_memory_line(up.workers, up.probes))
+        view.log(up.phases.line())
         view.log(f"strategy: {self.strategy.describe()}; measured: {up.advice}")
         for note in [*up.notes, *warnings]:
             view.log(note)
@@ -229,8 +233,10 @@ class Trainer:
         view.start_at(min(up.num_samples, start[1] * self.global_batch) + start[0] * up.num_samples)
         return start, shares
 
-    def _bring_up(self, group: WorkerGroup) -> Bringup:
-        return bring_up(group, self.task_factory, self.train_data, self.eval_data, self.global_batch, self.strategy)
+    def _bring_up(self, group: WorkerGroup, phases: Phases | None = None) -> Bringup:
+        return bring_up(
+            group, self.task_factory, self.train_data, self.eval_data, self.global_batch, self.strategy, phases
+        )
 
 
 Resumed = tuple[dict[str, Any], dict[str, Any], Path]

@@ -35,6 +35,9 @@ def test_digits_main_job_end_to_end(tmp_path):
     config = json.loads((run_dir / "config.json").read_text())
     assert sum(config["shares"]) == 64 and config["scaling"]["num_workers"] == 2
     assert "plan:" in proc.stderr and "predicted:" in proc.stderr  # the start-of-run table
+    assert re.search(r"start-up [\d.]+ s: Ray [\d.]+ s, worker processes and replicas", proc.stderr)
+    # captured output is not a terminal: the last per-device table keeps every column, uncut
+    assert re.search(r"samples/s\s+busy\s+waiting\s+comm\s+memory\n", proc.stderr) and "…" not in proc.stderr
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     evals = [r for r in records if r["kind"] == "eval"]
     assert len(evals) == 10 and abs(evals[-1]["accuracy"] - accuracy) < 1e-4

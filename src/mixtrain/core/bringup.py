@@ -8,6 +8,7 @@ worker out and re-form the group without it). Each phase fails fast and names th
 from __future__ import annotations
 
 import math
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -29,6 +30,24 @@ from mixtrain.policies.advice import suggest
 from mixtrain.policies.decisions import Decision, LeaveOut, first_plan
 from mixtrain.policies.planner import Plan, largest_remainder, resolve_shares
 from mixtrain.task import Task
+
+
+class Phases:
+    """Seconds per start-up phase, in the order they ran: where the time to the first step goes."""
+
+    def __init__(self) -> None:
+        self._last = time.perf_counter()
+        self.seconds: dict[str, float] = {}
+
+    def mark(self, name: str) -> None:
+        """The phase `name` ended now (a name marked again adds up)."""
+        now = time.perf_counter()
+        self.seconds[name] = self.seconds.get(name, 0.0) + now - self._last
+        self._last = now
+
+    def line(self) -> str:
+        parts = ", ".join(f"{name} {s:.1f} s" for name, s in self.seconds.items())
+        return f"start-up {sum(self.seconds.values()):.1f} s: {parts}"
 
 
 @dataclass
@@ -53,6 +72,8 @@ class Bringup:
     """Training samples (the same on every worker, checked)."""
     num_eval: int = 0
     """Held-out samples (0: no evaluation)."""
+    phases: Phases = field(default_factory=Phases)
+    """Where the start-up time went."""
     probes: list[ProbeResult] = field(default_factory=list)
     """Per worker (current rank order): what the start-up probe measured."""
 
@@ -87,21 +108,26 @@ def bring_up(
     evaluation: Arrays | Loader | None,
     global_batch: int,
     strategy: StrategyConfig,
+    phases: Phases | None = None,
 ) -> Bringup:
     wait_s = setup_wait_s()
+    phases = phases or Phases()
     notes: list[str] = []
     left_out: list[LeftOut] = []
     # Build before forming the group, so a factory that raises fails at once instead of
     # leaving its peers waiting out the rendezvous timeout.
     found = _Found(group.call("build", task_factory, timeout_s=wait_s), [])
+    phases.mark("worker processes and replicas")
     checks: dict[str, Any] = {"reports": list(found.reports), "numerics": [], "probes": [], "left_out": []}
     preflight.check(compat.versions(), found.reports)
     found.infos = group.call("info", timeout_s=wait_s)
     data_refs = (ray.put(train), ray.put(evaluation) if evaluation is not None else None)  # once; read zero-copy
     data = preflight.check_data(group.call("load_data", *data_refs, timeout_s=wait_s), found.infos)
+    phases.mark("data")
     checks["numerics"] = _check_numerics(group, found, left_out, notes)
     slowdown = _slowdown_now(group)
     found.probes = _probe(group, global_batch, slowdown)
+    phases.mark("numerics and speed")
     checks["probes"] = list(found.probes)
     if strategy.name.startswith("ps"):
         notes.append(_start_parameter_servers(group, task_factory, strategy, found.reports))
@@ -116,6 +142,7 @@ def bring_up(
     )
     ops.reference = found.reports[0]
     ops.form()
+    phases.mark("collective group")
     while True:
         measured = group.call("measure_comm", timeout_s=env_float(COLLECTIVE_TIMEOUT_S))
         exchange_s, exchange_bytes = max(m[0] for m in measured), max(m[1] for m in measured)
@@ -128,6 +155,7 @@ def bring_up(
         ops.leave_out([decision.rank])
         found.drop([decision.rank])
         slowdown = _slowdown_now(group)
+    phases.mark("link and plan")
     checks["left_out"] = [{"rank": w.worker.rank, "reason": w.reason} for w in left_out]
     workers = group.call("info", timeout_s=wait_s)
     compute_s = plan.predicted_step_s - (plan.comm_s if group.num_workers > 1 else 0.0)
@@ -144,6 +172,7 @@ def bring_up(
         advice=advice,
         num_samples=data.num_train,
         num_eval=data.num_eval,
+        phases=phases,
         probes=list(found.probes),
     )
 

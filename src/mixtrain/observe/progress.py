@@ -50,13 +50,22 @@ def device_table(record: dict[str, Any]) -> Table:
     return table
 
 
+LOG_WIDTH = 200
+"""Columns when the output is not a terminal (a CI log, `| tee run.log`): wide enough that no table is cut."""
+
+
+def _console() -> Console:
+    console = Console(stderr=True)
+    return console if console.is_terminal else Console(stderr=True, width=LOG_WIDTH)
+
+
 class ProgressView:
     """Per-device rows refreshed every round, an overall bar (epoch, samples, loss, samples/s, ETA),
     and lines (plans, epochs, events) printed above them. Off: only `log` lines are dropped too."""
 
     def __init__(self, enabled: bool, total_samples: int, epochs: int = 1, console: Console | None = None) -> None:
         self.enabled = enabled
-        self.console = console or Console(stderr=True)
+        self.console = console or _console()
         self.epochs = epochs
         self._last: dict[str, Any] | None = None
         self._live: Live | None = None
