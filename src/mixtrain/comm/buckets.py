@@ -76,6 +76,8 @@ class GradBuckets:
     ) -> None:
         self.comm_device = comm_device or torch.device("cpu")  # gloo: CPU; NCCL: the GPU itself
         self.wire_dtype = wire_dtype  # compression: the collective sums in this dtype (bf16/fp16)
+        self.solo = not dist.is_initialized() or dist.get_world_size() == 1
+        """One rank (the others left out): the sum is the gradient itself, no collective or staging copy runs."""
         self.buckets: list[_Bucket] = []
         self._armed = False
         self._next = 0  # buckets start strictly in order, so every rank issues the same collectives
@@ -127,7 +129,7 @@ class GradBuckets:
 
     def arm(self) -> None:
         """Let the hooks of the next backward start all-reduces (call before a step's last backward)."""
-        self._armed = True
+        self._armed = not self.solo
 
     def zero_(self) -> None:
         """Zero the gradients; hooks stay quiet until arm()."""
@@ -144,6 +146,9 @@ class GradBuckets:
         """Sum the gradients and `extras` (a small CPU tensor of num_extras values) over all ranks, in place.
         Buckets whose hooks did not fire (no samples on this rank, unused parameters) start here."""
         self._armed = False
+        if self.solo:  # nothing to sum with: the gradients and `extras` are already the totals
+            self._next = len(self.buckets)
+            return
         last = self.buckets[-1]
         if self.num_extras:
             assert extras is not None and extras.numel() == self.num_extras, "extras must match num_extras"
@@ -159,7 +164,7 @@ class GradBuckets:
     @property
     def wire_bytes(self) -> int:
         """Bytes this rank puts into one step's all-reduce."""
-        return sum(b.host.numel() * b.host.element_size() for b in self.buckets)
+        return 0 if self.solo else sum(b.host.numel() * b.host.element_size() for b in self.buckets)
 
     def scale_(self, factor: float) -> None:
         """Multiply every gradient by `factor` (undoing a loss scale)."""
@@ -172,4 +177,5 @@ class GradBuckets:
         A NaN or Inf makes the bucket's sum non-finite; a sum is ~30x cheaper than an
         elementwise isfinite, which runs only when the sum is not finite, to tell a real
         NaN/Inf from a sum that merely overflowed."""
-        return all(bool(torch.isfinite(b.host.sum())) or bool(torch.isfinite(b.host).all()) for b in self.buckets)
+        summed = [b.flat if self.solo else b.host for b in self.buckets]  # solo: nothing was staged
+        return all(bool(torch.isfinite(t.sum())) or bool(torch.isfinite(t).all()) for t in summed)

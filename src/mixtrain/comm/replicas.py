@@ -84,9 +84,16 @@ def broadcast_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer | N
     _flat_broadcast(tensors, src)
 
 
+def _solo() -> bool:
+    """One rank: nothing to average, nobody to drift from."""
+    return dist.get_world_size() == 1
+
+
 def average_buffers(model: torch.nn.Module, weight: float) -> None:
     """Floating-point buffers (BatchNorm running stats) become the `weight`-weighted mean over ranks;
     integer buffers (num_batches_tracked) take rank 0's value."""
+    if _solo():
+        return
     floats = [b for b in model.buffers() if b.is_floating_point()]
     ints = [b for b in model.buffers() if not b.is_floating_point()]
     if floats:
@@ -125,6 +132,8 @@ def drift(model: torch.nn.Module) -> float:
 def resync_if_drifted(model: torch.nn.Module, optimizer: torch.optim.Optimizer, tolerance: float) -> tuple[float, bool]:
     """Compare replicas; re-broadcast rank 0's state when they drifted past `tolerance`.
     Every rank sees the same gathered checksums, so all take the same branch."""
+    if _solo():
+        return 0.0, False
     d = drift(model)
     if d > tolerance:
         broadcast_state(model, optimizer)

@@ -56,6 +56,32 @@ def _node_id() -> str:
     return ray.get_runtime_context().get_node_id()
 
 
+def forward_backward(
+    task: Task,
+    strategy: SyncStrategy,
+    device: torch.device,
+    prec: str,
+    batches: Iterator[Any],
+    chunks: list[np.ndarray],
+    step_total: int,
+) -> float:
+    """Backward of this rank's micro-batches (`chunks`, read from `batches`), each mean loss scaled by its
+    size / B so the sum over micro-batches and ranks is the global mean. Returns this rank's term of the
+    global mean loss. A function, not an actor method: Ray wraps every method of an actor class (tracing),
+    which cost a few percent of a small model's step."""
+    total = 0.0
+    for n, chunk in enumerate(chunks):
+        batch = to_device(next(batches), device)
+        with precision.autocast(device, prec):
+            loss = task.batch_loss(task.model, batch).float()
+        weight = len(chunk) / step_total
+        if n == len(chunks) - 1:
+            strategy.before_last_backward(task)
+        (loss * (weight * strategy.loss_scale.scale)).backward()
+        total += float(loss.detach()) * weight
+    return total
+
+
 class TrainWorker:
     """One replica of the model on one device. Every method is called by the driver for all
     ranks at once (SPMD); between calls the worker holds its state."""
@@ -342,14 +368,18 @@ class TrainWorker:
         index = self.device.index or 0
         self.kind.reset_peak_memory(index)
         steps = self.data.round_chunks(plan, self.rank)
+        slowdown = plan.slowdown[self.rank] if plan.slowdown else 1.0
         batches = self.data.train.batches(plan.epoch, [c for _, _, chunks in steps for c in chunks])
         self.task.model.train()
         for step, step_total, chunks in steps:
             num_samples = sum(len(c) for c in chunks)
             t0 = time.perf_counter()
-            self._emulate_slowdown(plan, num_samples)
+            if slowdown > 1.0:  # EMULATION of a slower device, off by default; the probe timed a sample; the
+                time.sleep((slowdown - 1.0) * self._sec_per_sample * num_samples)  # sleep precedes every collective
             self.strategy.zero_grad(self.task)
-            local_loss = self._forward_backward(batches, chunks, step_total)
+            local_loss = forward_backward(
+                self.task, self.strategy, self.device, self.precision, batches, chunks, step_total
+            )
             loss = torch.tensor([local_loss], dtype=torch.float32)
             outcome = self.strategy.step(self.task, loss, num_samples / step_total)
             ledger.step_done(step, outcome, time.perf_counter() - t0, num_samples, local_loss)
@@ -366,30 +396,6 @@ class TrainWorker:
             "grads": sum(p.grad.numel() * p.grad.element_size() for p in model.parameters() if p.grad is not None),
             **self.strategy.state_bytes(self.task),
         }
-
-    def _emulate_slowdown(self, plan: RoundPlan, num_samples: int) -> None:
-        """EMULATION of a slower device (MIXTRAIN_EMULATE_SLOWDOWN), off by default: sleep before computing,
-        so no collective of this step overlaps the sleep; the time per sample is calibrated once (the probe),
-        as the benchmark calibrates its DDP ranks."""
-        slowdown = plan.slowdown[self.rank] if plan.slowdown else 1.0
-        if slowdown > 1.0:
-            time.sleep((slowdown - 1.0) * self._sec_per_sample * num_samples)
-
-    def _forward_backward(self, batches: Iterator[Any], chunks: list[np.ndarray], step_total: int) -> float:
-        """Backward of this rank's micro-batches (`chunks`, read from `batches`), each mean loss scaled by
-        its size / B so the sum over micro-batches and ranks is the global mean. Returns this rank's
-        term of the global mean loss."""
-        total = 0.0
-        for n, chunk in enumerate(chunks):
-            batch = to_device(next(batches), self.device)
-            with precision.autocast(self.device, self.precision):
-                loss = self.task.batch_loss(self.task.model, batch).float()
-            weight = len(chunk) / step_total
-            if n == len(chunks) - 1:
-                self.strategy.before_last_backward(self.task)
-            (loss * (weight * self.strategy.loss_scale.scale)).backward()
-            total += float(loss.detach()) * weight
-        return total
 
     # ---- evaluation and results -------------------------------------------------------------
     @torch.no_grad()
