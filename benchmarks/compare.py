@@ -108,8 +108,10 @@ def calibrate_step_s(workload: str, local: int) -> float:
 
 
 def timed_loop(model, opt, x, y, workload: str, rank: int, world: int) -> dict:
-    """A plain step loop (used by single, DDP and Ray Train): this rank's slice of each global batch.
-    Under EMULATION a slow rank sleeps (factor - 1) x its calibrated compute before each step."""
+    """A plain step loop (used by single, DDP and Ray Train): this rank's slice of each global batch, the
+    samples in a seeded random order per epoch (as mixtrain, and any real training, reads them: a gather, not
+    a contiguous slice). Under EMULATION a slow rank sleeps (factor - 1) x its calibrated compute before each
+    step."""
     import torch
 
     n, epochs, warmup = WORKLOADS[workload]
@@ -119,15 +121,16 @@ def timed_loop(model, opt, x, y, workload: str, rank: int, world: int) -> dict:
     sleep_s = (factor - 1.0) * calibrate_step_s(workload, local) if factor > 1 else 0.0
     first_step = time.time() - t0()
     steps, t_measure = 0, 0.0
-    for _ in range(epochs):
+    for epoch in range(epochs):
+        order = torch.randperm(n, generator=torch.Generator().manual_seed(epoch))
         for start in range(0, n, GLOBAL_BATCH):
             if steps == warmup:
                 t_measure = time.perf_counter()
-            lo = start + rank * local
+            idx = order[start + rank * local : start + (rank + 1) * local]
             if sleep_s:
                 time.sleep(sleep_s)
             opt.zero_grad()
-            loss_fn(model(x[lo : lo + local]), y[lo : lo + local]).backward()
+            loss_fn(model(x[idx]), y[idx]).backward()
             opt.step()
             steps += 1
     elapsed = time.perf_counter() - t_measure

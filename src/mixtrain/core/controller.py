@@ -47,6 +47,9 @@ from mixtrain.policies.decisions import (
 )
 from mixtrain.policies.planner import Plan, equal_shares, micro_batches, plan_record
 
+RAMP_FIRST_S = 0.2
+"""Length of the first measured round; each next one doubles, up to MIXTRAIN_ROUND_TARGET_S."""
+
 
 @dataclass(frozen=True, kw_only=True)
 class RunSettings:
@@ -244,7 +247,9 @@ class Controller:
             self._checkpoint(epoch, step)
         if self.settings.rejoin and self.budget.failures:
             self._admit(epoch, step)
-        target = env_float(ROUND_TARGET_S)
+        # Rounds start short and double up to the target: the first decisions (shares, leaving a worker out,
+        # checking that call) come within a second or two instead of after several full rounds.
+        target = min(env_float(ROUND_TARGET_S), RAMP_FIRST_S * 2 ** (len(self.history) - 1))
         return next_round_steps(record["wall_s"] / done.num_steps, target, self.settings.steps_per_round)
 
     def _slowdown(self, round_index: int) -> tuple[float, ...]:
