@@ -25,7 +25,10 @@ EXCLUDE_GAIN = ("MIXTRAIN_EXCLUDE_GAIN", 0.30)
 BUCKET_MB = ("MIXTRAIN_BUCKET_MB", 25.0)
 """Size of one gradient bucket (one all-reduce call)."""
 LOST_GRACE_S = ("MIXTRAIN_LOST_GRACE_S", 15.0)
-"""After a worker fails, the others get the collective timeout plus this long to report before they count as lost."""
+"""After a worker died, the others get the collective timeout plus this long to report before they count as lost;
+once a peer's collective timeout has fired (it waited that long already), a silent worker gets only this long."""
+FAILURE_WINDOW_S = ("MIXTRAIN_FAILURE_WINDOW_S", 3600.0)
+"""RunConfig.max_failures counts the lost-worker recoveries within this window (an hour), not over the whole run."""
 SETUP_EXTRA_S = ("MIXTRAIN_SETUP_EXTRA_S", 600.0)
 """On top of the rendezvous timeout: how long building, loading and probing a worker may take (kernels compile)."""
 RAY_READY_TIMEOUT_S = ("MIXTRAIN_RAY_READY_TIMEOUT_S", 90.0)

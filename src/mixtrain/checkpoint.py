@@ -16,44 +16,18 @@ import pickle
 import shutil
 import tempfile
 from collections.abc import Callable
-from dataclasses import dataclass, fields
+from dataclasses import MISSING, dataclass, fields
 from pathlib import Path
 from typing import Any
 
 import torch
 
-
-def _fsync_dir(path: Path) -> None:
-    """Make a rename or a new file in `path` durable."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _atomic_write(path: str | Path, write: Callable[[Any], None]) -> Path:
-    """`write(file)` into a temporary file in the same folder, fsync, rename, fsync the folder:
-    a crash leaves either the old file or the new one, never half of one."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            write(f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    _fsync_dir(path.parent)
-    return path
+from mixtrain._files import atomic_write, fsync_dir
 
 
 def atomic_save(obj: Any, path: str | Path) -> Path:
     """torch.save, atomically (for what is not a tensor dictionary; weights go through save_weights)."""
-    return _atomic_write(path, lambda f: torch.save(obj, f))
+    return atomic_write(path, lambda f: torch.save(obj, f))
 
 
 _EXTRA = "mixtrain.extra"
@@ -103,7 +77,43 @@ def _json_ok(value: Any) -> bool:
 def save_weights(state_dict: dict[str, Any], path: str | Path) -> Path:
     """A state_dict as a .safetensors file, atomically; load it with load_weights (or safetensors itself)."""
     data = _safetensors_bytes(state_dict)
-    return _atomic_write(path, lambda f: f.write(data))
+    return atomic_write(path, lambda f: f.write(data))
+
+
+class WeightsNotSaved(OSError):
+    """The final weights could not be written (a full disk, a lost mount). `state_dict` holds them in memory;
+    the message says where the last good checkpoint is."""
+
+    def __init__(self, message: str, errno_: int | None, state_dict: dict[str, Any]) -> None:
+        super().__init__(errno_, message)
+        self.state_dict = state_dict
+
+    def __str__(self) -> str:
+        return str(self.strerror)
+
+
+def save_final_weights(
+    state_dict: dict[str, Any], run_dir: Path, last_checkpoint: Path | None, say: Callable[[str], None]
+) -> Path:
+    """RUN_DIR/model.safetensors; when it cannot be written, WeightsNotSaved names the last good checkpoint."""
+    path = run_dir / "model.safetensors"
+    try:
+        save_weights(state_dict, path)
+    except OSError as exc:
+        where = (
+            f"the last good checkpoint, {last_checkpoint}, holds the training state up to where it was written "
+            f"(load_weights({str(last_checkpoint)!r}) reads its weights)"
+            if last_checkpoint is not None
+            else "no checkpoint was written"
+        )
+        raise WeightsNotSaved(
+            f"could not write the final weights to {path}: {exc.strerror or exc}; {where}. Free space there and "
+            "train again with --resume, or keep Result/the exception's state_dict",
+            exc.errno,
+            state_dict,
+        ) from exc
+    say(f"done: weights in {path}")
+    return path
 
 
 def _is_safetensors(path: Path) -> bool:
@@ -152,13 +162,20 @@ class CheckpointMeta:
     num_workers: int
     workers: list[dict[str, str]]
     """host, device_name and precision per worker."""
+    run_id: str = ""
+    """The run that wrote it ("" in checkpoints from before run ids)."""
+    global_batch: int = 0
+    """The global batch it was trained with: (epoch, step) means these samples only with this batch (0: unknown)."""
+    num_samples: int = 0
+    """Training samples per epoch it was trained on (0: unknown)."""
 
     @classmethod
     def from_manifest(cls, manifest: dict[str, Any]) -> CheckpointMeta:
-        missing = [f.name for f in fields(cls) if f.name not in manifest]
+        required = [f for f in fields(cls) if f.default is MISSING]
+        missing = [f.name for f in required if f.name not in manifest]
         if missing:
             raise CheckpointError(f"its manifest lacks {', '.join(missing)} (malformed)")
-        return cls(**{f.name: manifest[f.name] for f in fields(cls)})
+        return cls(**{f.name: manifest[f.name] for f in fields(cls) if f.name in manifest})
 
 
 STATE = "state.pt"
@@ -206,6 +223,19 @@ def _files(path: Path, manifest: Any) -> dict[str, dict[str, Any]]:
     return files
 
 
+_UNREADABLE = 2**62
+"""The save position given to a checkpoint whose manifest cannot be read: tried first, so loading reports it."""
+
+
+def _saved_seq(path: Path) -> int:
+    """The position of a checkpoint in its folder's save order (0: written before positions were kept)."""
+    try:
+        seq = json.loads((path / MANIFEST).read_text()).get("saved_seq", 0)
+    except (OSError, ValueError, AttributeError):
+        return _UNREADABLE
+    return seq if isinstance(seq, int) else _UNREADABLE
+
+
 class CheckpointStore:
     """`run_dir/checkpoints/step-000000123/{state.pt, manifest.json}`, the newest `keep` of them.
 
@@ -223,10 +253,12 @@ class CheckpointStore:
         self.keep = keep
 
     def paths(self) -> list[Path]:
-        """Finished checkpoints, newest first."""
+        """Finished checkpoints, newest first: by the order they were saved (a run that went back to an older
+        checkpoint saves lower step numbers after higher ones), then by name (checkpoints from before that)."""
         if not self.root.is_dir():
             return []
-        return sorted((p for p in self.root.glob("step-*") if p.is_dir()), reverse=True)
+        found = [p for p in self.root.glob("step-*") if p.is_dir()]
+        return sorted(found, key=lambda p: (_saved_seq(p), p.name), reverse=True)
 
     def save(self, state: dict[str, Any], meta: dict[str, Any]) -> Path:
         """Write `state` (tensors and plain values only) and `meta` (JSON) as checkpoint `meta['global_step']`."""
@@ -234,6 +266,8 @@ class CheckpointStore:
         for stale in self.root.glob(".tmp-*"):  # left by a crash between write and rename
             shutil.rmtree(stale, ignore_errors=True)
         final = self.root / f"step-{int(meta['global_step']):09d}"
+        seqs = [seq for seq in map(_saved_seq, self.paths()) if seq != _UNREADABLE]
+        meta = {**meta, "saved_seq": 1 + max(seqs, default=0)}
         tmp = Path(tempfile.mkdtemp(dir=self.root, prefix=".tmp-"))
         try:
             files = {}
@@ -249,17 +283,25 @@ class CheckpointStore:
                 json.dump(manifest, f, indent=1)
                 f.flush()
                 os.fsync(f.fileno())
-            _fsync_dir(tmp)
+            fsync_dir(tmp)
             if final.exists():  # the same step written again (a resumed run): replace it
                 shutil.rmtree(final)
             os.rename(tmp, final)
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
-        _fsync_dir(self.root)
-        for old in self.paths()[self.keep :]:
-            shutil.rmtree(old, ignore_errors=True)
+        fsync_dir(self.root)
+        self.prune(self.keep)
         return final
+
+    def prune(self, keep: int) -> list[Path]:
+        """Delete all but the newest `keep` checkpoints (and unfinished temporary ones); returns those deleted."""
+        for stale in self.root.glob(".tmp-*"):
+            shutil.rmtree(stale, ignore_errors=True)
+        old = self.paths()[keep:]
+        for path in old:
+            shutil.rmtree(path, ignore_errors=True)
+        return old
 
     @staticmethod
     def verify(path: Path) -> dict[str, Any]:

@@ -300,7 +300,9 @@ class RunConfig:
     keep_checkpoints: int = 3
     """Checkpoints kept in run_dir/checkpoints (the newest); older ones are deleted."""
     max_failures: int = 3
-    """Lost workers (or failed collectives) survived before training stops; each costs the round in flight."""
+    """Lost workers (or failed collectives) survived within any hour (MIXTRAIN_FAILURE_WINDOW_S) before training
+    stops: a laptop whose Wi-Fi stalls now and then does not end a long run. Each costs at most the steps of
+    the round in flight that no survivor committed."""
     rejoin: bool = True
     """Start a replacement where a worker was lost (a node that comes back, a restarted process); it
     joins at a round boundary with the current state."""

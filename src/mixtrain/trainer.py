@@ -3,20 +3,22 @@
 from __future__ import annotations
 
 import time
+import uuid
 from collections.abc import Callable
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 import ray
 
 from mixtrain._constants import COLLECTIVE_TIMEOUT_S, env_float
-from mixtrain.checkpoint import MANIFEST, CheckpointMeta, CheckpointStore, save_weights
+from mixtrain.checkpoint import MANIFEST, CheckpointMeta, CheckpointStore, save_final_weights
 from mixtrain.cluster import connect
 from mixtrain.comm.state_transfer import pack, unpack
 from mixtrain.config import RunConfig, ScalingConfig, StrategyConfig
 from mixtrain.core.bringup import Bringup, Phases, bring_up
 from mixtrain.core.controller import Controller, Roster, RunSettings
+from mixtrain.core.interrupt import GracefulStop
 from mixtrain.core.worker_group import WorkerGroup
 from mixtrain.data.sources import describe
 from mixtrain.observe.progress import ProgressView, plan_table, probe_memory_line
@@ -81,48 +83,23 @@ class Trainer:
     def fit(self, epochs: int = 1, resume: str | Path | None = None) -> Result:
         """Train until `epochs` epochs are done. `resume`: a run folder (its newest good checkpoint) or one
         checkpoint folder; training continues exactly where it stopped, in that run folder unless
-        RunConfig names another."""
+        RunConfig names another. Ctrl-C (or SIGTERM) stops at the next round boundary with a checkpoint and
+        raises TrainingInterrupted, whose message is the resume command; a second one stops at once."""
         if not isinstance(epochs, int) or epochs < 1:
             raise ValueError(f"epochs={epochs!r}: must be an integer >= 1")
         t_start = time.perf_counter()
         warnings: list[str] = []
         resumed = self._load_resume(resume, epochs, warnings) if resume is not None else None
-        run_dir = make_run_dir(self.run)
-        view = ProgressView(False, 0)
-        log: RunLog | None = None
+        run_dir = make_run_dir(self.run, resuming=resumed is not None)
         phases = Phases()
         connect.ensure_ray(self.scaling.address, _cpus_needed(self.scaling))
         phases.mark("Ray")
         group = self.worker_group_cls(self.scaling, self.run.seed)
         group.log_dir = run_dir / "logs"
-        try:
-            group.start()
-            up = self._bring_up(group, phases)
-            log = self._open_log(run_dir, up, epochs)
-            view = ProgressView(self.run.progress, up.num_samples * epochs, epochs)
-            self._announce(view, up, run_dir, epochs, warnings)
-            start, shares = (0, 0), up.plan.shares
-            if resumed is not None:
-                start, shares = self._restore(group, up, resumed, view)
-            controller = Controller(
-                group,
-                up.ops,
-                self._settings(up),
-                Roster(list(up.workers), list(shares), list(up.plan.memory_caps), up.plan.speeds, up.slowdown),
-                log=log,
-                view=view,
-                checkpoints=CheckpointStore(run_dir, self.run.keep_checkpoints),
-            )
-            to_first_step = time.perf_counter() - t_start
-            controller.run(epochs, start)
-            state = unpack(group.call("state_dict", timeout_s=env_float(COLLECTIVE_TIMEOUT_S), ranks=[0])[0], copy=True)
-        finally:
-            view.close()
-            group.shutdown()
-            if log is not None:
-                log.close()
-        model_path = save_weights(state, run_dir / "model.safetensors")
-        view.log(f"done: weights in {model_path}")
+        with GracefulStop() as stop:
+            trained = self._train(group, _Start(run_dir, _run_id(resumed), resumed, epochs, warnings, phases), stop)
+        controller, up, state = trained
+        model_path = save_final_weights(state, run_dir, controller.last_checkpoint, controller.view.log)
         return Result(
             run_dir=run_dir,
             model_path=model_path,
@@ -130,8 +107,43 @@ class Trainer:
             history=controller.history,
             evals=controller.evals,
             workers=[w.as_dict() for w in up.workers],
-            seconds_to_first_step=to_first_step,
+            seconds_to_first_step=controller.started_at - t_start,
         )
+
+    def _train(self, group: WorkerGroup, start: _Start, stop: GracefulStop) -> tuple[Controller, Bringup, Any]:
+        """Bring the workers up, train, and fetch the final weights; the workers stop whatever happens."""
+        view, log, interrupted = ProgressView(False, 0), None, False
+        try:
+            group.start()
+            up = self._bring_up(group, start.phases)
+            log = self._open_log(start.run_dir, up, start.epochs, start.run_id)
+            view = ProgressView(self.run.progress, up.num_samples * start.epochs, start.epochs)
+            self._announce(view, up, start.run_dir, start.epochs, start.warnings)
+            position, shares = (0, 0), up.plan.shares
+            if start.resumed is not None:
+                position, shares = self._restore(group, up, start.resumed, view)
+            controller = Controller(
+                group,
+                up.ops,
+                self._settings(up, start.run_id),
+                Roster(list(up.workers), list(shares), list(up.plan.memory_caps), up.plan.speeds, up.slowdown),
+                log=log,
+                view=view,
+                checkpoints=CheckpointStore(start.run_dir, self.run.keep_checkpoints),
+            )
+            controller.stop = stop
+            stop.arm()
+            controller.run(start.epochs, position)
+            state = group.receive(0, "state_dict", stall_s=env_float(COLLECTIVE_TIMEOUT_S))
+            return controller, up, unpack(state)
+        except KeyboardInterrupt:
+            interrupted = True
+            raise
+        finally:
+            view.close()
+            group.shutdown(quick=interrupted)
+            if log is not None:
+                log.close()
 
     def _load_resume(self, resume: str | Path, epochs: int, warnings: list[str]) -> Resumed:
         resumed = load_resume(resume, warnings.append)
@@ -142,12 +154,20 @@ class Trainer:
                 f"resume={str(resume)!r}: its checkpoint is at epoch {meta.epoch}, step {meta.step}; "
                 f"fit(epochs={epochs}) has nothing left to do: ask for more epochs"
             )
+        if meta.global_batch and meta.global_batch != self.global_batch:
+            raise ValueError(
+                f"resume={str(resume)!r}: its checkpoint was trained with global_batch={meta.global_batch}, this run "
+                f"asks for {self.global_batch}; step {meta.step} of epoch {meta.epoch} means other samples with "
+                f"another batch. Resume with --global-batch {meta.global_batch} (global_batch={meta.global_batch}), "
+                "or start a new run"
+            )
         if self.run.run_dir is None and self.run.name is None:
             self.run = replace(self.run, run_dir=str(ckpt_path.parent.parent))
         return resumed
 
-    def _open_log(self, run_dir: Path, up: Bringup, epochs: int) -> RunLog:
+    def _open_log(self, run_dir: Path, up: Bringup, epochs: int, run_id: str) -> RunLog:
         config = {
+            "run_id": run_id,
             "scaling": up.ops.group.scaling,  # resolved: groups="auto" became concrete groups
             "run": self.run,
             "global_batch": self.global_batch,
@@ -179,9 +199,10 @@ class Trainer:
         if up.slowdown:
             view.log(f"EMULATION: rank -> (times slower, from round) {up.slowdown} (MIXTRAIN_EMULATE_SLOWDOWN)")
 
-    def _settings(self, up: Bringup) -> RunSettings:
+    def _settings(self, up: Bringup, run_id: str) -> RunSettings:
         scaling = up.ops.group.scaling
         return RunSettings(
+            run_id=run_id,
             num_samples=up.num_samples,
             global_batch=self.global_batch,
             steps_per_round=self.run.steps_per_round,
@@ -225,6 +246,12 @@ class Trainer:
         )
         shares = up.plan.shares
         meta = CheckpointMeta.from_manifest(manifest)
+        if meta.num_samples and meta.num_samples != up.num_samples:
+            raise ValueError(
+                f"resume: the checkpoint {path} was trained on {meta.num_samples} samples per epoch, the data now has "
+                f"{up.num_samples}; its (epoch {meta.epoch}, step {meta.step}) would point at other samples. Resume "
+                "with the same training data, or start a new run"
+            )
         if same and group.scaling.balanced and sum(meta.shares) == self.global_batch:
             shares = list(meta.shares)
         up.ops.reform()
@@ -243,6 +270,18 @@ Resumed = tuple[dict[str, Any], dict[str, Any], Path]
 """(state, manifest, path) of the checkpoint a run resumes from."""
 
 
+@dataclass(frozen=True)
+class _Start:
+    """What fit() settled before the workers start."""
+
+    run_dir: Path
+    run_id: str
+    resumed: Resumed | None
+    epochs: int
+    warnings: list[str]
+    phases: Phases
+
+
 def load_resume(resume: str | Path, warn: Callable[[str], None]) -> Resumed:
     """(state, manifest, path) from a run folder's newest good checkpoint, or from one checkpoint folder."""
     path = Path(resume)
@@ -253,6 +292,15 @@ def load_resume(resume: str | Path, warn: Callable[[str], None]) -> Resumed:
     if not path.is_dir():
         raise ValueError(f"resume={str(resume)!r}: no such folder; give a run folder or one of its checkpoints")
     return CheckpointStore(path).latest(warn, accept=CheckpointMeta.from_manifest)  # a malformed one: the previous
+
+
+def _run_id(resumed: Resumed | None) -> str:
+    """A resumed run keeps its id; a new run gets one (in config.json and every checkpoint's manifest)."""
+    if resumed is not None:
+        run_id = CheckpointMeta.from_manifest(resumed[1]).run_id
+        if run_id:
+            return run_id
+    return uuid.uuid4().hex[:12]
 
 
 def _cpus_needed(scaling: ScalingConfig) -> float:

@@ -106,7 +106,7 @@ def test_a_replacement_rejoins_at_a_round_boundary_with_the_current_state(tmp_pa
 
 def test_failure_budget_spent_stops_with_an_intact_checkpoint(tmp_path):
     task = functools.partial(faulty_task, "mlp", "sgd", "kill", 1, 7, str(tmp_path / "fired"))
-    with pytest.raises(TrainingStopped, match=r"1 failures, max_failures=0.*is intact; continue with"):
+    with pytest.raises(TrainingStopped, match=r"1 failures within 60 minutes, max_failures=0.*is intact; continue"):
         fit(task, tmp_path, max_failures=0)
     all_checkpoints_verify(tmp_path / "run")
 

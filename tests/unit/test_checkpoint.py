@@ -162,10 +162,15 @@ def test_a_checkpoint_of_the_earlier_format_still_loads(tmp_path):
     "manifest",
     [
         [],  # not an object
-        {"format": 2, "global_step": 4},  # no files
-        {"format": 2, "files": {STATE: {"sha256": "x"}}, "global_step": 4},  # an entry without its size
-        {"format": 2, "files": {STATE: "x"}, "global_step": 4},
-        {"format": 2, "files": {"../../etc/passwd": {"sha256": "x", "bytes": 1}, STATE: {}}, "global_step": 4},
+        {"format": 2, "global_step": 4, "saved_seq": 2},  # no files
+        {"format": 2, "files": {STATE: {"sha256": "x"}}, "global_step": 4, "saved_seq": 2},  # an entry without its size
+        {"format": 2, "files": {STATE: "x"}, "global_step": 4, "saved_seq": 2},
+        {
+            "format": 2,
+            "files": {"../../etc/passwd": {"sha256": "x", "bytes": 1}, STATE: {}},
+            "global_step": 4,
+            "saved_seq": 2,
+        },
     ],
     ids=["list", "no-files", "no-bytes", "entry-not-object", "path-outside"],
 )

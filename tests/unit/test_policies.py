@@ -122,12 +122,19 @@ def test_replan_follows_speed_when_balanced_and_rescales_fixed_shares_otherwise(
     )
 
 
-def test_the_failure_budget_stops_past_max_failures_or_with_no_worker_left():
+def test_the_failure_budget_stops_past_max_failures_in_an_hour_or_with_no_worker_left():
     budget = FailureBudget(max_failures=2)
-    assert budget.record(workers_left=2) == Noop()
-    assert budget.record(workers_left=1) == Noop()
-    assert budget.record(workers_left=1) == Stop("3 failures, max_failures=2")
-    assert FailureBudget(max_failures=5).record(workers_left=0) == Stop("no worker is left")
+    assert budget.record(workers_left=2, now=0.0) == Noop()
+    assert budget.record(workers_left=1, now=10.0) == Noop()
+    assert budget.record(workers_left=1, now=20.0) == Stop("3 failures within 60 minutes, max_failures=2")
+    assert FailureBudget(max_failures=5).record(workers_left=0, now=0.0) == Stop("no worker is left")
+
+
+def test_failures_spread_over_a_day_do_not_spend_the_budget():
+    # a laptop on Wi-Fi: a stall every few hours, for days
+    budget = FailureBudget(max_failures=2)
+    assert all(budget.record(workers_left=2, now=h * 3 * 3600.0) == Noop() for h in range(20))
+    assert budget.failures == 20 and budget.recent == 1
 
 
 def test_a_nonfinite_streak_stops_at_the_limit_and_names_who_produced_it():

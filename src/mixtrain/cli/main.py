@@ -409,7 +409,9 @@ def _save_flags(raw: list[str], run_dir: Path, target: str) -> None:
 
     run_dir.mkdir(parents=True, exist_ok=True)
     record = {"argv": keep, "job": target, "job_file": module_file(target)}
-    (run_dir / COMMAND_FILE).write_text(json.dumps(record) + "\n")
+    from mixtrain._files import write_json
+
+    write_json(record, run_dir / COMMAND_FILE)
 
 
 def _check_resumed_job(args: argparse.Namespace) -> None:
@@ -433,13 +435,16 @@ def _check_resumed_job(args: argparse.Namespace) -> None:
 
 
 def cmd_train(args: argparse.Namespace, raw: list[str]) -> int:
-    import time
 
-    run_dir = Path(args.run_dir or args.resume or time.strftime("mixtrain_runs/run-%Y%m%d-%H%M%S"))
+    from mixtrain.observe.runlog import check_new_run_dir, new_run_name
+
+    run_dir = Path(args.run_dir or args.resume or Path("mixtrain_runs") / new_run_name())
     if args.resume:
         _check_resumed_job(args)  # before the job's module is imported
     elif args.trust_job:
         raise ValueError("--trust-job goes with --resume RUN_DIR")
+    else:
+        check_new_run_dir(run_dir)  # before command.json is written there
     job, trainer = _trainer(args, str(run_dir), args.steps_per_round)  # checks the flags first
     if not args.resume:
         _save_flags(raw, run_dir, _task(args)[0])
@@ -571,27 +576,30 @@ def _version() -> str:
 
 def main(argv: Sequence[str] | None = None) -> int:
     raw = list(sys.argv[1:] if argv is None else argv)
+    commands: dict[str, Callable[[argparse.Namespace], int]] = {
+        "plan": cmd_plan,
+        "devices": cmd_devices,
+        "cluster": cmd_cluster,
+        "env": cmd_env,
+        "report": cmd_report,
+    }
     try:
         args, raw = _parse(raw)
         if args.command == "train":
             return cmd_train(args, raw)
-        if args.command == "plan":
-            return cmd_plan(args)
-        if args.command == "devices":
-            return cmd_devices(args)
-        if args.command == "cluster":
-            return cmd_cluster(args)
-        if args.command == "env":
-            return cmd_env(args)
-        if args.command == "report":
-            return cmd_report(args)
+        return commands[args.command](args)
     except (ValueError, TypeError) as exc:  # bad input: nothing started
         print(f"mixtrain: error: {exc}", file=sys.stderr)
         return 2
     except (RuntimeError, ConnectionError) as exc:  # a worker, the cluster or a timeout: a clear line, no traceback
         print(f"mixtrain: error: {exc}", file=sys.stderr)
         return 1
-    return 1
+    except OSError as exc:  # a full disk, a lost mount, a missing file: one line
+        print(f"mixtrain: error: {exc.strerror or exc}{f': {exc.filename}' if exc.filename else ''}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt as exc:  # Ctrl-C: TrainingInterrupted says where to resume; a second one stops at once
+        print(f"mixtrain: {exc or 'stopped at once'}", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

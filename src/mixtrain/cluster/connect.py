@@ -6,8 +6,12 @@ import errno
 import logging
 import math
 import os
+import signal
 import socket
+import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import ray
@@ -33,13 +37,28 @@ def ensure_ray(address: str | None, num_cpus_needed: float) -> None:
         logging.getLogger("mixtrain").warning(
             "the workers reserve %.1f CPUs but this machine has %d: they will share cores", num_cpus_needed, cpus
         )
-    ray.init(
-        address="local",  # a new embedded Ray, even where a `ray start` cluster runs on this machine
-        num_cpus=max(cpus, math.ceil(num_cpus_needed)),
-        resources=device_resources(),
-        include_dashboard=False,
-        **quiet,
-    )
+    with _sigint_ignored():  # Ctrl-C in the terminal must reach the driver only, not Ray's own processes
+        ray.init(
+            address="local",  # a new embedded Ray, even where a `ray start` cluster runs on this machine
+            num_cpus=max(cpus, math.ceil(num_cpus_needed)),
+            resources=device_resources(),
+            include_dashboard=False,
+            **quiet,
+        )
+
+
+@contextmanager
+def _sigint_ignored() -> Iterator[None]:
+    """Start processes with SIGINT ignored, which they inherit: a terminal's Ctrl-C goes to its whole
+    foreground process group, and Ray's own processes must not die of it (the driver stops gracefully)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
 
 
 def device_resources() -> dict[str, float]:

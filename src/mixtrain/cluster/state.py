@@ -19,6 +19,8 @@ from pathlib import Path
 
 import psutil
 
+from mixtrain._files import write_json
+
 START_TIME_TOLERANCE_S = 0.05
 """Start times are read from the kernel in clock ticks (10 ms on Linux): equal within this."""
 
@@ -91,7 +93,7 @@ def record(*, role: str, address: str, node_ip: str, pid: int, log: str) -> Node
         boot_id=boot_id(),
         started_at=start_time(pid) or 0.0,
     )
-    _path().write_text(json.dumps(asdict(state), indent=2))
+    write_json(asdict(state), _path())  # atomic: a crash or a full disk leaves the previous record
     return state
 
 

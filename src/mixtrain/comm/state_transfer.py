@@ -11,6 +11,7 @@ numpy has no bfloat16: those travel as their raw 16 bits with the dtype beside t
 from __future__ import annotations
 
 import warnings
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -62,4 +63,68 @@ def unpack(obj: Any, copy: bool = False) -> Any:
         return {k: unpack(v, copy) for k, v in obj.items()}
     if isinstance(obj, (list, tuple)):
         return type(obj)(unpack(v, copy) for v in obj)
+    return obj
+
+
+STREAM_CHUNK_BYTES = 64 * 1024 - 1024
+"""A streamed state travels in pieces under Ray's inline limit (100 KB): in the replies themselves, never through
+the object store, whose pages would stay in the sending worker's resident memory (a second copy of the state)."""
+
+
+@dataclass(frozen=True)
+class _Slot:
+    """Where one tensor of a streamed state goes: its place in the byte stream, numpy dtype and shape."""
+
+    index: int
+    dtype: str
+    shape: tuple[int, ...]
+    torch_dtype: str
+
+
+def stream(obj: Any) -> Iterator[Any]:
+    """`obj` as a stream: first its structure with every tensor replaced by a _Slot, then the tensors' bytes in
+    pieces of at most STREAM_CHUNK_BYTES. `receive` puts it back together."""
+    arrays: list[np.ndarray] = []
+
+    def slot(p: Packed) -> _Slot:
+        arrays.append(np.ascontiguousarray(p.array))
+        return _Slot(len(arrays) - 1, p.array.dtype.str, tuple(p.array.shape), p.dtype)
+
+    yield _map_packed(pack(obj), slot)
+    for array in arrays:
+        raw = array.reshape(-1).view(np.uint8)
+        for start in range(0, raw.size, STREAM_CHUNK_BYTES):
+            yield raw[start : start + STREAM_CHUNK_BYTES].copy()
+
+
+def receive(pieces: Iterator[Any]) -> Any:
+    """The object a `stream` sent (tensors as Packed), from its pieces in order."""
+    skeleton = next(pieces)
+    slots: list[_Slot] = []
+
+    def note(s: _Slot) -> _Slot:
+        slots.append(s)
+        return s
+
+    _map_packed(skeleton, note, kind=_Slot)
+    buffers = []
+    for s in sorted(slots, key=lambda s: s.index):
+        buf = np.empty(int(np.prod(s.shape, dtype=np.int64)) * np.dtype(s.dtype).itemsize, dtype=np.uint8)
+        filled = 0
+        while filled < buf.size:
+            piece = next(pieces)
+            buf[filled : filled + piece.size] = piece
+            filled += piece.size
+        buffers.append(buf.view(np.dtype(s.dtype)).reshape(s.shape))
+    return _map_packed(skeleton, lambda s: Packed(buffers[s.index], s.torch_dtype), kind=_Slot)
+
+
+def _map_packed(obj: Any, fn: Callable[[Any], Any], kind: type = Packed) -> Any:
+    """`obj` with every `kind` leaf replaced by fn(leaf), in a fixed (depth-first) order."""
+    if isinstance(obj, kind):
+        return fn(obj)
+    if isinstance(obj, dict):
+        return {k: _map_packed(v, fn, kind) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_map_packed(v, fn, kind) for v in obj)
     return obj

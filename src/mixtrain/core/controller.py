@@ -14,6 +14,7 @@ import ray
 from mixtrain._constants import (
     COLLECTIVE_TIMEOUT_S,
     EXCLUDE_GAIN,
+    FAILURE_WINDOW_S,
     LOST_GRACE_S,
     REBALANCE_THRESHOLD,
     ROUND_TARGET_S,
@@ -25,9 +26,10 @@ from mixtrain.comm.state_transfer import pack, unpack
 from mixtrain.config import Slowdown
 from mixtrain.core import evaluation
 from mixtrain.core.group_ops import GroupOps
+from mixtrain.core.interrupt import GracefulStop, TrainingInterrupted
 from mixtrain.core.messages import RoundPlan, WorkerInfo
 from mixtrain.core.rounds import next_round_steps, summarize_round
-from mixtrain.core.worker_group import WorkerError, WorkerGroup
+from mixtrain.core.worker_group import WorkerError, WorkerGroup, WorkerTimeout
 from mixtrain.data.sampling import steps_per_epoch
 from mixtrain.observe.progress import ProgressView, plan_table, state_memory_line
 from mixtrain.observe.runlog import RunLog
@@ -55,6 +57,7 @@ RAMP_FIRST_S = 0.2
 class RunSettings:
     """What the run was asked to do; fixed for the run (what changes lives in the controller's Roster)."""
 
+    run_id: str = ""
     num_samples: int
     global_batch: int
     steps_per_round: int | None
@@ -143,19 +146,25 @@ class Controller:
             threshold=env_float(REBALANCE_THRESHOLD),
             min_gain=env_float(EXCLUDE_GAIN),
         )
-        self.budget = FailureBudget(settings.max_failures)
+        self.budget = FailureBudget(settings.max_failures, env_float(FAILURE_WINDOW_S))
         self.nonfinite = NonFiniteStreak(settings.max_nonfinite_steps)
         self._reported_exclusions: set[int] = set()
+        self.stop: GracefulStop | None = None
+        """Set by the trainer: Ctrl-C / SIGTERM asks for a stop at the next round boundary."""
+        self._checkpoint_at: tuple[int, int] | None = None
         self._parked: _Parked | None = None
         self._leave_out_check: LeaveOutCheck | None = None
         self.last_checkpoint: Path | None = None
         self._checkpointed_at = time.monotonic()
         self.num_steps = steps_per_epoch(settings.num_samples, settings.global_batch)
         self.epochs = 0  # set by run()
+        self.started_at = 0.0
+        """time.perf_counter() when run() began: the first step."""
 
     def run(self, epochs: int, start: tuple[int, int] = (0, 0)) -> None:
         """Train until `epochs` epochs are done, starting at (epoch, step) `start` (a resumed run)."""
         self._checkpointed_at = time.monotonic()
+        self.started_at = time.perf_counter()
         self.epochs = epochs
         round_steps = self.settings.steps_per_round or 2  # a short first round measures the step time
         epoch, step = start
@@ -163,6 +172,8 @@ class Controller:
             self._checkpoint(epoch, step)  # a lost worker takes its optimizer slice along: this is the way back
         while epoch < epochs:
             try:
+                if self.stop is not None and self.stop.requested:
+                    self._stop_here(epoch, step)
                 if step < self.num_steps:
                     rplan = self._round_plan(epoch, step, min(round_steps, self.num_steps - step))
                     done = self._round(rplan)
@@ -171,9 +182,9 @@ class Controller:
                         round_steps = self._between_rounds(rplan, epoch, step)
                     # else a worker was lost: the rest of the round again, with the workers that are left
                     continue
-                self._end_epoch(epoch)
                 if self.checkpoints is not None:
-                    self._checkpoint(epoch + 1, 0)  # every epoch end, the last one included
+                    self._checkpoint(epoch + 1, 0)  # every epoch end, the last one included; before evaluating
+                self._end_epoch(epoch)
                 epoch, step = epoch + 1, 0
             except _Rewind as back:
                 epoch, step = back.epoch, back.step
@@ -201,6 +212,7 @@ class Controller:
             rplan,
             timeout_s=env_float(ROUND_TIMEOUT_S) + collective_s,
             grace_s=collective_s + env_float(LOST_GRACE_S),
+            peer_grace_s=env_float(LOST_GRACE_S),
         )
         wall_s = time.perf_counter() - t0
         if lost or any(rep.peer_lost for rep in reports.values()):
@@ -370,7 +382,7 @@ class Controller:
         for rank, why in sorted(lost.items()):
             self.view.log(f"{workers[rank].short(rank)} lost: {why}")
         left = self.group.num_workers - len(lost)
-        decision = self.budget.record(left)
+        decision = self.budget.record(left, time.monotonic())
         self.log.write(
             "failure",
             {
@@ -393,8 +405,8 @@ class Controller:
         self._forget(sorted(lost))
         self._adopt(self._replan(), f"re-formed with {left} workers")
         self.view.log(
-            f"failure {self.budget.failures} of at most {self.budget.max_failures}: "
-            f"continuing from epoch {epoch}, step {step}"
+            f"failure {self.budget.recent} of at most {self.budget.max_failures} per "
+            f"{self.budget.window_s / 60:g} minutes: continuing from epoch {epoch}, step {step}"
         )
 
     def _rewind(self, lost: list[int]) -> None:
@@ -410,7 +422,8 @@ class Controller:
         self._adopt(self._replan(), f"re-formed with {self.group.num_workers} workers")
         self.log.write("rewound", {"to": str(self.last_checkpoint), "epoch": meta.epoch, "step": meta.step})
         self.view.log(
-            f"failure {self.budget.failures} of at most {self.budget.max_failures}: the optimizer slice of the lost "
+            f"failure {self.budget.recent} of at most {self.budget.max_failures} per {self.budget.window_s / 60:g} "
+            "minutes: the optimizer slice of the lost "
             f"worker is gone; continuing from the last checkpoint {self.last_checkpoint} (epoch {meta.epoch}, "
             f"step {meta.step})"
         )
@@ -436,11 +449,13 @@ class Controller:
         self._adopt(self._replan(), f"re-formed with {len(r.workers)} workers")
 
     def _tolerant(self, method: str, call: Callable[[], Any], epoch: int, step: int) -> Any:
-        """`call()` (a checkpoint, an evaluation), surviving a worker lost while it runs: find who is gone,
-        re-form the group without them, and call again."""
+        """`call()` (a checkpoint, an evaluation), surviving a worker lost while it runs, dead or silent past
+        the call's deadline: find who is gone, re-form the group without them, and call again."""
         while True:
             try:
                 return call()
+            except WorkerTimeout as exc:
+                lost = {r: f"did not answer {method}() in time (stopped, asleep or hung)" for r in exc.ranks}
             except WorkerError as exc:
                 if not isinstance(exc.__cause__, ray.exceptions.RayActorError):
                     raise
@@ -448,8 +463,8 @@ class Controller:
                 _, lost = self.group.call_tolerant("info", timeout_s=grace, grace_s=grace)
                 if not lost:
                     raise
-                self.view.log(f"a worker was lost during {method}()")
-                self._recover(lost, {}, epoch, step)
+            self.view.log(f"a worker was lost during {method}()")
+            self._recover(lost, {}, epoch, step)
 
     def _check_nonfinite(self, record: dict[str, Any]) -> None:
         """Count skipped (NaN/Inf) steps in a row; past the limit, stop and name who produced them."""
@@ -488,10 +503,44 @@ class Controller:
             workers=[
                 {"host": w.host, "device_name": w.device_name, "precision": w.precision} for w in self.roster.workers
             ],
+            run_id=self.settings.run_id,
+            global_batch=self.settings.global_batch,
+            num_samples=self.settings.num_samples,
         )
-        self.last_checkpoint = self.checkpoints.save(unpack(state), asdict(meta))
+        path = self._save_checkpoint(unpack(state), asdict(meta))
+        if path is None:
+            return
+        self.last_checkpoint = path
+        self._checkpoint_at = (epoch, step)
         self._checkpointed_at = time.monotonic()
         self.log.write("checkpoint", {"path": str(self.last_checkpoint), **asdict(meta)})
+
+    def _save_checkpoint(self, state: dict[str, Any], meta: dict[str, Any]) -> Path | None:
+        """Save; on a full disk (or another write error) drop the older checkpoints and try once more, then go
+        on training without this one: the last good checkpoint stays, and a later save may find room."""
+        assert self.checkpoints is not None
+        try:
+            return self.checkpoints.save(state, meta)
+        except OSError as exc:
+            first = exc
+        dropped = self.checkpoints.prune(keep=1)
+        self.view.log(
+            f"checkpoint failed ({first.strerror or first}); removed {len(dropped)} older checkpoint(s) to make room"
+        )
+        try:
+            return self.checkpoints.save(state, meta)
+        except OSError as exc:
+            kept = self.last_checkpoint or "none"
+            self.view.log(f"checkpoint skipped ({exc.strerror or exc}); training goes on, the last good one: {kept}")
+            self.log.write("checkpoint_failed", {"error": str(exc), "last_checkpoint": str(kept)})
+            return None
+
+    def _stop_here(self, epoch: int, step: int) -> None:
+        """Ctrl-C: a checkpoint here (unless one was just written here), then stop with the resume command."""
+        if self.checkpoints is not None and self._checkpoint_at != (epoch, step):
+            self._checkpoint(epoch, step)
+        self.log.write("interrupted", {"epoch": epoch, "step": step, "checkpoint": str(self.last_checkpoint)})
+        raise TrainingInterrupted(f"stopped at epoch {epoch}, step {step}. {self._resume_hint()}", self.last_checkpoint)
 
     def _resume_hint(self) -> str:
         if self.last_checkpoint is None:
@@ -516,8 +565,13 @@ class Controller:
         self.view.log(line)
 
     def evaluate(self) -> dict[str, float]:
-        """Held-out metrics, each worker taking a contiguous slice of the eval set."""
+        """Held-out metrics, each worker taking a contiguous slice of the eval set. The deadline follows the
+        slice and the worker's measured speed (a forward pass is cheaper than the training step it was timed
+        on), so a worker asleep is found out in about the collective timeout, not in half an hour."""
         sizes = equal_shares(self.settings.num_eval, self.group.num_workers)  # zeros when fewer samples than workers
         bounds = [(sum(sizes[:i]), sum(sizes[: i + 1])) for i in range(len(sizes))]
-        parts = self.group.call_each("evaluate", bounds, timeout_s=env_float(ROUND_TIMEOUT_S))
+        speeds = self.roster.speeds or []
+        slowest = max((n / v for n, v in zip(sizes, speeds) if v > 0), default=0.0)
+        timeout = env_float(COLLECTIVE_TIMEOUT_S) + 2 * slowest if speeds else env_float(ROUND_TIMEOUT_S)
+        parts = self.group.call_each("evaluate", bounds, timeout_s=timeout)
         return evaluation.summarize(parts)

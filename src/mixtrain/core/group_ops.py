@@ -113,13 +113,14 @@ class GroupOps:
     def shards_optimizer(self) -> bool:
         return self.group.scaling.shard_optimizer is not False
 
-    def full_state(self, timeout_s: float) -> dict[str, Any]:
-        """Rank 0's training state (on the CPU); with a sharded optimizer every rank's slice of the optimizer
-        state is merged in here, so the result loads into any number of workers."""
-        state = self.group.call("training_state", timeout_s=timeout_s, ranks=[0])[0]
+    def full_state(self, stall_s: float) -> dict[str, Any]:
+        """Rank 0's training state, packed, streamed to the driver; with a sharded optimizer every rank's slice of
+        the optimizer state is merged in, so the result loads into any number of workers. `stall_s`: how long
+        a worker may send nothing before it counts as lost (the whole takes as long as the link needs)."""
+        state = self.group.receive(0, "training_state", stall_s=stall_s)
         if self.shards_optimizer:
-            for part in self.group.call("optimizer_part", timeout_s=timeout_s, ranks=range(1, self.group.num_workers)):
-                state["optimizer"]["state"].update(part)
+            for rank in range(1, self.group.num_workers):
+                state["optimizer"]["state"].update(self.group.receive(rank, "optimizer_part", stall_s=stall_s))
         return state
 
     def leave_out(

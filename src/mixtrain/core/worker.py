@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from mixtrain import compat, devices
-from mixtrain.comm import netif, process_group, registry
+from mixtrain.comm import netif, process_group, registry, state_transfer
 from mixtrain.comm.state_transfer import pack, unpack
 from mixtrain.comm.strategy import JoinContext, SyncStrategy
 from mixtrain.config import StrategyConfig
@@ -425,6 +425,12 @@ class TrainWorker:
             "strategy": self.strategy.state_dict(),
         }
         return pack(state)
+
+    def stream(self, what: str) -> Iterator[Any]:
+        """A streamed copy (state_transfer.stream) of "training_state", "optimizer_part" or "state_dict", for the
+        driver: in pieces small enough to travel in the replies, so no second copy builds up in this process."""
+        assert what in ("training_state", "optimizer_part", "state_dict"), what
+        yield from state_transfer.stream(unpack(getattr(self, what)()))
 
     def optimizer_part(self) -> dict:
         """This rank's slice of a sharded optimizer's state (by the optimizer's parameter numbers), packed."""

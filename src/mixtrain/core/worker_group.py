@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import re
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -14,12 +14,21 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from mixtrain._constants import PLACEMENT_TIMEOUT_S, RENUMBER_TIMEOUT_S, SHUTDOWN_WAIT_S, env_float
 from mixtrain.cluster import connect, placement
+from mixtrain.comm import state_transfer
 from mixtrain.config import ScalingConfig
 from mixtrain.core.worker import TrainWorker
 
 
 class WorkerError(RuntimeError):
     """A worker failed; the message names its rank and node and carries its traceback."""
+
+
+class WorkerTimeout(WorkerError):
+    """Workers did not answer in time (stopped, asleep, hung, or on a link slower than the deadline allows)."""
+
+    def __init__(self, message: str, ranks: list[int]) -> None:
+        super().__init__(message)
+        self.ranks = ranks
 
 
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")
@@ -165,6 +174,26 @@ class WorkerGroup:
         ranks = list(range(self.num_workers)) if ranks is None else list(ranks)
         return self._gather(method, {r: getattr(self.actors[r], method).remote(*args) for r in ranks}, timeout_s)
 
+    def receive(self, rank: int, what: str, *, stall_s: float) -> Any:
+        """`what` (a TrainWorker.stream name) from worker `rank`, streamed in small pieces: no deadline for the
+        whole (a large model on a slow link takes as long as it takes), but a peer silent for `stall_s` between
+        two pieces is WorkerTimeout, and a dead one WorkerError."""
+        gen = self.actors[rank].stream.options(num_returns="streaming").remote(what)
+
+        def pieces() -> Iterator[Any]:
+            while True:
+                ready, _ = ray.wait([gen], timeout=stall_s)
+                if not ready:
+                    raise WorkerTimeout(f"worker {rank} sent nothing of {what} for {stall_s:g} s", [rank])
+                try:
+                    yield ray.get(next(gen))
+                except StopIteration:
+                    return
+                except ray.exceptions.RayError as exc:
+                    raise WorkerError(_describe(rank, f"stream({what!r})", exc)) from exc
+
+        return state_transfer.receive(pieces())
+
     def call_each(self, method: str, args_per_rank: Sequence[tuple], *, timeout_s: float) -> list[Any]:
         """Call `method` on every rank with that rank's arguments."""
         refs = {r: getattr(a, method).remote(*args) for r, (a, args) in enumerate(zip(self.actors, args_per_rank))}
@@ -181,9 +210,10 @@ class WorkerGroup:
             ready, pending = ray.wait(pending, num_returns=1, timeout=max(0.0, remaining))
             if not ready:
                 missing = sorted(rank_of[p] for p in pending)
-                raise WorkerError(
+                raise WorkerTimeout(
                     f"worker(s) {missing} did not finish {method}() within {timeout_s:g} s; see the timeouts "
-                    "MIXTRAIN_*_TIMEOUT_S in the README"
+                    "MIXTRAIN_*_TIMEOUT_S in the README",
+                    missing,
                 )
             ref = ready[0]
             try:
@@ -193,17 +223,20 @@ class WorkerGroup:
         return [results[r] for r in sorted(results)]
 
     def call_tolerant(
-        self, method: str, *args: Any, timeout_s: float, grace_s: float
+        self, method: str, *args: Any, timeout_s: float, grace_s: float, peer_grace_s: float | None = None
     ) -> tuple[dict[int, Any], dict[int, str]]:
         """Call `method(*args)` on every rank, surviving lost workers: returns (results by rank, the lost
         ranks with what happened). A worker is lost when its process died or, once another worker has
-        failed or reported a lost peer, it has not answered within `grace_s` (stopped, asleep or hung).
+        died, it has not answered within `grace_s` (stopped, asleep or hung); once another worker reported
+        a lost peer (its collective timed out: the silent one had that long already), within `peer_grace_s`.
         Any other error in a worker is raised as WorkerError: that is a bug or a device error, not a loss."""
+        peer_grace_s = grace_s if peer_grace_s is None else peer_grace_s
         refs = {getattr(a, method).remote(*args): r for r, a in enumerate(self.actors)}
         results: dict[int, Any] = {}
         lost: dict[int, str] = {}
         pending = list(refs)
         deadline = time.monotonic() + timeout_s
+        waited = timeout_s
         while pending:
             ready, pending = ray.wait(pending, num_returns=1, timeout=max(0.0, deadline - time.monotonic()))
             if not ready:
@@ -215,12 +248,16 @@ class WorkerGroup:
                 lost[rank] = f"its process died or its node left ({_ANSI.sub('', str(exc)).splitlines()[0][:160]})"
             except ray.exceptions.RayError as exc:
                 raise WorkerError(_describe(rank, method, exc)) from exc
-            if lost or (rank in results and bool(getattr(results[rank], "peer_lost", ""))):
+            if lost:
                 deadline = min(deadline, time.monotonic() + grace_s)
+                waited = grace_s
+            elif rank in results and bool(getattr(results[rank], "peer_lost", "")):
+                deadline = min(deadline, time.monotonic() + peer_grace_s)
+                waited = peer_grace_s
         for ref in pending:
             lost[refs[ref]] = (
-                f"did not answer within {grace_s:g} s after a peer failed (stopped, asleep or hung; "
-                "MIXTRAIN_COLLECTIVE_TIMEOUT_S)"
+                f"did not answer within {waited:g} s after a peer failed (stopped, asleep or hung; "
+                "MIXTRAIN_COLLECTIVE_TIMEOUT_S, MIXTRAIN_LOST_GRACE_S)"
             )
         return results, lost
 
@@ -260,10 +297,11 @@ class WorkerGroup:
         ray.kill(actor)
         self.vacant.remove(spec)
 
-    def shutdown(self) -> None:
+    def shutdown(self, quick: bool = False) -> None:
         """Leave the process group where possible, copy the logs of workers on other machines into the run
-        folder, then kill the actors and free the resources."""
-        self._fetch_remote_logs()
+        folder, then kill the actors and free the resources. `quick` (Ctrl-C): kill at once."""
+        if not quick:
+            self._fetch_remote_logs()
         for _, actor, _ in self._pending.values():
             ray.kill(actor)
         self._pending = {}
@@ -271,8 +309,9 @@ class WorkerGroup:
             ray.kill(actor)
         self.parked = []
         if self.actors:
-            refs = [a.shutdown.remote() for a in self.actors]
-            ray.wait(refs, num_returns=len(refs), timeout=env_float(SHUTDOWN_WAIT_S))
+            if not quick:
+                refs = [a.shutdown.remote() for a in self.actors]
+                ray.wait(refs, num_returns=len(refs), timeout=env_float(SHUTDOWN_WAIT_S))
             for actor in self.actors:
                 ray.kill(actor)
             self.actors = []

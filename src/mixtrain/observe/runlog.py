@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import re
+import secrets
 import time
 from dataclasses import asdict, is_dataclass
 from pathlib import Path
@@ -15,14 +16,42 @@ from mixtrain.core.rounds import device_samples_per_s, worker_name
 TENSORBOARD_DIR = "tensorboard"
 
 
-def make_run_dir(run: RunConfig) -> Path:
-    if run.run_dir is not None:
-        path = Path(run.run_dir)
-    else:
-        name = run.name or time.strftime("run-%Y%m%d-%H%M%S")
-        path = Path(run.storage_dir) / name
-    path.mkdir(parents=True, exist_ok=True)
-    return path.resolve()
+RUN_FILES = ("metrics.jsonl", "checkpoints", "model.safetensors", "model.pt")
+"""What a run leaves in its folder; a folder holding any of them belongs to that run."""
+
+
+def new_run_name() -> str:
+    """A default run name: the start time and a random suffix (two runs started in the same second differ)."""
+    return f"run-{time.strftime('%Y%m%d-%H%M%S')}-{secrets.token_hex(2)}"
+
+
+def check_new_run_dir(path: Path) -> None:
+    """Refuse a folder that already holds a run: its checkpoints, metrics and weights would mix with (or be
+    pruned by) this run's. The fix is in the message."""
+    held = [name for name in RUN_FILES if (path / name).exists()]
+    if held:
+        raise ValueError(
+            f"run folder {str(path)!r} already holds a run ({', '.join(held)}); continue that run with "
+            f"`mixtrain train --resume {path}` (or fit(resume=...)), or give a new --run-dir / RunConfig(run_dir=...)"
+        )
+
+
+def make_run_dir(run: RunConfig, resuming: bool = False) -> Path:
+    """The run's folder, created: RunConfig.run_dir, storage_dir/name, or storage_dir/<new name>. A folder
+    that holds another run is refused unless this run continues it (`resuming`)."""
+    if run.run_dir is not None or run.name is not None:
+        path = Path(run.run_dir) if run.run_dir is not None else Path(run.storage_dir) / str(run.name)
+        if not resuming:
+            check_new_run_dir(path)
+        path.mkdir(parents=True, exist_ok=True)
+        return path.resolve()
+    while True:  # a default name is never reused, even by a run started at the same moment
+        path = Path(run.storage_dir) / new_run_name()
+        try:
+            path.mkdir(parents=True, exist_ok=False)
+        except FileExistsError:
+            continue
+        return path.resolve()
 
 
 def _plain(obj: Any) -> Any:
@@ -80,17 +109,25 @@ class RunLog:
     """Appends one JSON line per event to metrics.jsonl, and the main scalars to TensorBoard."""
 
     def __init__(self, run_dir: Path, config: dict[str, Any], tensorboard: bool | None = None) -> None:
+        from mixtrain._files import write_json
+
         self.run_dir = run_dir
-        (run_dir / "config.json").write_text(json.dumps(_plain(config), indent=2) + "\n")
+        write_json(_plain(config), run_dir / "config.json")
         self._metrics = open(run_dir / "metrics.jsonl", "a", buffering=1)
+        self.write_error: OSError | None = None
+        """The first error writing metrics.jsonl (a full disk): later lines are dropped, training goes on."""
         self._size = (int(config.get("num_samples", 0)), int(config.get("global_batch", 1)))
         self._tb = tensorboard_writer(run_dir, tensorboard)
 
     def write(self, kind: str, record: dict[str, Any]) -> None:
         line = {"kind": kind, "time": time.time(), **_plain(record)}
-        self._metrics.write(json.dumps(line) + "\n")
-        if self._tb is not None and kind in ("round", "eval"):
-            self._scalars(line)
+        try:
+            if self.write_error is None:
+                self._metrics.write(json.dumps(line) + "\n")
+            if self._tb is not None and kind in ("round", "eval"):
+                self._scalars(line)
+        except OSError as exc:  # a full disk must not end a healthy run: the records are a by-product
+            self.write_error = self.write_error or exc
 
     def _scalars(self, r: dict[str, Any]) -> None:
         step = samples_seen(r, *self._size)
@@ -110,6 +147,9 @@ class RunLog:
             add(f"share/{name}", share, step)
 
     def close(self) -> None:
-        self._metrics.close()
-        if self._tb is not None:
-            self._tb.close()
+        try:
+            self._metrics.close()
+            if self._tb is not None:
+                self._tb.close()
+        except OSError as exc:
+            self.write_error = self.write_error or exc

@@ -215,20 +215,32 @@ def replan(
 
 
 class FailureBudget:
-    """At most `max_failures` recoveries from lost workers in one run."""
+    """At most `max_failures` recoveries from lost workers within any `window_s` (an hour by default): a
+    laptop whose Wi-Fi stalls three times a day does not end a multi-day run, a worker that keeps dying does."""
 
-    def __init__(self, max_failures: int) -> None:
+    def __init__(self, max_failures: int, window_s: float = 3600.0) -> None:
         self.max_failures = max_failures
+        self.window_s = window_s
         self.failures = 0
+        """Failures over the whole run."""
+        self._times: list[float] = []
 
-    def record(self, workers_left: int) -> Decision:
-        """Count one failure that leaves `workers_left` workers: go on (Noop) or Stop."""
+    def record(self, workers_left: int, now: float) -> Decision:
+        """Count one failure at `now` (seconds, any monotonic clock) that leaves `workers_left` workers."""
         self.failures += 1
+        self._times = [t for t in self._times if now - t < self.window_s] + [now]
         if workers_left == 0:
             return Stop("no worker is left")
-        if self.failures > self.max_failures:
-            return Stop(f"{self.failures} failures, max_failures={self.max_failures}")
+        if len(self._times) > self.max_failures:
+            return Stop(
+                f"{len(self._times)} failures within {self.window_s / 60:g} minutes, max_failures={self.max_failures}"
+            )
         return Noop()
+
+    @property
+    def recent(self) -> int:
+        """Failures in the current window (as of the last one)."""
+        return len(self._times)
 
 
 class NonFiniteStreak:

@@ -1,0 +1,97 @@
+"""A run folder belongs to one run: reused folders are refused with the fix, default names never collide,
+checkpoints are pruned in the order they were saved, and a resume refuses a changed batch or data."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from mixtrain import RunConfig, Task, Trainer
+from mixtrain.checkpoint import CheckpointMeta, CheckpointStore
+from mixtrain.observe.runlog import make_run_dir
+
+
+def _meta(step: int, **extra: object) -> dict:
+    return {
+        "epoch": 0,
+        "step": step,
+        "global_step": step,
+        "shares": [32, 32],
+        "num_workers": 2,
+        "workers": [],
+        **extra,
+    }
+
+
+def _save(store: CheckpointStore, step: int, **extra: object) -> Path:
+    return store.save({"model": {"w": torch.full((2,), float(step))}, "epoch": 0}, _meta(step, **extra))
+
+
+def test_a_folder_that_holds_a_run_is_refused_unless_resumed(tmp_path):
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "command.json").write_text("{}")
+    assert make_run_dir(RunConfig(run_dir=str(run))) == run.resolve()  # flags only: no run happened there
+    (run / "metrics.jsonl").write_text("")
+    with pytest.raises(ValueError, match=r"already holds a run \(metrics.jsonl\).*--resume .*new --run-dir"):
+        make_run_dir(RunConfig(run_dir=str(run)))
+    assert make_run_dir(RunConfig(run_dir=str(run)), resuming=True) == run.resolve()
+    named = tmp_path / "named"
+    (named / "checkpoints").mkdir(parents=True)
+    with pytest.raises(ValueError, match="already holds a run"):
+        make_run_dir(RunConfig(storage_dir=str(tmp_path), name="named"))
+
+
+def test_default_run_names_never_collide_even_in_the_same_second(tmp_path):
+    folders = {make_run_dir(RunConfig(storage_dir=str(tmp_path))) for _ in range(20)}
+    assert len(folders) == 20 and all(f.is_dir() for f in folders)
+
+
+def test_checkpoints_are_pruned_in_save_order_not_by_step_number(tmp_path):
+    store = CheckpointStore(tmp_path, keep=2)
+    for step in (300, 310):
+        _save(store, step)
+    newest = _save(store, 12)  # a run went back to an earlier checkpoint and trains on from step 12
+    assert store.paths()[0] == newest and newest.exists()
+    assert [p.name for p in store.paths()] == ["step-000000012", "step-000000310"]
+    _, manifest, path = store.latest()
+    assert path == newest and manifest["saved_seq"] == 3
+
+
+def test_the_manifest_records_the_run_the_batch_and_the_data(tmp_path):
+    store = CheckpointStore(tmp_path)
+    _save(store, 5, run_id="abc123", global_batch=64, num_samples=1000)
+    meta = CheckpointMeta.from_manifest(store.latest()[1])
+    assert (meta.run_id, meta.global_batch, meta.num_samples) == ("abc123", 64, 1000)
+    _save(store, 6)  # a checkpoint from before these fields still loads, with unknown values
+    assert CheckpointMeta.from_manifest(store.latest()[1]).global_batch == 0
+
+
+def _task() -> Task:
+    model = torch.nn.Linear(2, 2)
+    return Task(
+        model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), loss_fn=torch.nn.functional.mse_loss
+    )
+
+
+def test_resuming_with_another_global_batch_is_refused_with_the_fix(tmp_path):
+    _save(CheckpointStore(tmp_path / "run"), 5, global_batch=64, num_samples=1000)
+    trainer = Trainer(_task, (torch.zeros(8, 2), torch.zeros(8, 2)), global_batch=128)
+    with pytest.raises(ValueError, match=r"global_batch=64, this run asks for 128.*--global-batch 64"):
+        trainer.fit(epochs=2, resume=tmp_path / "run")
+
+
+def test_the_cli_refuses_a_run_folder_that_holds_a_run_before_touching_it(tmp_path):
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "metrics.jsonl").write_text('{"kind": "round"}\n')
+    (run / "command.json").write_text('{"argv": ["digits"]}\n')
+    cli = Path(sys.executable).parent / "mixtrain"
+    proc = subprocess.run([str(cli), "train", "digits", "--run-dir", str(run)], capture_output=True, text=True)
+    assert proc.returncode == 2 and "already holds a run" in proc.stderr and "--resume" in proc.stderr
+    assert json.loads((run / "command.json").read_text()) == {"argv": ["digits"]}  # untouched
