@@ -74,6 +74,25 @@ def _wait_for(path: str, timeout_s: float = 120.0) -> None:
         time.sleep(0.05)
 
 
+def _inject(fault: str, loss: torch.Tensor, marker: str) -> torch.Tensor:
+    """NaN from now on, or (once per marker file) SIGKILL / SIGSTOP this process."""
+    import os
+    import signal
+
+    if fault == "nan":
+        return loss * float("nan")
+    if not os.path.exists(marker):
+        open(marker, "w").close()
+        os.kill(os.getpid(), signal.SIGKILL if fault == "kill" else signal.SIGSTOP)
+    return loss
+
+
+def _out_of_memory_above(limit: int, loss: torch.Tensor, samples: int) -> torch.Tensor:
+    if samples > limit:
+        raise MemoryError(f"emulated: a micro-batch of {samples} samples does not fit (at most {limit})")
+    return loss
+
+
 def faulty_task(
     model: str,
     opt: str,
@@ -88,13 +107,13 @@ def faulty_task(
     """make_task(model, opt) whose loss injects a REAL fault on worker `rank` at its `at_call`-th training
     loss (counted once the collective group exists, so the start-up probe does not count):
     "kill" SIGKILLs its own process, "stop" SIGSTOPs it (a laptop asleep), once per `marker` file;
-    "nan" makes its loss NaN from then on; rank -1 injects nothing. `sleep_s`: every training loss on
+    "nan" makes its loss NaN from then on; "oom" raises MemoryError (the CPU's out-of-memory error) for every
+    micro-batch larger than `at_call` samples; rank -1 injects nothing. `sleep_s`: every training loss on
     every worker sleeps that long, plus `sleep_per_sample_s` per sample (compute that scales with the
     share: two workers then really are twice as fast as one). `replacement_for` (the full group's size): in
     a group smaller than that, training losses wait until a replacement process has built its replica (it
     marks `marker`.replacement), so the replacement joins at the next round boundary however long it takes."""
     import os
-    import signal
     import time
 
     import torch.distributed as dist
@@ -115,13 +134,9 @@ def faulty_task(
             _wait_for(replacement)
         if dist.get_rank() != rank:
             return loss
+        if fault == "oom":
+            return _out_of_memory_above(at_call, loss, len(target))
         calls[0] += 1
-        if calls[0] >= at_call:
-            if fault == "nan":
-                return loss * float("nan")
-            if not os.path.exists(marker):
-                open(marker, "w").close()
-                os.kill(os.getpid(), signal.SIGKILL if fault == "kill" else signal.SIGSTOP)
-        return loss
+        return _inject(fault, loss, marker) if calls[0] >= at_call else loss
 
     return Task(model=task.model, optimizer=task.optimizer, loss_fn=loss_fn)

@@ -141,3 +141,27 @@ def test_a_node_removed_from_the_cluster_mid_run_is_survived(tmp_path):
     assert len(failure["lost"]) == 1 and "node left" in failure["lost"][0]["reason"], failure
     assert out["widths"][0] == 3 and out["widths"][-1] == 2, out["widths"]
     assert out["exact"] == "yes", out["exact"]
+
+
+def test_out_of_memory_mid_run_halves_the_micro_batch_and_training_stays_exact(tmp_path, monkeypatch):
+    # Worker 1 runs out of memory for any micro-batch over 10 samples (its share is about 21 of 64): the
+    # round goes on from its committed steps with micro-batch 10, then 5, by gradient accumulation; nobody
+    # is lost, and the weights are one process's.
+    monkeypatch.setenv("MIXTRAIN_COLLECTIVE_TIMEOUT_S", "10")
+    task = functools.partial(faulty_task, "mlp", "sgd", "oom", 1, 10, str(tmp_path / "unused"))
+    result, (x, y) = fit(task, tmp_path, rejoin=False)
+    events = run_records(result.run_dir, "out_of_memory")
+    assert 1 <= len(events) <= 2 and all(e["ranks"] == [1] for e in events), events
+    assert events[-1]["memory_caps"][1] <= 10 and not run_records(result.run_dir, "failure")
+    assert all(len(r["shares"]) == 3 for r in result.history)
+    assert_same_weights(result.state_dict, reference("mlp", "sgd", x, y))
+
+
+def test_a_worker_out_of_memory_even_at_one_sample_is_left_out_and_training_stays_exact(tmp_path, monkeypatch):
+    monkeypatch.setenv("MIXTRAIN_COLLECTIVE_TIMEOUT_S", "10")
+    task = functools.partial(faulty_task, "mlp", "sgd", "oom", 2, 0, str(tmp_path / "unused"))
+    result, (x, y) = fit(task, tmp_path, rejoin=False)
+    [gone] = run_records(result.run_dir, "left_out")
+    assert gone["worker"]["rank"] == 2 and "out of memory at micro-batch 1" in gone["reason"]
+    assert len(result.history[-1]["shares"]) == 2
+    assert_same_weights(result.state_dict, reference("mlp", "sgd", x, y))

@@ -221,7 +221,11 @@ class Controller:
             if kept:
                 partial = (kept, self._samples(rplan, kept))
                 self._record(summarize_round(rplan, list(reports.values()), wall_s, partial), sorted(reports))
-            self._recover(lost, reports, rplan.epoch, rplan.first_step + kept, committed=committed)
+            out_of_memory = sorted(r for r, rep in reports.items() if rep.out_of_memory)
+            if out_of_memory and not lost:
+                self._out_of_memory(out_of_memory, rplan, committed, rplan.first_step + kept)
+            else:
+                self._recover(lost, reports, rplan.epoch, rplan.first_step + kept, committed=committed)
             return kept
         self._record(summarize_round(rplan, list(reports.values()), wall_s), sorted(reports))
         return rplan.num_steps
@@ -408,6 +412,28 @@ class Controller:
             f"failure {self.budget.recent} of at most {self.budget.max_failures} per "
             f"{self.budget.window_s / 60:g} minutes: continuing from epoch {epoch}, step {step}"
         )
+
+    def _out_of_memory(self, ranks: list[int], rplan: RoundPlan, committed: dict[int, int], step: int) -> None:
+        """Workers that ran out of device memory mid-round (a probe too optimistic, another process taking
+        memory): the round goes on from the committed steps with their micro-batch halved (gradient
+        accumulation keeps the math); one out of memory even at a micro-batch of 1 is left out, with the reason.
+        Not a failure: nobody was lost, and the halving ends."""
+        r, gone = self.roster, []
+        for rank in ranks:
+            micro = rplan.micro_batches[rank] if rplan.micro_batches else r.shares[rank]
+            who = r.workers[rank].short(rank)
+            if micro <= 1:
+                gone.append(rank)
+                self.view.log(f"left out {who}: out of memory even at a micro-batch of 1")
+                self.log.write("left_out", {"worker": r.workers[rank], "reason": "out of memory at micro-batch 1"})
+                continue
+            r.memory_caps[rank] = micro // 2
+            self.view.log(f"{who} ran out of memory at micro-batch {micro}: {micro // 2} from now on (step {step})")
+        self.log.write("out_of_memory", {"ranks": ranks, "step": step, "memory_caps": list(r.memory_caps)})
+        self.ops.leave_out(gone, recover=committed)
+        if gone:
+            self._forget(gone)
+            self._adopt(self._replan(), f"re-formed with {len(r.workers)} workers")
 
     def _rewind(self, lost: list[int]) -> None:
         """A sharded optimizer's slice died with its worker (or a step was half applied): every worker that

@@ -149,6 +149,8 @@ class WorkerReport:
     """What the replica holds, by part: weights, grads, optimizer (this rank's slice when sharded), strategy."""
     peer_lost: str = ""
     """Set when a collective failed because a peer died or stopped answering; the round did not finish."""
+    out_of_memory: bool = False
+    """With peer_lost: this worker ran out of device memory (its message says so); the others lost it as a peer."""
     committed_steps: int = 0
     """How many of the round's steps stand should the round turn out failed (a peer lost): this replica's
     committed steps; all of them after a round it finished; 0 under parameter servers (rounds are redone whole)."""

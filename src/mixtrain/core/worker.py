@@ -356,10 +356,16 @@ class TrainWorker:
         try:
             report = self._run_round(plan, ledger)
         except Exception as exc:
-            if not process_group.is_peer_failure(exc):
+            oom = self.kind.is_oom(exc)
+            if not (oom or process_group.is_peer_failure(exc)):
                 raise
             committed = ledger.committed_steps if self.strategy.keeps_partial_rounds else 0
-            return ledger.abort(str(exc).splitlines()[0][:300], committed)
+            if oom:  # out of memory here: leave the group at once, so the peers' collectives fail now, not
+                self._free_cached_memory()  # after the collective timeout; the driver lowers the micro-batch
+                process_group.leave_group()
+            report = ledger.abort(str(exc).splitlines()[0][:300], committed)
+            report.out_of_memory = oom
+            return report
         if not self.strategy.keeps_partial_rounds:  # should a peer fail before the driver hears, all is redone
             report.committed_steps = 0
         return report
