@@ -140,3 +140,30 @@ def faulty_task(
         return _inject(fault, loss, marker) if calls[0] >= at_call else loss
 
     return Task(model=task.model, optimizer=task.optimizer, loss_fn=loss_fn)
+
+
+def one_worker_builds_another_model(marker: str) -> Task:
+    """The first process to build takes a wider first layer (a node with other code): the preflight must
+    name the parameter and both shapes."""
+    import os
+
+    try:
+        os.close(os.open(marker, os.O_CREAT | os.O_EXCL))
+        width = 48
+    except FileExistsError:
+        width = 32
+    model = nn.Sequential(nn.Linear(20, width), nn.Tanh(), nn.Linear(width, 5))
+    return Task(model=model, optimizer=optimizer("sgd", model.parameters()), loss_fn=nn.functional.cross_entropy)
+
+
+def dropout_task_with_schedule() -> Task:
+    """An MLP with dropout and a StepLR schedule: resuming exactly needs every worker's random streams and
+    the scheduler's position back."""
+    model = nn.Sequential(nn.Linear(20, 32), nn.Tanh(), nn.Dropout(0.3), nn.Linear(32, 5))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    return Task(
+        model=model,
+        optimizer=opt,
+        loss_fn=nn.functional.cross_entropy,
+        scheduler=torch.optim.lr_scheduler.StepLR(opt, step_size=7, gamma=0.7),
+    )

@@ -82,3 +82,19 @@ def test_factory_from_a_module_workers_cannot_import_says_how_to_fix(tmp_path, m
     assert "No module named 'only_on_the_driver'" in message
     assert "must be importable on every worker" in message
     assert "\x1b[" not in message  # no terminal colour codes from Ray
+
+
+def test_workers_that_build_different_models_are_refused_naming_the_parameter_and_both_shapes(tmp_path):
+    import functools
+
+    from mixtrain.core.preflight import PreflightError
+    from tests.models import one_worker_builds_another_model
+
+    x, y = data("mlp", 64)
+    task = functools.partial(one_worker_builds_another_model, str(tmp_path / "first"))
+    trainer = Trainer(task, (x, y), global_batch=16, run=RunConfig(run_dir=str(tmp_path / "run"), progress=False))
+    with pytest.raises(PreflightError) as info:
+        trainer.fit()
+    text = str(info.value)
+    assert "its model differs from worker" in text and "0.weight is (" in text, text
+    assert "(48, 20) float32" in text and "(32, 20) float32" in text, text

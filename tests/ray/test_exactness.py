@@ -120,3 +120,27 @@ def test_batchnorm_semantics_local_statistics_and_weighted_running_averages(tmp_
     plain = reference("bn", "sgd", x, y)
     diff = (result.state_dict["1.running_var"] - plain["1.running_var"]).abs().max()
     assert diff > 1e-4
+
+
+def test_fewer_samples_than_workers_trains_and_evaluates_exactly(tmp_path):
+    # 3 workers, 2 training samples, 1 held-out sample: the one step has shares 1, 1, 0 and evaluation
+    # slices 1, 0, 0; workers with no samples still join every collective.
+    x, y = data("mlp", 3)
+    trainer = Trainer(
+        factory("mlp", "adamw"),
+        (x[:2], y[:2]),
+        eval_data=(x[2:], y[2:]),
+        global_batch=3,
+        scaling=ScalingConfig(num_workers=3, cpus_per_worker=0.5, leave_out_slow=False),
+        run=RunConfig(run_dir=str(tmp_path / "run"), seed=SEED, progress=False),
+    )
+    result = trainer.fit(epochs=2)
+    assert [len(r["shares"]) for r in result.history] == [3, 3] and result.evals[-1]["samples"] == 1
+    torch.manual_seed(SEED)
+    task = make_task("mlp", "adamw")
+    for epoch in range(2):
+        perm = torch.from_numpy(epoch_permutation(SEED, epoch, 2))
+        task.optimizer.zero_grad()
+        task.loss_fn(task.model(x[perm]), y[perm]).backward()
+        task.optimizer.step()
+    assert_same_weights(result.state_dict, task.model.state_dict())

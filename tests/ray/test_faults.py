@@ -5,6 +5,7 @@ match single-process training, leave only checkpoints that verify, and never han
 import functools
 
 import pytest
+import torch
 
 from mixtrain import RunConfig, ScalingConfig, StrategyConfig, Trainer
 from mixtrain.checkpoint import CheckpointStore
@@ -165,3 +166,35 @@ def test_a_worker_out_of_memory_even_at_one_sample_is_left_out_and_training_stay
     assert gone["worker"]["rank"] == 2 and "out of memory at micro-batch 1" in gone["reason"]
     assert len(result.history[-1]["shares"]) == 2
     assert_same_weights(result.state_dict, reference("mlp", "sgd", x, y))
+
+
+def test_resuming_mid_epoch_with_dropout_and_an_lr_schedule_continues_exactly(tmp_path):
+    # A checkpoint after every round; resume from the one at epoch 0, step 12 (of 30) into another folder:
+    # the workers' random streams (dropout) and the scheduler's position come back, so the resumed run ends
+    # where the uninterrupted one did. Fixed shares: with dropout, which worker draws a sample's mask matters.
+    from tests.models import dropout_task_with_schedule
+
+    def run(run_dir, resume=None):
+        x, y = data("mlp", NUM_SAMPLES)
+        return Trainer(
+            dropout_task_with_schedule,
+            (x, y),
+            global_batch=GLOBAL_BATCH,
+            scaling=ScalingConfig(num_workers=2, cpus_per_worker=0.5, shares="equal"),
+            run=RunConfig(
+                run_dir=str(run_dir),
+                seed=SEED,
+                steps_per_round=4,
+                progress=False,
+                checkpoint_every_s=0,
+                keep_checkpoints=100,
+            ),
+        ).fit(epochs=2, resume=resume)
+
+    straight = run(tmp_path / "straight")
+    mid = tmp_path / "straight" / "checkpoints" / "step-000000012"
+    assert mid.is_dir()
+    resumed = run(tmp_path / "resumed", resume=mid)
+    assert (resumed.history[0]["epoch"], resumed.history[0]["first_step"]) == (0, 12)
+    for name, want in straight.state_dict.items():
+        assert torch.equal(resumed.state_dict[name], want), name

@@ -40,11 +40,26 @@ def test_every_mismatch_is_named_with_node_and_value_in_one_error():
         preflight.check(DRIVER, reports)
     text = str(err.value)
     assert "worker 1 on 10.0.0.2: python 3.12.1 but the driver has 3.11.9" in text
-    assert "worker 1 on 10.0.0.2: model signature zzz differs from abc" in text
+    assert "worker 1 on 10.0.0.2: its model differs from worker 0's: signature zzz instead of abc" in text
     assert "worker 2 on 10.0.0.3: this worker asked for a cuda device" in text
     assert "MISSING cpu" in text and "nothing was trained" in text
     header = [line for line in text.splitlines() if line.startswith("who")]
     assert header and "python" in header[0] and "model" in header[0]
+
+
+def test_a_model_that_differs_is_named_down_to_the_tensor_and_both_shapes():
+    ref = replace(report(0), tensors=(("fc.weight", (10, 64), "float32"), ("fc.bias", (10,), "float32")))
+    other = replace(
+        report(1, host="10.0.0.2", signature="zzz"),
+        tensors=(("fc.weight", (10, 128), "float32"), ("fc.bias", (10,), "float32"), ("extra", (3,), "float32")),
+    )
+    with pytest.raises(preflight.PreflightError) as err:
+        preflight.check(DRIVER, [ref, replace(report(2), tensors=ref.tensors), other])
+    text = str(err.value)
+    assert (
+        "worker 1 on 10.0.0.2: its model differs from worker 0's: fc.weight is (10, 64) float32 on worker 0, "
+        "(10, 128) float32 on worker 1; extra only on worker 1" in text
+    ), text
 
 
 def test_numerics_verdict_names_the_device():

@@ -52,6 +52,8 @@ class BuildReport:
     device: DeviceInfo | None = None
     precision: str = ""
     signature: str | None = None
+    tensors: tuple[tuple[str, tuple[int, ...], str], ...] = ()
+    """(name, shape, dtype) of every parameter and buffer: a model that differs is named down to the tensor."""
     num_params: int = 0
     trainable_bytes: int = 0
     nccl: bool = False

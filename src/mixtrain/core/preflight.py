@@ -26,13 +26,33 @@ def problems(driver: dict[str, str], reports: Sequence[BuildReport]) -> list[str
     signatures = Counter(r.signature for r in reports if r.signature is not None)
     if len(signatures) > 1:
         common = signatures.most_common(1)[0][0]
+        ref = next(r for r in reports if r.signature == common)
         for r in reports:
             if r.signature not in (None, common):
                 out.append(
-                    f"worker {r.rank} on {r.host}: model signature {r.signature} differs from {common} "
-                    "(parameter names, shapes or dtypes differ: the task factory builds another model there)"
+                    f"worker {r.rank} on {r.host}: its model differs from worker {ref.rank}'s: "
+                    f"{model_difference(ref, r)} (the task factory builds another model there)"
                 )
     return out
+
+
+def model_difference(ref: BuildReport, other: BuildReport) -> str:
+    """The first parameters or buffers that differ between two workers' models, by name, shape and dtype."""
+    mine = {name: (shape, dtype) for name, shape, dtype in ref.tensors}
+    theirs = {name: (shape, dtype) for name, shape, dtype in other.tensors}
+    found = []
+    for name in [*mine, *(n for n in theirs if n not in mine)]:
+        a, b = mine.get(name), theirs.get(name)
+        if a == b:
+            continue
+        if a is None or b is None:
+            found.append(f"{name} only on worker {ref.rank if b is None else other.rank}")
+        else:
+            found.append(f"{name} is {a[0]} {a[1]} on worker {ref.rank}, {b[0]} {b[1]} on worker {other.rank}")
+    if not found:
+        return f"signature {other.signature} instead of {ref.signature}"
+    more = f" (and {len(found) - 3} more)" if len(found) > 3 else ""
+    return "; ".join(found[:3]) + more
 
 
 def table(driver: dict[str, str], reports: Sequence[BuildReport]) -> str:

@@ -179,6 +179,10 @@ class TrainWorker:
             device=info,
             precision=self.precision,
             signature=compat.model_signature(model),
+            tensors=tuple(
+                (n, tuple(t.shape), str(t.dtype).removeprefix("torch."))
+                for n, t in (*model.named_parameters(), *model.named_buffers())
+            ),
             num_params=sum(p.numel() for p in model.parameters()),
             trainable_bytes=sum(p.numel() * 4 for p in model.parameters() if p.requires_grad),
             nccl=torch.distributed.is_nccl_available(),
