@@ -167,3 +167,9 @@ def dropout_task_with_schedule() -> Task:
         loss_fn=nn.functional.cross_entropy,
         scheduler=torch.optim.lr_scheduler.StepLR(opt, step_size=7, gamma=0.7),
     )
+
+
+def medium_task() -> Task:
+    """An MLP of 66k parameters (260 KB) with SGD momentum: a checkpoint is about half a megabyte."""
+    model = nn.Sequential(nn.Linear(20, 256), nn.Tanh(), nn.Linear(256, 236), nn.Tanh(), nn.Linear(236, 5))
+    return Task(model=model, optimizer=optimizer("sgd", model.parameters()), loss_fn=nn.functional.cross_entropy)

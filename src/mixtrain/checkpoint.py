@@ -25,9 +25,20 @@ import torch
 from mixtrain._files import atomic_write, fsync_dir
 
 
+def _torch_save(obj: Any, f: Any) -> None:
+    """torch.save, but a write error (a full disk) surfaces as the OSError it is: torch's zip writer raises its
+    own RuntimeError ("unexpected pos") on the way out, which would hide it."""
+    try:
+        torch.save(obj, f)
+    except RuntimeError as exc:
+        if isinstance(exc.__context__, OSError):
+            raise exc.__context__ from None
+        raise
+
+
 def atomic_save(obj: Any, path: str | Path) -> Path:
     """torch.save, atomically (for what is not a tensor dictionary; weights go through save_weights)."""
-    return atomic_write(path, lambda f: torch.save(obj, f))
+    return atomic_write(path, lambda f: _torch_save(obj, f))
 
 
 _EXTRA = "mixtrain.extra"
@@ -276,7 +287,7 @@ class CheckpointStore:
                 _write_synced(tmp / MODEL, lambda f: f.write(_safetensors_bytes(weights)))
                 files[MODEL] = {"sha256": _sha256(tmp / MODEL), "bytes": (tmp / MODEL).stat().st_size}
                 state = {**state, "model": other}
-            _write_synced(tmp / STATE, lambda f: torch.save(state, f))
+            _write_synced(tmp / STATE, lambda f: _torch_save(state, f))
             files[STATE] = {"sha256": _sha256(tmp / STATE), "bytes": (tmp / STATE).stat().st_size}
             manifest = {"format": FORMAT, "files": files, **meta}
             with open(tmp / MANIFEST, "w") as f:
