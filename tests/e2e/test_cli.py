@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from mixtrain import load_weights
+from tests.conftest import run_records
 
 MIXTRAIN = str(Path(sys.executable).parent / "mixtrain")
 
@@ -374,3 +375,83 @@ def test_a_killed_cli_run_resumes_from_its_checkpoint_and_ends_like_an_uninterru
     for path in store.paths():
         store.verify(path)
     assert not list(store.root.glob(".tmp-*"))
+
+
+def _start_and_wait_for_a_round(run_dir, *flags):
+    """`mixtrain train digits` in its own session (as a terminal runs it), once its first round is recorded."""
+    import os
+    import subprocess
+    import time
+
+    proc = subprocess.Popen(
+        [MIXTRAIN, "train", "digits", "--run-dir", str(run_dir), *flags],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+        env={**os.environ},
+    )
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and proc.poll() is None:
+        metrics = run_dir / "metrics.jsonl"
+        if metrics.exists() and '"kind": "round"' in metrics.read_text():
+            return proc
+        time.sleep(0.05)
+    proc.kill()
+    raise AssertionError(f"no round within 120 s: {proc.communicate()[1][-2000:]}")
+
+
+def _processes_left(session: int) -> list[str]:
+    import subprocess
+
+    rows = subprocess.run(["ps", "-eo", "sid=,pid=,cmd="], capture_output=True, text=True).stdout.splitlines()
+    return [row for row in rows if row.split()[0] == str(session)]
+
+
+def test_ctrl_c_finishes_the_round_writes_a_checkpoint_and_prints_the_resume_line(tmp_path):
+    import os
+    import signal
+    import time
+
+    from mixtrain.checkpoint import CheckpointStore
+
+    run_dir = tmp_path / "run"
+    proc = _start_and_wait_for_a_round(run_dir, "--epochs", "3")
+    t0 = time.monotonic()
+    os.killpg(proc.pid, signal.SIGINT)  # what Ctrl-C in a terminal does: the whole foreground group
+    _, err = proc.communicate(timeout=60)
+    took = time.monotonic() - t0
+    assert proc.returncode == 130, err[-3000:]
+    assert took < 20, took
+    assert "SIGINT: finishing this round and writing a checkpoint" in err
+    assert f"continue with `mixtrain train --resume {run_dir}`" in err, err[-2000:]
+    store = CheckpointStore(run_dir)
+    [stopped] = run_records(run_dir, "interrupted")
+    assert store.paths()[0].name.endswith(f"{stopped['step']:09d}") and store.verify(store.paths()[0])
+    assert _processes_left(proc.pid) == []  # Ray's processes and the workers went too
+
+    resumed = run_cli("train", "--resume", str(run_dir))
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    rounds = run_records(run_dir, "round")
+    assert rounds[-1]["epoch"] == 2 and f"at epoch {stopped['epoch']}, step {stopped['step']}" in resumed.stderr
+
+
+def test_a_second_ctrl_c_stops_at_once_and_the_last_checkpoint_stays_intact(tmp_path):
+    import os
+    import signal
+    import time
+
+    from mixtrain.checkpoint import CheckpointStore
+
+    run_dir = tmp_path / "run"
+    proc = _start_and_wait_for_a_round(run_dir, "--epochs", "50", "--checkpoint-every", "0")
+    os.killpg(proc.pid, signal.SIGINT)
+    time.sleep(0.05)
+    t0 = time.monotonic()
+    os.killpg(proc.pid, signal.SIGINT)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130 and time.monotonic() - t0 < 15, err[-3000:]
+    store = CheckpointStore(run_dir)
+    for path in store.paths():
+        store.verify(path)
+    assert _processes_left(proc.pid) == []
