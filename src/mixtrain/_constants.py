@@ -27,6 +27,9 @@ BUCKET_MB = ("MIXTRAIN_BUCKET_MB", 25.0)
 LOST_GRACE_S = ("MIXTRAIN_LOST_GRACE_S", 15.0)
 """After a worker died, the others get the collective timeout plus this long to report before they count as lost;
 once a peer's collective timeout has fired (it waited that long already), a silent worker gets only this long."""
+MIN_LINK_MBPS = ("MIXTRAIN_MIN_LINK_MBPS", 1.0)
+"""The slowest link (MB/s, a poor Wi-Fi) the deadline of a large transfer allows for: a state of N MB may take
+the collective timeout plus N / this many seconds before its receiver counts as lost."""
 FAILURE_WINDOW_S = ("MIXTRAIN_FAILURE_WINDOW_S", 3600.0)
 """RunConfig.max_failures counts the lost-worker recoveries within this window (an hour), not over the whole run."""
 SETUP_EXTRA_S = ("MIXTRAIN_SETUP_EXTRA_S", 600.0)
@@ -59,3 +62,9 @@ def env_float(pair: tuple[str, float]) -> float:
     if not math.isfinite(value) or value <= 0:
         raise ValueError(f"{name}={raw!r} must be a positive, finite number (default {default})")
     return value
+
+
+def transfer_s(num_bytes: float) -> float:
+    """Deadline for moving `num_bytes` between processes (a state, a checkpoint, the link measurement): the
+    collective timeout plus the time the slowest allowed link needs, so a big model on Wi-Fi is not cut off."""
+    return env_float(COLLECTIVE_TIMEOUT_S) + num_bytes / (env_float(MIN_LINK_MBPS) * 1e6)

@@ -11,10 +11,11 @@ from typing import Any
 
 import ray
 
-from mixtrain._constants import COLLECTIVE_TIMEOUT_S, env_float
+from mixtrain._constants import COLLECTIVE_TIMEOUT_S, env_float, transfer_s
 from mixtrain.checkpoint import MANIFEST, CheckpointMeta, CheckpointStore, save_final_weights
 from mixtrain.cluster import connect
 from mixtrain.comm.state_transfer import pack, unpack
+from mixtrain.comm.strategy import tensor_bytes
 from mixtrain.config import RunConfig, ScalingConfig, StrategyConfig
 from mixtrain.core.bringup import Bringup, Phases, bring_up
 from mixtrain.core.controller import Controller, Roster, RunSettings
@@ -242,7 +243,7 @@ class Trainer:
         group.call_each(
             "load_training_state",
             [(ref, rng[i] if same else None) for i in range(n)],
-            timeout_s=env_float(COLLECTIVE_TIMEOUT_S),
+            timeout_s=transfer_s(tensor_bytes(state)),  # to every node: a big model over Wi-Fi takes minutes
         )
         shares = up.plan.shares
         meta = CheckpointMeta.from_manifest(manifest)

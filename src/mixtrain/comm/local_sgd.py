@@ -154,7 +154,7 @@ class LocalSGDStrategy(SyncStrategy):
     def measure_comm(self, task: Task, repeats: int) -> float:
         buf = torch.zeros(self.anchor.numel() + 2 * self.config.local_steps, dtype=self.wire)
         buf = buf.to(replicas.comm_device())
-        return median_seconds(lambda: dist.all_reduce(buf, op=dist.ReduceOp.SUM), repeats)
+        return median_seconds(lambda: dist.all_reduce(buf, op=dist.ReduceOp.SUM), repeats, collective=True)
 
     def exchange_bytes(self, task: Task) -> int:
         return (self.anchor.numel() + 2 * self.config.local_steps) * self.wire.itemsize

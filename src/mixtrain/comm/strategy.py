@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from mixtrain.comm import replicas
 from mixtrain.comm.buckets import GradBuckets
@@ -102,14 +103,26 @@ def clip_gradients(task: Task, params: list[torch.nn.Parameter]) -> float | None
     return float(torch.nn.utils.clip_grad_norm_(params, task.max_grad_norm))
 
 
-def median_seconds(exchange: Callable[[], object], repeats: int) -> float:
-    """Median wall time of `exchange` over `repeats` calls, after one warm-up call (measure_comm)."""
+MEASURE_BUDGET_S = 3.0
+"""The start-up link measurement stops repeating once it has taken about this long (a big model on Wi-Fi)."""
+
+
+def median_seconds(exchange: Callable[[], object], repeats: int, collective: bool = False) -> float:
+    """Median wall time of `exchange` over up to `repeats` calls after one warm-up call (measure_comm): fewer
+    when one exchange is slow. `collective`: every rank must make as many calls, so the slowest rank's warm-up
+    decides for all (one tiny all-reduce)."""
+    t0 = time.perf_counter()
+    exchange()
+    warm = torch.tensor([time.perf_counter() - t0], dtype=torch.float64, device=replicas.comm_device())
+    if collective and dist.is_initialized():
+        dist.all_reduce(warm, op=dist.ReduceOp.MAX)
+    repeats = max(1, min(repeats, int(MEASURE_BUDGET_S / max(float(warm.cpu()), 1e-9))))
     times = []
-    for _ in range(repeats + 1):
+    for _ in range(repeats):
         t0 = time.perf_counter()
         exchange()
         times.append(time.perf_counter() - t0)
-    return statistics.median(times[1:])
+    return statistics.median(times)
 
 
 def small_state(task: Task, loss_scale: LossScale) -> dict[str, Any]:
@@ -299,7 +312,7 @@ class AllReduceStrategy(SyncStrategy):
             self.buckets.zero_()
             self.buckets.all_reduce_(torch.zeros(self.buckets.num_extras))
 
-        seconds = median_seconds(exchange, repeats)
+        seconds = median_seconds(exchange, repeats, collective=True)
         self.buckets.zero_()
         return seconds
 

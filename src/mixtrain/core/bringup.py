@@ -16,7 +16,7 @@ from typing import Any
 import ray
 
 from mixtrain import compat
-from mixtrain._constants import COLLECTIVE_TIMEOUT_S, EXCLUDE_GAIN, env_float
+from mixtrain._constants import EXCLUDE_GAIN, env_float, transfer_s
 from mixtrain.comm import ps_server
 from mixtrain.comm.process_group import choose_backend
 from mixtrain.config import ScalingConfig, Slowdown, StrategyConfig
@@ -144,7 +144,8 @@ def bring_up(
     ops.form()
     phases.mark("collective group")
     while True:
-        measured = group.call("measure_comm", timeout_s=env_float(COLLECTIVE_TIMEOUT_S))
+        exchanged = 2 * 6 * max(r.trainable_bytes for r in found.reports)  # up to 6 all-reduces of the gradients
+        measured = group.call("measure_comm", timeout_s=transfer_s(exchanged))
         exchange_s, exchange_bytes = max(m[0] for m in measured), max(m[1] for m in measured)
         plan, decision = _first_plan(group, global_batch, found, exchange_s / strategy.steps_per_exchange)
         if not isinstance(decision, LeaveOut):

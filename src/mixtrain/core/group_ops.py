@@ -17,6 +17,7 @@ from mixtrain._constants import (
     RENDEZVOUS_TIMEOUT_S,
     SETUP_EXTRA_S,
     env_float,
+    transfer_s,
 )
 from mixtrain.cluster.placement import WorkerSpec
 from mixtrain.config import ScalingConfig, StrategyConfig
@@ -143,7 +144,7 @@ class GroupOps:
         with its worker. A sharded optimizer left whole is re-split among the workers that are left. `park`:
         the (one) worker left out keeps its process, outside the group, so `readmit` can take it back."""
         keep = [r for r in range(self.group.num_workers) if r not in ranks]
-        wait_s = setup_wait_s()
+        wait_s = self.state_transfer_s()
         if restore is None and self.shards_optimizer and not lost:
             restore = ray.put(self.full_state(wait_s))
         method = "recover" if recover is not None and restore is None else "leave"
@@ -163,7 +164,7 @@ class GroupOps:
 
     def readmit(self) -> WorkerInfo:
         """The worker parked last rejoins as the last rank with rank 0's current state (the group re-forms)."""
-        wait_s = setup_wait_s()
+        wait_s = self.state_transfer_s()
         _, actor = self.group.parked[-1]
         if self.shards_optimizer:
             state_ref = ray.put(self.full_state(wait_s))
@@ -190,12 +191,17 @@ class GroupOps:
         at a round boundary once built): a process takes seconds to start, longer on a busy machine."""
         self.group.start_replacements(self.task_factory)
 
+    def state_transfer_s(self) -> float:
+        """Deadline for moving one training state (weights and an optimizer of up to twice their size)."""
+        weights = self.reference.trainable_bytes if self.reference is not None else 0
+        return transfer_s(3 * weights)
+
     def _copy_state(self, source: int, targets: list[int]) -> None:
         """Rank `source`'s training state into `targets` (outside any group), straight through the object
         store: the driver never holds it."""
         if not targets:
             return
-        wait_s = setup_wait_s()
+        wait_s = self.state_transfer_s()
         ref = self.group.actors[source].training_state.remote()
         ray.get([self.group.actors[t].load_training_state.remote(ref, None) for t in targets], timeout=wait_s)
 

@@ -1,0 +1,52 @@
+"""Large transfers (checkpoints, final weights) stream in pieces: a slow link that keeps sending is waited on
+however long the whole takes; a peer that stops sending is a lost worker after the stall timeout."""
+
+import time
+
+import pytest
+import ray
+import torch
+
+from mixtrain import ScalingConfig
+from mixtrain.comm import state_transfer
+from mixtrain.core.worker_group import WorkerGroup, WorkerTimeout
+
+pytestmark = pytest.mark.usefixtures("ray_session")
+
+
+@ray.remote(num_cpus=0)
+class SlowSender:
+    """Sends a 1 MB state as a worker would, pausing `pause_s` between pieces (a slow link), or going
+    silent for `silent_s` half-way (a laptop asleep)."""
+
+    def __init__(self, pause_s: float, silent_s: float = 0.0) -> None:
+        self.pause_s, self.silent_s = pause_s, silent_s
+
+    def stream(self, what: str):
+        pieces = list(state_transfer.stream({"model": {"w": torch.arange(2**18, dtype=torch.float32)}}))
+        for i, piece in enumerate(pieces):
+            if i == len(pieces) // 2:
+                time.sleep(self.silent_s)
+            time.sleep(self.pause_s)
+            yield piece
+
+
+def group_of(actor) -> WorkerGroup:
+    ray.get(actor.__ray_ready__.remote())  # started, as a worker is by the time it checkpoints
+    group = WorkerGroup(ScalingConfig(num_workers=1), seed=0)
+    group.actors = [actor]
+    return group
+
+
+def test_a_transfer_slower_than_the_stall_timeout_in_total_still_arrives():
+    # 18 pieces 0.2 s apart: 3.6 s in all, against a stall timeout of 1 s
+    t0 = time.monotonic()
+    state = group_of(SlowSender.remote(0.2)).receive(0, "training_state", stall_s=1.0)
+    assert time.monotonic() - t0 > 3.0
+    assert torch.equal(state_transfer.unpack(state)["model"]["w"], torch.arange(2**18, dtype=torch.float32))
+
+
+def test_a_sender_that_goes_silent_is_a_timeout_naming_it():
+    with pytest.raises(WorkerTimeout) as err:
+        group_of(SlowSender.remote(0.0, silent_s=5.0)).receive(0, "training_state", stall_s=1.0)
+    assert err.value.ranks == [0] and "sent nothing of training_state for 1 s" in str(err.value)
