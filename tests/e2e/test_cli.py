@@ -161,7 +161,17 @@ def test_mnist_trains_from_idx_files(tmp_path):
     assert json.loads((tmp_path / "run" / "config.json").read_text())["num_samples"] == 1400
 
 
-def test_bad_flags_name_the_flag_and_the_fix(tmp_path):
+def test_bad_flags_name_the_flag_and_the_fix(tmp_path, capsys):
+    # in this process: every one of these is refused before anything starts (no Ray, no worker)
+    from mixtrain.cli.main import main
+
+    def run_cli(*args):
+        try:
+            code = main(list(args))
+        except SystemExit as exc:  # argparse's own refusals
+            code = exc.code
+        return subprocess.CompletedProcess(args, code, "", capsys.readouterr().err)
+
     proc = run_cli("train", "--workers", "0")
     assert proc.returncode == 2 and "--workers '0'" in proc.stderr and "cuda:1,mps:1,cpu:2" in proc.stderr
     proc = run_cli("train", "--workers", "tpu:2")
