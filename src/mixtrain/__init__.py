@@ -1,7 +1,9 @@
 """mixtrain: train one PyTorch model across every device you own, with the math of one big batch."""
 
-from mixtrain.checkpoint import load_weights
+from mixtrain.checkpoint import WeightsNotSaved, load_weights
 from mixtrain.config import DeviceGroup, RunConfig, ScalingConfig, StrategyConfig
+from mixtrain.core.controller import TrainingStopped
+from mixtrain.core.interrupt import TrainingInterrupted
 from mixtrain.core.worker_group import WorkerError
 from mixtrain.job import Job
 from mixtrain.result import Result
@@ -17,6 +19,9 @@ __all__ = [
     "StrategyConfig",
     "Task",
     "Trainer",
+    "TrainingInterrupted",
+    "TrainingStopped",
+    "WeightsNotSaved",
     "WorkerError",
     "load_weights",
 ]

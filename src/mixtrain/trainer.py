@@ -18,8 +18,9 @@ from mixtrain.comm.state_transfer import pack, unpack
 from mixtrain.comm.strategy import tensor_bytes
 from mixtrain.config import RunConfig, ScalingConfig, StrategyConfig
 from mixtrain.core.bringup import Bringup, Phases, bring_up
-from mixtrain.core.controller import Controller, Roster, RunSettings
+from mixtrain.core.controller import Controller
 from mixtrain.core.interrupt import GracefulStop
+from mixtrain.core.run_state import Roster, RunSettings
 from mixtrain.core.worker_group import WorkerGroup
 from mixtrain.data.sources import describe
 from mixtrain.observe.progress import ProgressView, plan_table, probe_memory_line

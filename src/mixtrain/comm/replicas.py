@@ -49,7 +49,7 @@ BROADCAST_CHUNK_BYTES = 16 * 2**20
 
 def _flat_broadcast(tensors: list[torch.Tensor], src: int = 0) -> None:
     """Broadcast tensors from `src`, flattened per dtype into pieces of at most BROADCAST_CHUNK_BYTES (a
-    tensor larger than that travels alone)."""
+    tensor larger than that travels alone, in place where it already lives on the comm device: no copy)."""
     pieces: list[list[torch.Tensor]] = []
     open_piece: dict[torch.dtype, tuple[list[torch.Tensor], int]] = {}
     for t in tensors:
@@ -60,10 +60,20 @@ def _flat_broadcast(tensors: list[torch.Tensor], src: int = 0) -> None:
         group.append(t)
         open_piece[t.dtype] = (group, size + t.numel() * t.element_size())
     pieces += [group for group, _ in open_piece.values() if group]
+    device = comm_device()
     for group in pieces:
+        if len(group) == 1 and group[0].device == device and group[0].is_contiguous():
+            with torch.no_grad():
+                dist.broadcast(group[0].data, src=src)
+            continue
         flat = _flatten(group)
         dist.broadcast(flat, src=src)
         unflatten_into(flat, group)
+
+
+def broadcast_tensors(tensors: Sequence[torch.Tensor], src: int) -> None:
+    """Make `tensors` on every rank equal to rank `src`'s, in bounded pieces (see _flat_broadcast)."""
+    _flat_broadcast(list(tensors), src)
 
 
 def optimizer_tensors(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:

@@ -24,7 +24,6 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from mixtrain.comm import replicas
 from mixtrain.comm.state_transfer import unpack
@@ -88,12 +87,8 @@ class ShardedOptimizer:
         if len(self.owned):
             self.local.step()
         for owner, (lo, hi) in enumerate(self.runs):
-            if hi > lo:
-                group = self.params[lo:hi]
-                flat = replicas.flat_on_host(group).to(replicas.comm_device())
-                dist.broadcast(flat, src=owner)
-                if owner != self.rank:
-                    replicas.unflatten_into(flat, group)
+            if hi > lo:  # in pieces of at most 16 MB, a large weight in place: no copy of the run
+                replicas.broadcast_tensors(self.params[lo:hi], src=owner)
 
     def state_part(self) -> dict[int, dict[str, Any]]:
         """This rank's optimizer state keyed by the user's optimizer parameter numbers."""

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
@@ -23,12 +23,13 @@ from mixtrain._constants import (
 )
 from mixtrain.checkpoint import CheckpointMeta, CheckpointStore
 from mixtrain.comm.state_transfer import pack, unpack
-from mixtrain.config import Slowdown
 from mixtrain.core import evaluation
+from mixtrain.core.checkpointing import save_making_room
 from mixtrain.core.group_ops import GroupOps
 from mixtrain.core.interrupt import GracefulStop, TrainingInterrupted
-from mixtrain.core.messages import RoundPlan, WorkerInfo
+from mixtrain.core.messages import RoundPlan
 from mixtrain.core.rounds import next_round_steps, summarize_round
+from mixtrain.core.run_state import Parked, Roster, RunSettings
 from mixtrain.core.worker_group import WorkerError, WorkerGroup, WorkerTimeout
 from mixtrain.data.sampling import steps_per_epoch
 from mixtrain.observe.progress import ProgressView, plan_table, state_memory_line
@@ -51,58 +52,6 @@ from mixtrain.policies.planner import Plan, equal_shares, micro_batches, plan_re
 
 RAMP_FIRST_S = 0.2
 """Length of the first measured round; each next one doubles, up to MIXTRAIN_ROUND_TARGET_S."""
-
-
-@dataclass(frozen=True, kw_only=True)
-class RunSettings:
-    """What the run was asked to do; fixed for the run (what changes lives in the controller's Roster)."""
-
-    run_id: str = ""
-    num_samples: int
-    global_batch: int
-    steps_per_round: int | None
-    drift_tolerance: float
-    num_eval: int
-    balanced: bool = False
-    """Follow measured speed (shares='auto'); otherwise the shares stay fixed."""
-    leave_out_slow: bool = False
-    """Leave out a worker that measurably slows the job down (balanced shares only)."""
-    rejoin: bool = True
-    """Let a replacement start where a worker was lost and join between rounds."""
-    checkpoint_every_s: float = 60.0
-    max_failures: int = 3
-    max_nonfinite_steps: int = 10
-
-
-@dataclass
-class Roster:
-    """What the controller knows per worker, in rank order; renumbered like the group."""
-
-    workers: list[WorkerInfo]
-    shares: list[int]
-    memory_caps: list[int | None]
-    speeds: list[float] | None
-    """Compute samples/s per worker: the probe's, then smoothed over measured rounds."""
-    slowdown: Slowdown
-    """EMULATION: rank -> (factor, first round)."""
-
-    def forget(self, ranks: list[int]) -> None:
-        """Drop workers that are gone; the rest are renumbered like the group."""
-        for rank in sorted(ranks, reverse=True):
-            for seq in (self.workers, self.speeds, self.memory_caps, self.shares):
-                if seq:
-                    del seq[rank]
-            self.slowdown = {r - (r > rank): v for r, v in self.slowdown.items() if r != rank}
-
-
-@dataclass(frozen=True)
-class _Parked:
-    """What the roster knew of a worker left out mid-run, to restore if it is taken back."""
-
-    info: WorkerInfo
-    speed: float | None
-    memory_cap: int | None
-    slowdown: tuple[float, int] | None
 
 
 class _Rewind(Exception):
@@ -152,7 +101,7 @@ class Controller:
         self.stop: GracefulStop | None = None
         """Set by the trainer: Ctrl-C / SIGTERM asks for a stop at the next round boundary."""
         self._checkpoint_at: tuple[int, int] | None = None
-        self._parked: _Parked | None = None
+        self._parked: Parked | None = None
         self._leave_out_check: LeaveOutCheck | None = None
         self.last_checkpoint: Path | None = None
         self._checkpointed_at = time.monotonic()
@@ -313,7 +262,7 @@ class Controller:
         pair_rate = sum(h["samples_per_s"] for h in self.history[-EXCLUDE_ROUNDS:]) / len(
             self.history[-EXCLUDE_ROUNDS:]
         )
-        self._parked = _Parked(
+        self._parked = Parked(
             info=info,
             speed=r.speeds[rank] if r.speeds else None,
             memory_cap=r.memory_caps[rank],
@@ -533,33 +482,15 @@ class Controller:
             global_batch=self.settings.global_batch,
             num_samples=self.settings.num_samples,
         )
-        path = self._save_checkpoint(unpack(state), asdict(meta))
+        path = save_making_room(
+            self.checkpoints, unpack(state), asdict(meta), self.log, self.view, self.last_checkpoint
+        )
         if path is None:
             return
         self.last_checkpoint = path
         self._checkpoint_at = (epoch, step)
         self._checkpointed_at = time.monotonic()
         self.log.write("checkpoint", {"path": str(self.last_checkpoint), **asdict(meta)})
-
-    def _save_checkpoint(self, state: dict[str, Any], meta: dict[str, Any]) -> Path | None:
-        """Save; on a full disk (or another write error) drop the older checkpoints and try once more, then go
-        on training without this one: the last good checkpoint stays, and a later save may find room."""
-        assert self.checkpoints is not None
-        try:
-            return self.checkpoints.save(state, meta)
-        except OSError as exc:
-            first = exc
-        dropped = self.checkpoints.prune(keep=1)
-        self.view.log(
-            f"checkpoint failed ({first.strerror or first}); removed {len(dropped)} older checkpoint(s) to make room"
-        )
-        try:
-            return self.checkpoints.save(state, meta)
-        except OSError as exc:
-            kept = self.last_checkpoint or "none"
-            self.view.log(f"checkpoint skipped ({exc.strerror or exc}); training goes on, the last good one: {kept}")
-            self.log.write("checkpoint_failed", {"error": str(exc), "last_checkpoint": str(kept)})
-            return None
 
     def _stop_here(self, epoch: int, step: int) -> None:
         """Ctrl-C: a checkpoint here (unless one was just written here), then stop with the resume command."""
