@@ -16,10 +16,22 @@ def ray_session():
     # Ray workers inherit the environment: make tests.models importable there.
     os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    # Once one peer's collective timeout has fired, the others get this long to answer before they too are
+    # declared lost: 15 s by default (a laptop waking up), 3 s here, where every lost worker is a real one
+    os.environ.setdefault("MIXTRAIN_LOST_GRACE_S", "3")
     # address="local": this session's own Ray, even where another cluster runs on the machine
     ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False, logging_level="ERROR")
     yield
     ray.shutdown()
+
+
+@pytest.fixture(scope="session")
+def ray_address(ray_session) -> str:
+    """The session Ray's address, for `mixtrain ... --address`: a CLI run that connects to it skips starting
+    (and stopping) a Ray of its own, seconds of CPU each. Tests of the embedded Ray itself do not use it."""
+    import ray
+
+    return ray.get_runtime_context().gcs_address
 
 
 def run_cluster_script(name: str, timeout: float, **env: str) -> dict:

@@ -598,7 +598,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"mixtrain: error: {exc.strerror or exc}{f': {exc.filename}' if exc.filename else ''}", file=sys.stderr)
         return 1
     except KeyboardInterrupt as exc:  # Ctrl-C: TrainingInterrupted says where to resume; a second one stops at once
-        print(f"mixtrain: {exc or 'stopped at once'}", file=sys.stderr)
+        from mixtrain.cluster.connect import stop_ray_uninterrupted
+
+        print(f"mixtrain: {str(exc) or 'stopped at once'}", file=sys.stderr, flush=True)
+        stop_ray_uninterrupted()
         return 130
 
 

@@ -47,6 +47,23 @@ def ensure_ray(address: str | None, num_cpus_needed: float) -> None:
         )
 
 
+def stop_ray_uninterrupted() -> None:
+    """Disconnect from Ray (stopping an embedded one) with SIGINT and SIGTERM ignored, so that another Ctrl-C
+    cannot cut the shutdown short: Ray's own processes are stopped and reaped here, not left to an exit handler
+    that a signal may interrupt (agents whose raylet lingers as an unreaped zombie never exit)."""
+    if not ray.is_initialized():
+        return
+    if threading.current_thread() is not threading.main_thread():
+        ray.shutdown()
+        return
+    previous = {sig: signal.signal(sig, signal.SIG_IGN) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        ray.shutdown()
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
 @contextmanager
 def _sigint_ignored() -> Iterator[None]:
     """Start processes with SIGINT ignored, which they inherit: a terminal's Ctrl-C goes to its whole
