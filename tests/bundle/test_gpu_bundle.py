@@ -8,7 +8,6 @@ packed at xz level 1 here (seconds) instead of 9 (a minute), the only difference
 
 from __future__ import annotations
 
-import importlib.metadata
 import json
 import subprocess
 import sys
@@ -21,6 +20,7 @@ import torch
 from packaging.utils import canonicalize_name
 
 from gpu.bundle import IMAGE_PACKAGES, RAY_PRUNE
+from tests.venvs import linked_venv
 
 REPO = Path(__file__).resolve().parents[2]
 PYVER = f"{sys.version_info.major}.{sys.version_info.minor}"
@@ -30,22 +30,8 @@ pytestmark = pytest.mark.slow
 
 def image_like_venv(root: Path) -> Path:
     """A fresh virtual environment that sees, of this environment's packages, only those the GPU machine's
-    image holds (torch, numpy, pytest, pip, ...): linked into one folder put on its path by a .pth file."""
-    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(root / "venv")], check=True)
-    shim = root / "image-site"
-    shim.mkdir()
-    for dist in importlib.metadata.distributions():
-        if canonicalize_name(dist.metadata["Name"]) not in IMAGE_PACKAGES:
-            continue
-        for top in {f.parts[0] for f in dist.files or [] if f.parts}:
-            if top in ("..", "__pycache__") or top.endswith(".pth"):
-                continue
-            src = Path(str(dist.locate_file(top)))
-            if src.exists() and not (shim / top).exists():
-                (shim / top).symlink_to(src)
-    site = next((root / "venv" / "lib").glob("python*/site-packages"))
-    (site / "gpu-image.pth").write_text(f"{shim}\n")
-    return root / "venv" / "bin" / "python"
+    image holds (torch, numpy, pytest, pip, ...)."""
+    return linked_venv(root, lambda name: name in IMAGE_PACKAGES)[0]
 
 
 def test_the_bundle_installs_offline_and_the_checks_cpu_path_runs(tmp_path):

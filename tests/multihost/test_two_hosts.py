@@ -19,10 +19,12 @@ from pathlib import Path
 import pytest
 import torch
 
+from mixtrain import __version__ as mixtrain_version
 from tests.conftest import REPO
 from tests.models import data
 from tests.multihost import netns
 from tests.ray.test_exactness import NUM_SAMPLES, assert_same_weights, reference
+from tests.venvs import linked_venv
 
 pytestmark = pytest.mark.skipif(netns.available() is not None, reason=str(netns.available()))
 
@@ -125,7 +127,7 @@ def _only_metrics_page_answers_without_a_token(answers: list[dict]) -> None:
             assert a["http"] == "401", what
 
 
-def test_cluster_up_join_train_across_two_hosts_and_refuse_a_client_without_token(tmp_path):
+def test_cluster_up_join_train_across_two_hosts_and_refuse_a_client_without_token_or_of_another_release(tmp_path):
     tag = str(os.getpid() % 10000)
     homes = {name: tmp_path / name for name in ("head", "mac", "intruder")}
     mixtrain = os.path.join(BIN, "mixtrain")
@@ -234,6 +236,23 @@ def test_cluster_up_join_train_across_two_hosts_and_refuse_a_client_without_toke
             )
             assert wrong.returncode == 1
             assert "could not read the head's version card" in wrong.stderr and "--token-file" in wrong.stderr
+
+            # a machine with another mixtrain release (a real second virtual environment: this one's torch and
+            # Ray, a copy of mixtrain that says 0.1.99), with the right token, is refused naming the versions
+            python, site = linked_venv(tmp_path, lambda name: name != "mixtrain", name="other-release")
+            shutil.copytree(REPO / "src" / "mixtrain", site / "mixtrain", ignore=shutil.ignore_patterns("__pycache__"))
+            init = site / "mixtrain" / "__init__.py"
+            init.write_text(init.read_text().replace(f'__version__ = "{mixtrain_version}"', '__version__ = "0.1.99"'))
+            other_release = _run(
+                intruder,
+                [str(python), "-m", "mixtrain.cli.main", "cluster", "join", address, "--token-file", str(copied)],
+                homes["intruder"],
+            )
+            assert other_release.returncode == 1, other_release.stderr + other_release.stdout
+            assert (
+                f"refusing to join: mixtrain: the head has {mixtrain_version}, this machine has 0.1.99"
+                in other_release.stderr
+            ), other_release.stderr
         finally:
             for host, name in ((other, "mac"), (head, "head")):
                 down = _run(host, [mixtrain, "cluster", "down"], homes[name])
