@@ -22,7 +22,8 @@ def fsync_dir(path: Path) -> None:
 
 def atomic_write(path: str | Path, write: Callable[[Any], None]) -> Path:
     """`write(file)` into a temporary file in the same folder, fsync, rename, fsync the folder:
-    a crash leaves either the old file or the new one, never half of one."""
+    a crash leaves either the old file or the new one, never half of one. The file is always a new one,
+    private to its owner (mode 0600, as mkstemp creates it), whatever mode or symlink was at `path`."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")

@@ -11,11 +11,11 @@ from __future__ import annotations
 import os
 import re
 import sys
-import tempfile
 from pathlib import Path
 from typing import Any, TextIO
 
 from mixtrain._constants import CONNECT_TIMEOUT_S, env_float
+from mixtrain._files import atomic_write
 from mixtrain.cluster.state import ClusterError, home, load_state
 
 MIN_RAY = (2, 52)
@@ -37,18 +37,7 @@ def write_token(token: str) -> Path:
             "that is not a cluster token (16 to 512 printable characters without spaces); copy the file "
             "that `mixtrain cluster up` names (its auth_token) to this machine and pass --token-file"
         )
-    path = token_path()
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".auth_token.")  # mkstemp creates it 0600
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write(token)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    return path
+    return atomic_write(token_path(), lambda f: f.write(token.encode()))  # a new file, 0600
 
 
 def read_token_arg(token: str | None, token_file: str | None, stdin: TextIO) -> str | None:
