@@ -37,7 +37,7 @@ def ensure_ray(address: str | None, num_cpus_needed: float) -> None:
         logging.getLogger("mixtrain").warning(
             "the workers reserve %.1f CPUs but this machine has %d: they will share cores", num_cpus_needed, cpus
         )
-    with _sigint_ignored():  # Ctrl-C in the terminal must reach the driver only, not Ray's own processes
+    with _signals_ignored(signal.SIGINT):  # Ctrl-C in the terminal must reach the driver only, not Ray's own processes
         ray.init(
             address="local",  # a new embedded Ray, even where a `ray start` cluster runs on this machine
             num_cpus=max(cpus, math.ceil(num_cpus_needed)),
@@ -51,31 +51,25 @@ def stop_ray_uninterrupted() -> None:
     """Disconnect from Ray (stopping an embedded one) with SIGINT and SIGTERM ignored, so that another Ctrl-C
     cannot cut the shutdown short: Ray's own processes are stopped and reaped here, not left to an exit handler
     that a signal may interrupt (agents whose raylet lingers as an unreaped zombie never exit)."""
-    if not ray.is_initialized():
-        return
-    if threading.current_thread() is not threading.main_thread():
-        ray.shutdown()
-        return
-    previous = {sig: signal.signal(sig, signal.SIG_IGN) for sig in (signal.SIGINT, signal.SIGTERM)}
-    try:
-        ray.shutdown()
-    finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
+    if ray.is_initialized():
+        with _signals_ignored(signal.SIGINT, signal.SIGTERM):
+            ray.shutdown()
 
 
 @contextmanager
-def _sigint_ignored() -> Iterator[None]:
-    """Start processes with SIGINT ignored, which they inherit: a terminal's Ctrl-C goes to its whole
-    foreground process group, and Ray's own processes must not die of it (the driver stops gracefully)."""
+def _signals_ignored(*signals: signal.Signals) -> Iterator[None]:
+    """`signals` ignored for the block (main thread only: elsewhere handlers cannot be set). Processes started
+    meanwhile inherit the ignored SIGINT: a terminal's Ctrl-C goes to its whole foreground process group, and
+    Ray's own processes must not die of it (the driver stops gracefully)."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
-    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    previous = {sig: signal.signal(sig, signal.SIG_IGN) for sig in signals}
     try:
         yield
     finally:
-        signal.signal(signal.SIGINT, previous)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
 
 
 def device_resources() -> dict[str, float]:

@@ -357,10 +357,7 @@ class Controller:
             self.ops.start_replacements()
         self._forget(sorted(lost))
         self._adopt(self._replan(), f"re-formed with {left} workers")
-        self.view.log(
-            f"failure {self.budget.recent} of at most {self.budget.max_failures} per "
-            f"{self.budget.window_s / 60:g} minutes: continuing from epoch {epoch}, step {step}"
-        )
+        self.view.log(f"{self.budget.count()}: continuing from epoch {epoch}, step {step}")
 
     def _out_of_memory(self, ranks: list[int], rplan: RoundPlan, committed: dict[int, int], step: int) -> None:
         """Workers that ran out of device memory mid-round (a probe too optimistic, another process taking
@@ -397,10 +394,8 @@ class Controller:
         self._adopt(self._replan(), f"re-formed with {self.group.num_workers} workers")
         self.log.write("rewound", {"to": str(self.last_checkpoint), "epoch": meta.epoch, "step": meta.step})
         self.view.log(
-            f"failure {self.budget.recent} of at most {self.budget.max_failures} per {self.budget.window_s / 60:g} "
-            "minutes: the optimizer slice of the lost "
-            f"worker is gone; continuing from the last checkpoint {self.last_checkpoint} (epoch {meta.epoch}, "
-            f"step {meta.step})"
+            f"{self.budget.count()}: the optimizer slice of the lost worker is gone; continuing from the last "
+            f"checkpoint {self.last_checkpoint} (epoch {meta.epoch}, step {meta.step})"
         )
         self.view.start_at(meta.epoch * self.settings.num_samples + meta.step * self.settings.global_batch)
         raise _Rewind(meta.epoch, meta.step)

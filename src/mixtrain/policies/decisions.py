@@ -242,6 +242,10 @@ class FailureBudget:
         """Failures in the current window (as of the last one)."""
         return len(self._times)
 
+    def count(self) -> str:
+        """'failure N of at most M per W minutes': where the run stands, for the line after a recovery."""
+        return f"failure {self.recent} of at most {self.max_failures} per {self.window_s / 60:g} minutes"
+
 
 class NonFiniteStreak:
     """Counts skipped (NaN/Inf) steps in a row across rounds; past the limit, Stop naming who produced
