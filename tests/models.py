@@ -103,6 +103,7 @@ def faulty_task(
     sleep_s: float = 0.0,
     replacement_for: int = 0,
     sleep_per_sample_s: float = 0.0,
+    replacement_wait_s: float = 120.0,
 ) -> Task:
     """make_task(model, opt) whose loss injects a REAL fault on worker `rank` at its `at_call`-th training
     loss (counted once the collective group exists, so the start-up probe does not count):
@@ -112,7 +113,8 @@ def faulty_task(
     every worker sleeps that long, plus `sleep_per_sample_s` per sample (compute that scales with the
     share: two workers then really are twice as fast as one). `replacement_for` (the full group's size): in
     a group smaller than that, training losses wait until a replacement process has built its replica (it
-    marks `marker`.replacement), so the replacement joins at the next round boundary however long it takes."""
+    marks `marker`.replacement), so the replacement joins at the next round boundary however long it takes;
+    at most `replacement_wait_s` per loss (rounds still end, so a replacement that failed is started again)."""
     import os
     import time
 
@@ -131,13 +133,32 @@ def faulty_task(
         if sleep_s or sleep_per_sample_s:
             time.sleep(sleep_s + sleep_per_sample_s * len(target))
         if dist.get_world_size() < replacement_for:
-            _wait_for(replacement)
+            _wait_for(replacement, replacement_wait_s)
         if dist.get_rank() != rank:
             return loss
         if fault == "oom":
             return _out_of_memory_above(at_call, loss, len(target))
         calls[0] += 1
         return _inject(fault, loss, marker) if calls[0] >= at_call else loss
+
+    return Task(model=task.model, optimizer=task.optimizer, loss_fn=loss_fn)
+
+
+def with_a_slow_first_step(make: Callable[[], Task], rank: int, seconds: float) -> Task:
+    """make()'s task, whose worker `rank` sleeps `seconds` in its first training loss (a process that a
+    loaded machine starts late): it reaches the step's collective after its peers have."""
+    import time
+
+    import torch.distributed as dist
+
+    task = make()
+    inner, first = task.loss_fn, [True]
+
+    def loss_fn(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        if dist.is_initialized() and dist.get_rank() == rank and first[0]:
+            first[0] = False
+            time.sleep(seconds)
+        return inner(out, target)
 
     return Task(model=task.model, optimizer=task.optimizer, loss_fn=loss_fn)
 

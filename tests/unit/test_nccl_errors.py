@@ -59,3 +59,21 @@ def test_nccl_failures_count_as_a_lost_peer(text):
     from mixtrain.comm.process_group import is_peer_failure
 
     assert is_peer_failure(dist.DistBackendError(text))
+
+
+@pytest.mark.parametrize(
+    "exc,silent",
+    [
+        (RuntimeError("[gloo/transport/tcp/unbound_buffer.cc:81] Timed out waiting 5000ms for recv operation"), True),
+        (dist.DistBackendError("Watchdog caught collective operation timeout: WorkNCCL(OpType=ALLREDUCE)"), True),
+        (RuntimeError("[gloo/transport/tcp/pair.cc:537] Read error [10.0.0.2]:4778: Connection reset by peer"), False),
+        (RuntimeError("[gloo/transport/tcp/pair.cc:589] Connection closed by peer [10.0.0.2]:4778"), False),
+    ],
+)
+def test_a_timed_out_collective_is_a_silent_peer_and_a_closed_connection_is_not(exc, silent):
+    # the driver gives the others only a short grace after a timeout (the silent peer had the whole timeout);
+    # after a closed connection (a peer died or left after running out of memory) they may still be computing
+    from mixtrain.comm.process_group import PeerLostError, is_peer_failure, is_peer_silence
+
+    assert is_peer_failure(exc) and is_peer_silence(exc) is silent
+    assert is_peer_silence(PeerLostError("the parameter server waited 60 s for worker 1's gradient"))

@@ -129,3 +129,10 @@ def is_peer_failure(exc: BaseException) -> bool:
         return True
     text = str(exc)
     return isinstance(exc, RuntimeError) and any(mark in text for mark in _PEER_FAILURE_MARKS)
+
+
+def is_peer_silence(exc: BaseException) -> bool:
+    """True when a peer failure is a collective that timed out (a peer silent for the whole collective
+    timeout), not a connection its peer closed (a process that died, or left the group on purpose)."""
+    text = str(exc).lower()
+    return isinstance(exc, PeerLostError) or "timed out" in text or "timeout" in text

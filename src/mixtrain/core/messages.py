@@ -151,6 +151,9 @@ class WorkerReport:
     """What the replica holds, by part: weights, grads, optimizer (this rank's slice when sharded), strategy."""
     peer_lost: str = ""
     """Set when a collective failed because a peer died or stopped answering; the round did not finish."""
+    peer_silent: bool = False
+    """With peer_lost: the collective timed out, so a peer has been silent for the whole collective timeout
+    already (a closed connection is not this: the peer died, or left on purpose, as after out of memory)."""
     out_of_memory: bool = False
     """With peer_lost: this worker ran out of device memory (its message says so); the others lost it as a peer."""
     committed_steps: int = 0

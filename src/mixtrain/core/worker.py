@@ -369,6 +369,7 @@ class TrainWorker:
                 process_group.leave_group()
             report = ledger.abort(str(exc).splitlines()[0][:300], committed)
             report.out_of_memory = oom
+            report.peer_silent = not oom and process_group.is_peer_silence(exc)
             return report
         if not self.strategy.keeps_partial_rounds:  # should a peer fail before the driver hears, all is redone
             report.committed_steps = 0

@@ -228,7 +228,7 @@ class WorkerGroup:
         """Call `method(*args)` on every rank, surviving lost workers: returns (results by rank, the lost
         ranks with what happened). A worker is lost when its process died or, once another worker has
         died, it has not answered within `grace_s` (stopped, asleep or hung); once another worker reported
-        a lost peer (its collective timed out: the silent one had that long already), within `peer_grace_s`.
+        a silent peer (its collective timed out: the silent one had that long already), within `peer_grace_s`.
         Any other error in a worker is raised as WorkerError: that is a bug or a device error, not a loss."""
         peer_grace_s = grace_s if peer_grace_s is None else peer_grace_s
         refs = {getattr(a, method).remote(*args): r for r, a in enumerate(self.actors)}
@@ -252,8 +252,12 @@ class WorkerGroup:
                 deadline = min(deadline, time.monotonic() + grace_s)
                 waited = grace_s
             elif rank in results and bool(getattr(results[rank], "peer_lost", "")):
-                deadline = min(deadline, time.monotonic() + peer_grace_s)
-                waited = peer_grace_s
+                # a timed-out collective: a silent peer had the whole timeout already. A closed connection
+                # (a peer that died, or left on purpose after running out of memory) says nothing about
+                # the rest, which may still be computing on a loaded machine: the usual grace
+                wait = peer_grace_s if getattr(results[rank], "peer_silent", False) else grace_s
+                deadline = min(deadline, time.monotonic() + wait)
+                waited = min(waited, wait)
         for ref in pending:
             lost[refs[ref]] = (
                 f"did not answer within {waited:g} s after a peer failed (stopped, asleep or hung; "
