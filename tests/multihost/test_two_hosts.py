@@ -43,9 +43,17 @@ def _env(home) -> dict[str, str]:
     return env
 
 
-def _run(host: netns.Host, argv: list[str], home, timeout: float = 120, stdin: str = "") -> subprocess.CompletedProcess:
+def _run(
+    host: netns.Host, argv: list[str], home, timeout: float = 120, stdin: str = "", **extra_env: str
+) -> subprocess.CompletedProcess:
     return subprocess.run(
-        host.cmd(*argv), input=stdin, capture_output=True, text=True, timeout=timeout, env=_env(home), cwd=REPO
+        host.cmd(*argv),
+        input=stdin,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env={**_env(home), **extra_env},
+        cwd=REPO,
     )
 
 

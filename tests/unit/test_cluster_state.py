@@ -4,6 +4,7 @@ recorded process-group id held by an unrelated program, which must never be sign
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 
@@ -65,14 +66,28 @@ def test_a_record_from_before_boot_ids_is_checked_by_command_line(home, unrelate
     assert unrelated.poll() is None
 
 
-def test_the_group_that_was_recorded_is_stopped_with_its_children(home, capsys):
-    # a stand-in for `ray start --block` and the processes it starts, recorded as up/join record it
-    code = "import subprocess, sys, time; subprocess.Popen(['sleep', '120']); print('up', flush=True); time.sleep(120)"
+def _ray_start_stand_in(child: str) -> subprocess.Popen:
+    """A stand-in for `ray start --block` (its own process group) that starts `child` for 120 s."""
+    code = f"import subprocess, time; subprocess.Popen([{child!r}, '120']); print('up', flush=True); time.sleep(120)"
     leader = subprocess.Popen(
         [sys.executable, "-c", code, "ray", "start", "--block"], start_new_session=True, stdout=subprocess.PIPE
     )
+    assert leader.stdout is not None and leader.stdout.readline() == b"up\n"
+    return leader
+
+
+@pytest.fixture
+def raylet(tmp_path) -> str:
+    """A program whose process is named raylet (a copy of sleep)."""
+    path = tmp_path / "raylet"
+    shutil.copy(shutil.which("sleep") or "/bin/sleep", path)
+    return str(path)
+
+
+def test_the_group_that_was_recorded_is_stopped_with_its_children(home, raylet, capsys):
+    # a stand-in for `ray start --block` and the raylet it starts, recorded as up/join record it
+    leader = _ray_start_stand_in(raylet)
     try:
-        assert leader.stdout is not None and leader.stdout.readline() == b"up\n"
         child = next(p for p in state._members(leader.pid) if p.pid != leader.pid)
         state.record(role="worker", address="10.0.0.1:6379", node_ip="10.0.0.2", pid=leader.pid, log="x.log")
         with pytest.raises(headnode.ClusterError, match="already runs a mixtrain Ray worker"):
@@ -80,6 +95,23 @@ def test_the_group_that_was_recorded_is_stopped_with_its_children(home, capsys):
         assert "stopped the Ray worker for 10.0.0.1:6379" in _down(capsys)
         assert leader.wait(timeout=10) is not None
         child.wait(timeout=10)  # the whole group, not only its leader
+    finally:
+        leader.kill()
+        leader.wait()
+
+
+def test_a_node_whose_raylet_is_gone_is_cleared_by_the_next_join(home, capsys):
+    # after a partition the head declared this node dead and its raylet exited; a helper lingers in the group:
+    # `join` (and `up`) stop what is left with a note instead of asking for `cluster down` first
+    leader = _ray_start_stand_in("sleep")
+    try:
+        helper = next(p for p in state._members(leader.pid) if p.pid != leader.pid)
+        state.record(role="worker", address="10.0.0.1:6379", node_ip="10.0.0.2", pid=leader.pid, log="x.log")
+        headnode._refuse_if_running()
+        assert "has no raylet any more" in capsys.readouterr().err
+        assert leader.wait(timeout=10) is not None
+        helper.wait(timeout=10)
+        assert state.load_state() is None
     finally:
         leader.kill()
         leader.wait()

@@ -40,6 +40,7 @@ from mixtrain.cluster.state import (
     home,
     kill_started,
     load_state,
+    node_gone,
     not_ours,
     record,
     stop,
@@ -186,6 +187,14 @@ def _refuse_if_running() -> None:
     if state is None:
         return
     why = not_ours(state)
+    if why is None and node_gone(state):  # a partition outlasted the head's health checks: start over
+        print(
+            f"note: this machine's Ray {state.role} for {state.address} has no raylet any more (its head "
+            "declared it dead, e.g. after a network partition, or it crashed); stopping what is left of it",
+            file=sys.stderr,
+        )
+        stop(state)
+        return
     if why is None:
         raise ClusterError(
             f"this machine already runs a mixtrain Ray {state.role} for {state.address} (process group "

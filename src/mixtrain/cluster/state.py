@@ -143,6 +143,18 @@ def not_ours(state: NodeState) -> str | None:
     return f"process group {state.pgid} cannot be confirmed as the Ray that was started"
 
 
+def node_gone(state: NodeState) -> bool:
+    """True when the recorded group runs no raylet any more: this machine's Ray node is over (the head
+    declared it dead after a network partition, or it crashed), whatever of its helpers lingers."""
+    for proc in _members(state.pgid):
+        try:
+            if proc.status() != psutil.STATUS_ZOMBIE and "raylet" in proc.name():
+                return False
+        except psutil.Error:
+            continue
+    return True
+
+
 def _group_alive(pgid: int) -> bool:
     """Whether any process of the group still runs; a zombie (exited, waiting for its parent to collect it)
     keeps the group id in use but is done."""
