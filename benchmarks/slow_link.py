@@ -50,7 +50,8 @@ def _run(host: netns.Host, argv: list[str], home: Path, timeout: float = 180) ->
 
 
 def _strategy(spec: str) -> dict:
-    """allreduce, allreduce+bf16, local-sgd:8, local-sgd:8+bf16, ps, ps-async:2."""
+    """allreduce, allreduce+bf16, local-sgd:8, local-sgd:8+bf16 (or +int8, +int4), ps, ps-async:2; "alone" is
+    one worker on one host (the fast machine alone)."""
     body, _, compress = spec.partition("+")
     name, _, number = body.partition(":")
     out: dict = {"name": name, "compress": compress or "none"}
@@ -74,10 +75,14 @@ def drive(address: str, spec: str, out: Path, epochs: int) -> None:
         eval_data=ex.eval_data,
         global_batch=ex.global_batch,
         scaling=ScalingConfig(
-            num_workers=2, shares="equal", placement_strategy="STRICT_SPREAD", address=address, leave_out_slow=False
+            num_workers=1 if spec == "alone" else 2,
+            shares="equal",
+            placement_strategy="STRICT_SPREAD",
+            address=address,
+            leave_out_slow=False,
         ),
         run=RunConfig(run_dir=str(run_dir), progress=False, checkpoint_every_s=3600),
-        strategy=StrategyConfig(**_strategy(spec)),
+        strategy=StrategyConfig(**_strategy("allreduce" if spec == "alone" else spec)),
     ).fit(epochs=epochs)
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     start = next(r["time"] for r in records if r["kind"] == "plan")
@@ -89,7 +94,9 @@ def drive(address: str, spec: str, out: Path, epochs: int) -> None:
                 "strategy": spec,
                 "evals": evals,
                 "samples_per_s": sum(r["samples"] for r in rounds) / sum(r["wall_s"] for r in rounds),
-                "sent_mb_per_worker": sum(w["sent_bytes"] for r in rounds for w in r["workers"]) / 2 / 2**20,
+                "sent_mb_per_worker": sum(w["sent_bytes"] for r in rounds for w in r["workers"])
+                / len(result.workers)
+                / 2**20,
                 "hosts": sorted(w["host"] for w in result.workers),
                 "advice": json.loads((run_dir / "config.json").read_text())["strategy_advice"],
             }
@@ -138,8 +145,9 @@ def main() -> None:
             up = _run(head, [mixtrain, "cluster", "up", "--interface", net.interface(0), "--num-cpus", "1",
                              "--temp-dir", f"/tmp/mt{tag}a"], homes["head"])  # fmt: skip
             address = f"{head.ip}:6379"
-            token = re.search(r"--token (\S+)", up.stdout).group(1)  # type: ignore[union-attr]
-            _run(other, [mixtrain, "cluster", "join", address, "--token", token, "--num-cpus", "1",
+            assert "a call without the token was refused" in up.stdout, up.stdout
+            token_file = str(homes["head"] / "auth_token")  # as scp would bring it to the other machine
+            _run(other, [mixtrain, "cluster", "join", address, "--token-file", token_file, "--num-cpus", "1",
                          "--temp-dir", f"/tmp/mt{tag}b"], homes["other"])  # fmt: skip
             for spec in args.strategies.split(","):
                 out = tmp / f"out-{len(results)}"

@@ -328,7 +328,7 @@ class RunConfig:
 
 
 STRATEGY_NAMES = ("allreduce", "ps", "ps-async", "local-sgd")
-COMPRESSION = ("none", "bf16", "fp16")
+COMPRESSION = ("none", "bf16", "fp16", "int8", "int4")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -341,7 +341,8 @@ class StrategyConfig:
 
     name: str = "allreduce"
     compress: str = "none"
-    """What gradients (allreduce, ps) or deltas (local-sgd) travel as: none (fp32), bf16 or fp16."""
+    """What gradients (allreduce, ps) or deltas (local-sgd) travel as: none (fp32), bf16 or fp16; local-sgd
+    also int8 or int4 (a scale per 256 values, error feedback: what rounding drops is sent with the next)."""
     staleness: int = 2
     """ps-async: how many updates a worker may run ahead of the newest weights it has (0: synchronous)."""
     local_steps: int = 8
@@ -361,6 +362,12 @@ class StrategyConfig:
             raise ValueError(f"strategy={self.name!r}: use one of {', '.join(STRATEGY_NAMES)}")
         if self.compress not in COMPRESSION:
             raise ValueError(f"StrategyConfig.compress={self.compress!r}: use one of {', '.join(COMPRESSION)}")
+        if self.compress in ("int8", "int4") and self.name != "local-sgd":
+            raise ValueError(
+                f"StrategyConfig.compress={self.compress!r} works with strategy local-sgd only (its deltas are "
+                f"quantized with error feedback; a gradient exchange every step is not), not {self.name!r}: use "
+                "compress='bf16' or 'fp16' here, or strategy='local-sgd'"
+            )
         if not isinstance(self.staleness, int) or self.staleness < 0:
             raise ValueError(f"StrategyConfig.staleness={self.staleness!r}: must be an integer >= 0 (0: synchronous)")
         if not isinstance(self.local_steps, int) or self.local_steps < 1:

@@ -119,6 +119,25 @@ def test_local_sgd_sends_one_hth_of_allreduce_and_matches_its_accuracy(tmp_path,
     assert abs(result.metrics["accuracy"] - allreduce_digits.metrics["accuracy"]) <= 0.02
 
 
+@pytest.mark.parametrize("compress,bits", [("int8", 8), ("int4", 4)])
+def test_quantized_deltas_send_a_quarter_or_an_eighth_and_match_allreduce_accuracy(
+    compress, bits, tmp_path, allreduce_digits
+):
+    # every rank gathers every rank's codes and adds them up in rank order: the replicas stay bit for bit
+    # equal (no drift at any round end); error feedback keeps what rounding dropped for the next exchange
+    from mixtrain.comm.compress import quantized_nbytes
+
+    h = 8
+    strategy = StrategyConfig(name="local-sgd", local_steps=h, compress=compress)
+    result = _digits(tmp_path, compress, strategy, steps_per_round=8)
+    params = sum(p.numel() for p in example().task_factory().model.parameters())
+    for r in (r for r in result.history if r["num_steps"] == h):
+        assert [w["sent_bytes"] for w in r["workers"]] == [quantized_nbytes(params, bits) + 2 * h * 4] * 2
+    assert quantized_nbytes(params, bits) / (4 * params) == pytest.approx(bits / 32 + 4 / 256 / 4, rel=0.02)
+    assert all(r["drift"] == 0.0 and not r["rebroadcast"] for r in result.history)
+    assert abs(result.metrics["accuracy"] - allreduce_digits.metrics["accuracy"]) <= 0.02
+
+
 @pytest.mark.parametrize("strategy", ["allreduce", "ps", "local-sgd"])
 def test_bf16_compression_halves_the_bytes_and_still_trains(strategy, tmp_path):
     x, y = data("mlp", NUM_SAMPLES)

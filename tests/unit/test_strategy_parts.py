@@ -51,10 +51,18 @@ def test_advice_keeps_allreduce_on_a_fast_link():
 
 
 def test_advice_suggests_local_sgd_with_enough_local_steps_on_a_slow_link():
-    # 400 MB per step over 50 MB/s: 8 s of communication against 1 s of compute
+    # 400 MB per step over 50 MB/s: 8 s of communication against 1 s of compute: H=80 for 10%, past the cap of
+    # 64; int8 deltas (a quarter of the bytes, scales included) need H=20.3 -> 32
     line = suggest(1.0, 8.0, 400 * 2**20, StrategyConfig(), workers=2)
-    assert "local-sgd with H=64 suggested (--strategy local-sgd --local-steps 64)" in line
-    assert "400.0 MB per exchange" in line and "(50 MB/s)" in line and "--compress bf16" in line
+    assert (
+        "local-sgd with H=32 and int8 deltas suggested (--strategy local-sgd --local-steps 32 --compress int8)" in line
+    )
+    assert "400.0 MB per exchange" in line and "(50 MB/s)" in line
+    # 16 s against 1 s: int8 needs H=40.6 -> 64; 64 s against 1 s: int8 would need 162, int4 needs 82 -> the cap
+    assert "H=64 and int8 deltas" in suggest(1.0, 16.0, 400 * 2**20, StrategyConfig(), workers=2)
+    assert "H=64 and int4 deltas" in suggest(1.0, 64.0, 400 * 2**20, StrategyConfig(), workers=2)
+    line = suggest(1.0, 0.8, 400 * 2**20, StrategyConfig(), workers=2)  # H=8 is enough: bf16 as an option
+    assert "local-sgd with H=8 suggested" in line and "--compress bf16 halves the bytes" in line
     line = suggest(0.1, 0.07, 2**20, StrategyConfig(compress="bf16"), workers=3)
     assert "H=8" in line and "--compress" not in line  # 0.7 / 0.1 = 7 -> the next power of two
     assert "allreduce suggested" in suggest(0.1, 0.05, 2**20, StrategyConfig(), workers=2)  # at most half
@@ -65,7 +73,9 @@ def test_advice_suggests_local_sgd_with_enough_local_steps_on_a_slow_link():
     "kwargs,fragment",
     [
         ({"name": "gossip"}, "strategy='gossip': use one of allreduce, ps, ps-async, local-sgd"),
-        ({"compress": "int8"}, "StrategyConfig.compress='int8'"),
+        ({"compress": "int2"}, "StrategyConfig.compress='int2': use one of none, bf16, fp16, int8, int4"),
+        ({"compress": "int8"}, "StrategyConfig.compress='int8' works with strategy local-sgd only"),
+        ({"name": "ps", "compress": "int4"}, "not 'ps': use compress='bf16' or 'fp16' here, or strategy='local-sgd'"),
         ({"staleness": -1}, "StrategyConfig.staleness=-1"),
         ({"local_steps": 0}, "StrategyConfig.local_steps=0"),
         ({"outer_momentum": 1.0}, "StrategyConfig.outer_momentum=1.0"),

@@ -222,7 +222,8 @@ def _job_flags(p: argparse.ArgumentParser) -> None:
         "--compress",
         choices=COMPRESSION,
         default="none",
-        help="send gradients (allreduce, ps) or deltas (local-sgd) as bf16 or fp16 (default none: fp32)",
+        help="send gradients (allreduce, ps) or deltas (local-sgd) as bf16 or fp16 (default none: fp32); "
+        "local-sgd also int8 or int4 (per-block scales, error feedback)",
     )
     p.add_argument(
         "--staleness",

@@ -9,6 +9,10 @@ ends with an exchange, so replicas are equal at every round boundary (checkpoint
 leaving and joining work as with all-reduce). Inner optimizer states stay per worker; a
 checkpoint keeps rank 0's.
 
+With `compress` int8 or int4 the deltas travel quantized (a scale per 256 values) with error feedback
+(compress.ErrorFeedback), through an all-gather: every rank sums every rank's dequantized delta in rank
+order, so the replicas stay equal bit for bit.
+
 A step is committed at the exchange that averages it. When a peer is lost mid-round, a worker
 goes back to its common point (the weights, scheduler position and loss scale of its last
 exchange) and the steps since are redone; its inner optimizer state keeps what those steps
@@ -25,7 +29,7 @@ import torch.distributed as dist
 
 from mixtrain import devices
 from mixtrain.comm import replicas
-from mixtrain.comm.compress import wire_dtype
+from mixtrain.comm.compress import QUANTIZED_BITS, ErrorFeedback, dequantize, quantized_nbytes, wire_dtype
 from mixtrain.comm.strategy import (
     JoinContext,
     RoundSync,
@@ -55,7 +59,9 @@ class LocalSGDStrategy(SyncStrategy):
             self.momentum = torch.zeros_like(self.anchor)
         self._work = torch.zeros(self.anchor.numel() + 2 * self.config.local_steps)  # the exchange's one buffer
         self.loss_scale = LossScale(enabled=ctx.loss_scaling)
-        self.wire = wire_dtype(self.config.compress) or torch.float32
+        bits = QUANTIZED_BITS.get(self.config.compress)
+        self.wire = torch.float32 if bits else (wire_dtype(self.config.compress) or torch.float32)
+        self.feedback = ErrorFeedback(bits) if bits else None  # int8/int4 deltas: an all-gather, not a sum
         self._pending: list[torch.Tensor] = []  # per step since the last exchange: [loss term, non-finite]
         self._weights: list[float] = []
         self._committed: dict[str, Any] = {}  # scheduler and loss scale at the last exchange
@@ -65,6 +71,8 @@ class LocalSGDStrategy(SyncStrategy):
 
     def recover(self, task: Task) -> None:
         replicas.unflatten_into(self.anchor, self.params)
+        if self.feedback is not None:  # the residual of a delta no survivor applied
+            self.feedback.reset()
         load_small_state(task, self.loss_scale, self._committed)
         self._pending, self._weights = [], []
 
@@ -110,12 +118,16 @@ class LocalSGDStrategy(SyncStrategy):
             offset += p.numel()
         delta.mul_(share)
         buf[n:].copy_(torch.stack(self._pending).reshape(-1))
-        wire = buf if self.wire == torch.float32 and replicas.comm_device().type == "cpu" else None
-        if wire is None:
-            wire = buf.to(self.wire).to(replicas.comm_device())
-        dist.all_reduce(wire, op=dist.ReduceOp.SUM)
-        if wire is not buf:
-            buf.copy_(wire)
+        if self.feedback is not None:
+            sent = self._gather_quantized(buf, n)
+        else:
+            wire = buf if self.wire == torch.float32 and replicas.comm_device().type == "cpu" else None
+            if wire is None:
+                wire = buf.to(self.wire).to(replicas.comm_device())
+            dist.all_reduce(wire, op=dist.ReduceOp.SUM)
+            if wire is not buf:
+                buf.copy_(wire)
+            sent = wire.numel() * wire.element_size()
         stats = buf[n:].view(k, 2).clone()
         applied = bool(torch.isfinite(delta.sum())) or bool(torch.isfinite(delta).all())  # the sum: no big temporary
         if applied:  # SGD with Nesterov momentum on the pseudo-gradient, as torch.optim.SGD computes it
@@ -126,7 +138,24 @@ class LocalSGDStrategy(SyncStrategy):
         self._pending, self._weights = [], []
         self._committed = small_state(task, self.loss_scale)
         done = [StepResult(applied and float(s[-1]) == 0.0, s[:-1]) for s in stats]
-        return done, wire.numel() * wire.element_size()
+        return done, sent
+
+    def _gather_quantized(self, buf: torch.Tensor, n: int) -> int:
+        """int8/int4: quantized sums do not add up across ranks (each block has its own scale), so every rank
+        gathers every rank's codes and scales (plus its fp32 statistics) and adds them up itself, in rank
+        order: the same sum, bit for bit, on every rank. Writes the sum into `buf`; returns the bytes sent."""
+        assert self.feedback is not None
+        codes = self.feedback.encode(buf[:n])
+        mine = torch.cat([codes, buf[n:].contiguous().view(torch.uint8)]).to(replicas.comm_device())
+        everyone = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
+        dist.all_gather(everyone, mine)
+        buf.zero_()
+        size = codes.numel()
+        for theirs in everyone:
+            theirs = theirs.to("cpu")
+            buf[:n].add_(dequantize(theirs[:size], n, self.feedback.bits))
+            buf[n:].add_(theirs[size:].view(torch.float32))
+        return mine.numel()
 
     def end_round(self, task: Task, weight: float, drift_tolerance: float) -> RoundSync:
         t0 = time.perf_counter()
@@ -149,15 +178,23 @@ class LocalSGDStrategy(SyncStrategy):
 
     def state_bytes(self, task: Task) -> dict[str, int]:
         own = tensor_bytes([self.anchor, self.momentum, self._work])
+        own += tensor_bytes([self.feedback.residual]) if self.feedback is not None else 0
         return {"optimizer": tensor_bytes(task.optimizer.state), "strategy": own}
 
     def measure_comm(self, task: Task, repeats: int) -> float:
+        if self.feedback is not None:
+            mine = torch.zeros(self.exchange_bytes(task), dtype=torch.uint8, device=replicas.comm_device())
+            everyone = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
+            return median_seconds(lambda: dist.all_gather(everyone, mine), repeats, collective=True)
         buf = torch.zeros(self.anchor.numel() + 2 * self.config.local_steps, dtype=self.wire)
         buf = buf.to(replicas.comm_device())
         return median_seconds(lambda: dist.all_reduce(buf, op=dist.ReduceOp.SUM), repeats, collective=True)
 
     def exchange_bytes(self, task: Task) -> int:
-        return (self.anchor.numel() + 2 * self.config.local_steps) * self.wire.itemsize
+        stats = 2 * self.config.local_steps * 4
+        if self.feedback is not None:
+            return quantized_nbytes(self.anchor.numel(), self.feedback.bits) + stats
+        return self.anchor.numel() * self.wire.itemsize + stats * self.wire.itemsize // 4
 
     def state_dict(self) -> dict[str, Any]:
         return {"momentum": self.momentum.clone()}

@@ -11,6 +11,10 @@ ALLREDUCE_MAX_RATIO = 0.5
 exact math, and its exchange partly overlaps backward)."""
 LOCAL_SGD_TARGET = 0.10
 """local-sgd's H is chosen so communication is at most this fraction of compute (H a power of 2, 2..64)."""
+MAX_LOCAL_STEPS = 64
+"""Past this H, int8 (then int4) deltas are suggested instead of more local steps."""
+WIRE_BYTES = {"none": 4.0, "bf16": 2.0, "fp16": 2.0, "int8": 1.0 + 4 / 256, "int4": 0.5 + 4 / 256}
+"""Bytes per value on the wire (int8/int4: one fp32 scale per 256 values)."""
 
 
 def suggest(compute_s: float, exchange_s: float, exchange_bytes: int, current: StrategyConfig, workers: int) -> str:
@@ -31,8 +35,26 @@ def suggest(compute_s: float, exchange_s: float, exchange_bytes: int, current: S
         if current.name != "allreduce":
             verdict += " (--strategy allreduce)"
         return f"{figures}: {verdict}"
-    h = min(64, max(2, 2 ** math.ceil(math.log2(ratio / LOCAL_SGD_TARGET))))
-    verdict = f"local-sgd with H={h} suggested (--strategy local-sgd --local-steps {h})"
-    if current.compress == "none":
+    h, compress = _local_steps_and_wire(ratio / LOCAL_SGD_TARGET, current.compress)
+    flags = f"--strategy local-sgd --local-steps {h}"
+    if compress != current.compress:
+        verdict = f"local-sgd with H={h} and {compress} deltas suggested ({flags} --compress {compress})"
+    else:
+        verdict = f"local-sgd with H={h} suggested ({flags})"
+    if compress == "none":
         verdict += "; --compress bf16 halves the bytes"
     return f"{figures}: {verdict}"
+
+
+def _local_steps_and_wire(need: float, compress: str) -> tuple[int, str]:
+    """H (a power of 2, 2..MAX_LOCAL_STEPS) for `need` local steps per exchange at the `compress` wire; past
+    the cap, the first quantized wire that brings `need` under it (else the smallest), and H for that."""
+    chosen = compress
+    if need > MAX_LOCAL_STEPS:
+        for option in ("int8", "int4"):
+            if WIRE_BYTES[option] < WIRE_BYTES[chosen]:
+                chosen = option
+                if need * WIRE_BYTES[option] / WIRE_BYTES[compress] <= MAX_LOCAL_STEPS:
+                    break
+        need *= WIRE_BYTES[chosen] / WIRE_BYTES[compress]
+    return min(MAX_LOCAL_STEPS, max(2, 2 ** math.ceil(math.log2(need)))), chosen
