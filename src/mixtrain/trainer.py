@@ -208,6 +208,7 @@ class Trainer:
             num_samples=up.num_samples,
             global_batch=self.global_batch,
             steps_per_round=self.run.steps_per_round,
+            steps_per_exchange=self.strategy.steps_per_exchange,
             drift_tolerance=self.run.drift_tolerance,
             num_eval=up.num_eval,
             balanced=scaling.balanced,

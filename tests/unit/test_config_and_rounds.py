@@ -62,6 +62,10 @@ def test_round_length_follows_target():
     assert next_round_steps(0.01, 1.5, None) == 150
     assert next_round_steps(10.0, 1.5, None) == 1
     assert next_round_steps(0.01, 1.5, 7) == 7
+    # local SGD with H=8: whole exchanges only, so no round boundary forces an early one
+    assert next_round_steps(0.01, 1.5, None, per_exchange=8) == 152
+    assert next_round_steps(10.0, 1.5, None, per_exchange=8) == 8
+    assert next_round_steps(0.01, 1.5, 7, per_exchange=8) == 8
 
 
 def test_emulated_slowdown_from_env_and_api(monkeypatch):

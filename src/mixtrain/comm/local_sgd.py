@@ -6,8 +6,9 @@ deltas from the last common point, weighted by their share of the samples, and e
 applies the average as a gradient to that common point with SGD + Nesterov momentum (DiLoCo:
 lr 0.7, momentum 0.9). One collective per H steps instead of one per step. A round always
 ends with an exchange, so replicas are equal at every round boundary (checkpoints, workers
-leaving and joining work as with all-reduce). Inner optimizer states stay per worker; a
-checkpoint keeps rank 0's.
+leaving and joining work as with all-reduce); the controller sizes rounds in whole multiples of H
+(RunSettings.steps_per_exchange), so that exchange is never an early one, but at an epoch's end.
+Inner optimizer states stay per worker; a checkpoint keeps rank 0's.
 
 With `compress` int8 or int4 the deltas travel quantized (a scale per 256 values) with error feedback
 (compress.ErrorFeedback), through an all-gather: every rank sums every rank's dequantized delta in rank

@@ -28,7 +28,7 @@ from mixtrain.core.checkpointing import save_making_room
 from mixtrain.core.group_ops import GroupOps
 from mixtrain.core.interrupt import GracefulStop, TrainingInterrupted
 from mixtrain.core.messages import RoundPlan
-from mixtrain.core.rounds import next_round_steps, summarize_round
+from mixtrain.core.rounds import next_round_steps, summarize_round, whole_exchanges
 from mixtrain.core.run_state import Parked, Roster, RunSettings
 from mixtrain.core.worker_group import WorkerError, WorkerGroup, WorkerTimeout
 from mixtrain.data.sampling import steps_per_epoch
@@ -115,7 +115,8 @@ class Controller:
         self._checkpointed_at = time.monotonic()
         self.started_at = time.perf_counter()
         self.epochs = epochs
-        round_steps = self.settings.steps_per_round or 2  # a short first round measures the step time
+        # a short first round measures the step time (local SGD: H steps, the shortest without an early exchange)
+        round_steps = whole_exchanges(self.settings.steps_per_round or 2, self.settings.steps_per_exchange)
         epoch, step = start
         if self.ops.shards_optimizer and self.checkpoints is not None:
             self._checkpoint(epoch, step)  # a lost worker takes its optimizer slice along: this is the way back
@@ -215,7 +216,12 @@ class Controller:
         # Rounds start short and double up to the target: the first decisions (shares, leaving a worker out,
         # checking that call) come within a second or two instead of after several full rounds.
         target = min(env_float(ROUND_TARGET_S), RAMP_FIRST_S * 2 ** (len(self.history) - 1))
-        return next_round_steps(record["wall_s"] / done.num_steps, target, self.settings.steps_per_round)
+        return next_round_steps(
+            record["wall_s"] / done.num_steps,
+            target,
+            self.settings.steps_per_round,
+            per_exchange=self.settings.steps_per_exchange,
+        )
 
     def _slowdown(self, round_index: int) -> tuple[float, ...]:
         table = self.roster.slowdown

@@ -90,10 +90,20 @@ def time_split(entry: dict) -> tuple[float, float, float]:
     return entry["compute_s"] / spent, entry["wait_s"] / spent, entry["comm_s"] / spent
 
 
-def next_round_steps(step_s: float, target_s: float, fixed: int | None, max_steps: int = 10_000) -> int:
-    """Steps for the next round: the user's fixed number, or enough for about `target_s` seconds."""
+def next_round_steps(
+    step_s: float, target_s: float, fixed: int | None, max_steps: int = 10_000, per_exchange: int = 1
+) -> int:
+    """Steps for the next round: the user's fixed number, or enough for about `target_s` seconds; either way
+    a whole number of `per_exchange` steps (local SGD's H), so that no round boundary forces an early one."""
     if fixed is not None:
-        return fixed
-    if step_s <= 0:
-        return max_steps
-    return max(1, min(max_steps, round(target_s / step_s)))
+        steps = fixed
+    elif step_s <= 0:
+        steps = max_steps
+    else:
+        steps = max(1, min(max_steps, round(target_s / step_s)))
+    return whole_exchanges(steps, per_exchange)
+
+
+def whole_exchanges(steps: int, per_exchange: int) -> int:
+    """`steps` rounded up to a multiple of `per_exchange`."""
+    return -(-steps // per_exchange) * per_exchange

@@ -16,6 +16,9 @@ class RunSettings:
     num_samples: int
     global_batch: int
     steps_per_round: int | None
+    steps_per_exchange: int = 1
+    """local-sgd's H: rounds are whole multiples of it (a round boundary ends with an exchange), but for an
+    epoch's last round."""
     drift_tolerance: float
     num_eval: int
     balanced: bool = False
