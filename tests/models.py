@@ -153,6 +153,7 @@ def with_a_slow_first_step(make: Callable[[], Task], rank: int, seconds: float) 
 
     task = make()
     inner, first = task.loss_fn, [True]
+    assert inner is not None, "a task with a loss_fn"
 
     def loss_fn(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         if dist.is_initialized() and dist.get_rank() == rank and first[0]:
