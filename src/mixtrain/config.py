@@ -327,7 +327,7 @@ class RunConfig:
                 raise ValueError(f"RunConfig.{name}={value!r}: must be a number >= {low}")
 
 
-STRATEGY_NAMES = ("allreduce", "ps", "ps-async", "local-sgd")
+STRATEGY_NAMES = ("allreduce", "ps", "ps-async", "local-sgd", "auto")
 COMPRESSION = ("none", "bf16", "fp16", "int8", "int4")
 
 
@@ -337,7 +337,9 @@ class StrategyConfig:
     `ps` sends them to parameter-server actors that hold the weights and the optimizer (the same math);
     `ps-async` lets a worker run up to `staleness` updates ahead of the slowest; `local-sgd` takes
     `local_steps` steps on each worker, then averages the parameter deltas and applies them with an
-    outer Nesterov-momentum optimizer (DiLoCo)."""
+    outer Nesterov-momentum optimizer (DiLoCo); `auto` measures one all-reduce against a step's compute at
+    start-up and adopts what the figures call for: all-reduce, or local SGD with the H (and past H=64 the
+    int8/int4 deltas) that keep communication under 10% of compute."""
 
     name: str = "allreduce"
     compress: str = "none"

@@ -174,7 +174,8 @@ class Trainer:
             "run": self.run,
             "global_batch": self.global_batch,
             "epochs": epochs,
-            "strategy": self.strategy,
+            "strategy": up.strategy,
+            "strategy_requested": self.strategy.name,
             "strategy_advice": up.advice,
             "backend": up.backend,
             "shares": up.plan.shares,
@@ -195,7 +196,7 @@ class Trainer:
         view.log(plan_table(up.plan, up.workers, "plan", up.left_out))
         view.log(probe_memory_line(up.workers, up.probes))
         view.log(up.phases.line())
-        view.log(f"strategy: {self.strategy.describe()}; measured: {up.advice}")
+        view.log(f"strategy: {up.strategy.describe()}; measured: {up.advice}")
         for note in [*up.notes, *warnings]:
             view.log(note)
         if up.slowdown:
@@ -208,7 +209,7 @@ class Trainer:
             num_samples=up.num_samples,
             global_batch=self.global_batch,
             steps_per_round=self.run.steps_per_round,
-            steps_per_exchange=self.strategy.steps_per_exchange,
+            steps_per_exchange=up.strategy.steps_per_exchange,
             drift_tolerance=self.run.drift_tolerance,
             num_eval=up.num_eval,
             balanced=scaling.balanced,

@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
@@ -117,6 +119,36 @@ def test_local_sgd_sends_one_hth_of_allreduce_and_matches_its_accuracy(tmp_path,
     sent_allreduce = sum(w["sent_bytes"] for r in allreduce_digits.history for w in r["workers"])
     assert sent / sent_allreduce == pytest.approx(exchanges / steps, rel=0.01)
     assert abs(result.metrics["accuracy"] - allreduce_digits.metrics["accuracy"]) <= 0.02
+
+
+def _chosen(result) -> dict:
+    return json.loads((result.run_dir / "config.json").read_text())
+
+
+def test_auto_keeps_allreduce_where_compute_dominates_and_the_math_stays_exact(tmp_path, monkeypatch):
+    # every worker's compute emulated 40x slower: one all-reduce is a small part of a step
+    monkeypatch.setenv("MIXTRAIN_EMULATE_SLOWDOWN", "0:40,1:40")
+    x, y = data("mlp", NUM_SAMPLES)
+    result = train("mlp", "sgd", [40, 24], x, y, tmp_path, strategy="auto")
+    config = _chosen(result)
+    assert config["strategy"]["name"] == "allreduce" and config["strategy_requested"] == "auto"
+    assert config["strategy_advice"].startswith("auto chose allreduce: "), config["strategy_advice"]
+    assert_same_weights(result.state_dict, reference("mlp", "sgd", x, y))
+
+
+def test_auto_adopts_local_sgd_where_the_exchange_dominates_a_step(tmp_path):
+    # the tiny MLP computes a step in a fraction of the time one all-reduce takes on its latency alone: the
+    # group re-forms with local SGD before the first step, with the H the figures call for
+    x, y = data("mlp", NUM_SAMPLES)
+    result = train("mlp", "sgd", [32, 32], x, y, tmp_path, strategy="auto")
+    config = _chosen(result)
+    chosen, advice = config["strategy"], config["strategy_advice"]
+    assert chosen["name"] == "local-sgd" and chosen["local_steps"] >= 2, advice
+    assert advice.startswith(f"auto chose local-sgd (H={chosen['local_steps']})"), advice
+    assert all(r["drift"] == 0.0 for r in result.history)
+    h = chosen["local_steps"]
+    assert all(r["num_steps"] % h == 0 or r["first_step"] + r["num_steps"] == 30 for r in result.history)
+    assert all(torch.isfinite(v).all() for v in result.state_dict.values())
 
 
 @pytest.mark.parametrize("compress,bits", [("int8", 8), ("int4", 4)])

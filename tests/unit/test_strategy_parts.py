@@ -86,3 +86,19 @@ def test_bad_strategy_settings_name_the_field_and_the_fix(kwargs, fragment):
     with pytest.raises(ValueError) as err:
         StrategyConfig(**kwargs)
     assert fragment in str(err.value)
+
+
+def test_auto_adopts_allreduce_on_a_fast_link_and_local_sgd_with_h_and_compression_on_a_slow_one():
+    from mixtrain.policies.advice import choose
+
+    auto, mb = StrategyConfig(name="auto"), 2**20
+    assert choose(0.050, 0.005, auto, 2, mb).name == "allreduce"  # a tenth of the compute
+    assert choose(0.1, 0.05, StrategyConfig(name="auto", compress="bf16"), 2, mb).compress == "bf16"
+    assert choose(1.0, 8.0, auto, 1, mb).name == "allreduce"  # one worker: nothing to exchange
+    slow = choose(0.1, 0.2, auto, 2, mb)  # twice the compute: H = 2 / 0.1 = 20 -> 32
+    assert (slow.name, slow.local_steps, slow.compress) == ("local-sgd", 32, "none")
+    slower = choose(1.0, 8.0, auto, 3, 400 * mb)  # H=80 past the cap: int8, H=32
+    assert (slower.name, slower.local_steps, slower.compress) == ("local-sgd", 32, "int8")
+    assert slower.outer_lr == auto.outer_lr and slower.outer_momentum == auto.outer_momentum
+    tiny = choose(0.0003, 0.004, auto, 2, 3_000)  # 3 KB: latency, which fewer bytes would not shorten
+    assert (tiny.name, tiny.local_steps, tiny.compress) == ("local-sgd", 64, "none")

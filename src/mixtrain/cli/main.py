@@ -216,7 +216,8 @@ def _job_flags(p: argparse.ArgumentParser) -> None:
         default="allreduce",
         help="allreduce (default: gradients summed every step), ps (parameter servers, the same math), "
         "ps-async (parameter servers, workers up to --staleness updates ahead), local-sgd (average every "
-        "--local-steps steps, DiLoCo outer step)",
+        "--local-steps steps, DiLoCo outer step), auto (measure the link at start-up and pick allreduce, or "
+        "local-sgd with H and compression)",
     )
     p.add_argument(
         "--compress",

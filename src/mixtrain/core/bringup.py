@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import ray
@@ -26,7 +26,7 @@ from mixtrain.core.messages import BuildReport, LeftOut, ProbeResult, WorkerInfo
 from mixtrain.core.worker_group import WorkerGroup
 from mixtrain.data.sampling import Arrays
 from mixtrain.data.sources import Loader
-from mixtrain.policies.advice import suggest
+from mixtrain.policies.advice import choose, suggest
 from mixtrain.policies.decisions import Decision, LeaveOut, first_plan
 from mixtrain.policies.planner import Plan, largest_remainder, resolve_shares
 from mixtrain.task import Task
@@ -112,6 +112,9 @@ def bring_up(
 ) -> Bringup:
     wait_s = setup_wait_s()
     phases = phases or Phases()
+    requested = strategy
+    if strategy.name == "auto":  # measured as all-reduce (the exact math), kept unless the link is slow for it
+        strategy = replace(strategy, name="allreduce")
     notes: list[str] = []
     left_out: list[LeftOut] = []
     # Build before forming the group, so a factory that raises fails at once instead of
@@ -161,7 +164,18 @@ def bring_up(
     workers = group.call("info", timeout_s=wait_s)
     compute_s = plan.predicted_step_s - (plan.comm_s if group.num_workers > 1 else 0.0)
     advice = suggest(compute_s, exchange_s, exchange_bytes, strategy, group.num_workers)
-    checks["strategy"] = {"name": strategy.describe(), "exchange_s": exchange_s, "exchange_bytes": exchange_bytes}
+    if requested.name == "auto":
+        chosen = choose(compute_s, exchange_s, strategy, group.num_workers, exchange_bytes)
+        if chosen != strategy:
+            plan, exchange_s, exchange_bytes = _switch(ops, chosen, global_batch, found, exchanged)
+            strategy = chosen
+        advice = f"auto chose {strategy.describe()}: {advice}"
+    checks["strategy"] = {
+        "name": strategy.describe(),
+        "requested": requested.name,
+        "exchange_s": exchange_s,
+        "exchange_bytes": exchange_bytes,
+    }
     return Bringup(
         workers=workers,
         plan=plan,
@@ -176,6 +190,20 @@ def bring_up(
         phases=phases,
         probes=list(found.probes),
     )
+
+
+def _switch(
+    ops: GroupOps, chosen: StrategyConfig, global_batch: int, found: _Found, exchanged: int
+) -> tuple[Plan, float, int]:
+    """`--strategy auto` adopting another strategy than the all-reduce it measured: the group re-forms with it
+    (nothing trained yet: every replica holds rank 0's weights), its exchange is measured, and the shares are
+    planned again with that cost (the workers stay those the all-reduce plan kept)."""
+    ops.strategy = chosen
+    ops.reform()
+    measured = ops.group.call("measure_comm", timeout_s=transfer_s(exchanged))
+    exchange_s, exchange_bytes = max(m[0] for m in measured), max(m[1] for m in measured)
+    plan, _ = _first_plan(ops.group, global_batch, found, exchange_s / chosen.steps_per_exchange)
+    return plan, exchange_s, exchange_bytes
 
 
 def _check_numerics(group: WorkerGroup, found: _Found, left_out: list[LeftOut], notes: list[str]) -> list[Any]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 from mixtrain.config import StrategyConfig
 
@@ -15,6 +16,8 @@ MAX_LOCAL_STEPS = 64
 """Past this H, int8 (then int4) deltas are suggested instead of more local steps."""
 WIRE_BYTES = {"none": 4.0, "bf16": 2.0, "fp16": 2.0, "int8": 1.0 + 4 / 256, "int4": 0.5 + 4 / 256}
 """Bytes per value on the wire (int8/int4: one fp32 scale per 256 values)."""
+QUANTIZE_MIN_BYTES = 256 * 1024
+"""Smaller exchanges are not quantized: a LAN's latency, not its bandwidth, sets their time."""
 
 
 def suggest(compute_s: float, exchange_s: float, exchange_bytes: int, current: StrategyConfig, workers: int) -> str:
@@ -25,17 +28,17 @@ def suggest(compute_s: float, exchange_s: float, exchange_bytes: int, current: S
     if compute_s <= 0 or exchange_s <= 0:
         return f"{current.describe()} (no measurement to compare strategies with)"
     mb = exchange_bytes / 2**20
-    ratio = exchange_s / compute_s
     figures = (
         f"{mb:,.1f} MB per exchange took {exchange_s * 1e3:,.1f} ms ({mb / exchange_s:,.0f} MB/s) against "
         f"{compute_s * 1e3:,.1f} ms of compute per step"
     )
-    if ratio <= ALLREDUCE_MAX_RATIO:
+    chosen = choose(compute_s, exchange_s, current, workers, exchange_bytes)
+    if chosen.name == "allreduce":
         verdict = "allreduce suggested: communication costs little here"
         if current.name != "allreduce":
             verdict += " (--strategy allreduce)"
         return f"{figures}: {verdict}"
-    h, compress = _local_steps_and_wire(ratio / LOCAL_SGD_TARGET, current.compress)
+    h, compress = chosen.local_steps, chosen.compress
     flags = f"--strategy local-sgd --local-steps {h}"
     if compress != current.compress:
         verdict = f"local-sgd with H={h} and {compress} deltas suggested ({flags} --compress {compress})"
@@ -44,6 +47,27 @@ def suggest(compute_s: float, exchange_s: float, exchange_bytes: int, current: S
     if compress == "none":
         verdict += "; --compress bf16 halves the bytes"
     return f"{figures}: {verdict}"
+
+
+def choose(
+    compute_s: float, exchange_s: float, current: StrategyConfig, workers: int, exchange_bytes: int
+) -> StrategyConfig:
+    """The strategy the figures call for, as `current` changed: all-reduce (the exact math) while one exchange
+    costs at most ALLREDUCE_MAX_RATIO of a step's compute; else local SGD with the H (and, past H=64, the
+    int8/int4 deltas, for exchanges of QUANTIZE_MIN_BYTES or more) that bring communication under
+    LOCAL_SGD_TARGET. What `--strategy auto` adopts."""
+    if workers < 2 or compute_s <= 0 or exchange_s <= 0 or exchange_s / compute_s <= ALLREDUCE_MAX_RATIO:
+        wire = current.compress if current.compress in ("none", "bf16", "fp16") else "none"  # no int8 gradients
+        return replace(current, name="allreduce", compress=wire)
+    need = exchange_s / compute_s / LOCAL_SGD_TARGET
+    if exchange_bytes < QUANTIZE_MIN_BYTES:
+        return replace(current, name="local-sgd", local_steps=_power_of_two(need))
+    h, compress = _local_steps_and_wire(need, current.compress)
+    return replace(current, name="local-sgd", local_steps=h, compress=compress)
+
+
+def _power_of_two(need: float) -> int:
+    return min(MAX_LOCAL_STEPS, max(2, 2 ** math.ceil(math.log2(need))))
 
 
 def _local_steps_and_wire(need: float, compress: str) -> tuple[int, str]:
@@ -57,4 +81,4 @@ def _local_steps_and_wire(need: float, compress: str) -> tuple[int, str]:
                 if need * WIRE_BYTES[option] / WIRE_BYTES[compress] <= MAX_LOCAL_STEPS:
                     break
         need *= WIRE_BYTES[chosen] / WIRE_BYTES[compress]
-    return min(MAX_LOCAL_STEPS, max(2, 2 ** math.ceil(math.log2(need)))), chosen
+    return _power_of_two(need), chosen
