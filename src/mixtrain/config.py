@@ -366,9 +366,10 @@ class StrategyConfig:
             raise ValueError(f"StrategyConfig.compress={self.compress!r}: use one of {', '.join(COMPRESSION)}")
         if self.compress in ("int8", "int4") and self.name != "local-sgd":
             raise ValueError(
-                f"StrategyConfig.compress={self.compress!r} works with strategy local-sgd only (its deltas are "
-                f"quantized with error feedback; a gradient exchange every step is not), not {self.name!r}: use "
-                "compress='bf16' or 'fp16' here, or strategy='local-sgd'"
+                f"StrategyConfig.compress={self.compress!r} (--compress {self.compress}) works with strategy "
+                "local-sgd only (its deltas are quantized with error feedback; a gradient exchange every step is "
+                f"not), not {self.name!r}: use compress='bf16' or 'fp16' here (--compress bf16), or "
+                "strategy='local-sgd' (--strategy local-sgd)"
             )
         if not isinstance(self.staleness, int) or self.staleness < 0:
             raise ValueError(f"StrategyConfig.staleness={self.staleness!r}: must be an integer >= 0 (0: synchronous)")

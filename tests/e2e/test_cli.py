@@ -201,8 +201,11 @@ def test_bad_flags_name_the_flag_and_the_fix(tmp_path, capsys):
     assert "'allreduce', 'ps', 'ps-async', 'local-sgd'" in proc.stderr
     proc = run_cli("train", "--strategy", "ps-async", "--staleness", "-1")
     assert proc.returncode == 2 and "--staleness" in proc.stderr and "must be >= 0" in proc.stderr
-    proc = run_cli("train", "--compress", "int8")
+    proc = run_cli("train", "--compress", "int2")
     assert proc.returncode == 2 and "--compress" in proc.stderr and "'bf16'" in proc.stderr
+    proc = run_cli("train", "--compress", "int8")  # int8 deltas: local SGD only
+    assert proc.returncode == 2 and "(--compress int8) works with strategy local-sgd only" in proc.stderr
+    assert "(--compress bf16), or strategy='local-sgd' (--strategy local-sgd)" in proc.stderr
     proc = run_cli("plan", "--max-micro-batch", "0")
     assert proc.returncode == 2 and "--max-micro-batch" in proc.stderr and ">= 1" in proc.stderr
 
@@ -326,7 +329,7 @@ def test_plan_measures_prints_the_split_and_suggests_a_strategy_without_training
     # the strategy advice from the measured link
     line = next(s for s in proc.stdout.splitlines() if s.startswith("strategy: allreduce; measured: "))
     assert re.search(r"MB per exchange took [\d.]+ ms \([\d,]+ MB/s\) against [\d.]+ ms of compute per step", line)
-    assert re.search(r"(allreduce|local-sgd with H=\d+) suggested", line), line
+    assert re.search(r"(allreduce|local-sgd with H=\d+( and int[48] deltas)?) suggested", line), line
 
 
 @pytest.mark.parametrize(

@@ -74,8 +74,8 @@ def test_advice_suggests_local_sgd_with_enough_local_steps_on_a_slow_link():
     [
         ({"name": "gossip"}, "strategy='gossip': use one of allreduce, ps, ps-async, local-sgd"),
         ({"compress": "int2"}, "StrategyConfig.compress='int2': use one of none, bf16, fp16, int8, int4"),
-        ({"compress": "int8"}, "StrategyConfig.compress='int8' works with strategy local-sgd only"),
-        ({"name": "ps", "compress": "int4"}, "not 'ps': use compress='bf16' or 'fp16' here, or strategy='local-sgd'"),
+        ({"compress": "int8"}, "StrategyConfig.compress='int8' (--compress int8) works with strategy local-sgd only"),
+        ({"name": "ps", "compress": "int4"}, "not 'ps': use compress='bf16' or 'fp16' here (--compress bf16)"),
         ({"staleness": -1}, "StrategyConfig.staleness=-1"),
         ({"local_steps": 0}, "StrategyConfig.local_steps=0"),
         ({"outer_momentum": 1.0}, "StrategyConfig.outer_momentum=1.0"),
