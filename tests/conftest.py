@@ -58,5 +58,5 @@ def run_records(run_dir: Path, kind: str) -> list[dict]:
     """The records of one kind ("round", "plan", "failure", ...) from a run folder's metrics.jsonl."""
     import json
 
-    lines = (Path(run_dir) / "metrics.jsonl").read_text().splitlines()
+    lines = (Path(run_dir) / "metrics.jsonl").read_text().split("\n")[:-1]  # whole lines: a running run writes on
     return [r for r in map(json.loads, lines) if r["kind"] == kind]

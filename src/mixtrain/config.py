@@ -328,7 +328,9 @@ class RunConfig:
 
 
 STRATEGY_NAMES = ("allreduce", "ps", "ps-async", "local-sgd", "auto")
-COMPRESSION = ("none", "bf16", "fp16", "int8", "int4")
+QUANTIZED = ("int8", "int4")
+"""Compressions for local SGD's deltas only: quantized with a scale per block and error feedback."""
+COMPRESSION = ("none", "bf16", "fp16", *QUANTIZED)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -364,7 +366,7 @@ class StrategyConfig:
             raise ValueError(f"strategy={self.name!r}: use one of {', '.join(STRATEGY_NAMES)}")
         if self.compress not in COMPRESSION:
             raise ValueError(f"StrategyConfig.compress={self.compress!r}: use one of {', '.join(COMPRESSION)}")
-        if self.compress in ("int8", "int4") and self.name != "local-sgd":
+        if self.compress in QUANTIZED and self.name != "local-sgd":
             raise ValueError(
                 f"StrategyConfig.compress={self.compress!r} (--compress {self.compress}) works with strategy "
                 "local-sgd only (its deltas are quantized with error feedback; a gradient exchange every step is "

@@ -18,6 +18,7 @@ import psutil
 import pytest
 import torch
 
+from tests.conftest import run_records
 from tests.models import data
 from tests.multihost import netns
 from tests.multihost.test_two_hosts import BIN, _env, _run
@@ -42,11 +43,7 @@ LONG_S = 50  # longer than every timeout that applies: the collective's, Ray's n
 
 
 def _records(run_dir: Path, kind: str) -> list[dict]:
-    try:  # while the run writes: only whole lines (the last may be half written)
-        lines = (run_dir / "metrics.jsonl").read_text().split("\n")[:-1]
-    except FileNotFoundError:
-        return []
-    return [r for r in map(json.loads, lines) if r["kind"] == kind]
+    return run_records(run_dir, kind) if (run_dir / "metrics.jsonl").exists() else []  # none before it starts
 
 
 def _wait_until(what: str, check, proc: subprocess.Popen, timeout_s: float) -> float:

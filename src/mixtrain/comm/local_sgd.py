@@ -192,10 +192,10 @@ class LocalSGDStrategy(SyncStrategy):
         return median_seconds(lambda: dist.all_reduce(buf, op=dist.ReduceOp.SUM), repeats, collective=True)
 
     def exchange_bytes(self, task: Task) -> int:
-        stats = 2 * self.config.local_steps * 4
-        if self.feedback is not None:
-            return quantized_nbytes(self.anchor.numel(), self.feedback.bits) + stats
-        return self.anchor.numel() * self.wire.itemsize + stats * self.wire.itemsize // 4
+        stats = 2 * self.config.local_steps  # a loss term and a non-finite flag per step
+        if self.feedback is not None:  # codes and scales, then the statistics in fp32
+            return quantized_nbytes(self.anchor.numel(), self.feedback.bits) + 4 * stats
+        return (self.anchor.numel() + stats) * self.wire.itemsize
 
     def state_dict(self) -> dict[str, Any]:
         return {"momentum": self.momentum.clone()}

@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from dataclasses import replace
 
-from mixtrain.config import StrategyConfig
+from mixtrain.config import QUANTIZED, StrategyConfig
 
 ALLREDUCE_MAX_RATIO = 0.5
 """All-reduce is suggested while one exchange costs at most this fraction of a step's compute (it keeps the
@@ -57,7 +57,7 @@ def choose(
     int8/int4 deltas, for exchanges of QUANTIZE_MIN_BYTES or more) that bring communication under
     LOCAL_SGD_TARGET. What `--strategy auto` adopts."""
     if workers < 2 or compute_s <= 0 or exchange_s <= 0 or exchange_s / compute_s <= ALLREDUCE_MAX_RATIO:
-        wire = current.compress if current.compress in ("none", "bf16", "fp16") else "none"  # no int8 gradients
+        wire = "none" if current.compress in QUANTIZED else current.compress  # no int8 gradients
         return replace(current, name="allreduce", compress=wire)
     need = exchange_s / compute_s / LOCAL_SGD_TARGET
     if exchange_bytes < QUANTIZE_MIN_BYTES:
@@ -75,7 +75,7 @@ def _local_steps_and_wire(need: float, compress: str) -> tuple[int, str]:
     the cap, the first quantized wire that brings `need` under it (else the smallest), and H for that."""
     chosen = compress
     if need > MAX_LOCAL_STEPS:
-        for option in ("int8", "int4"):
+        for option in QUANTIZED:
             if WIRE_BYTES[option] < WIRE_BYTES[chosen]:
                 chosen = option
                 if need * WIRE_BYTES[option] / WIRE_BYTES[compress] <= MAX_LOCAL_STEPS:
