@@ -409,15 +409,16 @@ STEPS = [
     ),
     Step(
         "nccl",
-        "--backend nccl with the CUDA workers that fit on one card",
+        "NCCL: 1 CUDA worker; 2 CUDA workers under auto (gloo when they share a card) and under --backend nccl "
+        "(refused with the fix on one card)",
         lambda c: c.api_step("nccl", "nccl"),
         True,
         240,
     ),
     Step(
         "lost-worker",
-        "a worker stopped mid-round under gloo (CUDA + CPU) and NCCL: the survivors get an exception, not the "
-        "NCCL watchdog's kill, re-form and end with single-process weights",
+        "a worker stopped mid-round under gloo (CUDA + CPU) and, given 2 GPUs, NCCL: the survivors get an "
+        "exception, not the NCCL watchdog's kill, re-form and end with single-process weights",
         lambda c: c.api_step("lost-worker", "lost-worker", "--devices", "cuda"),
         True,
         200,

@@ -224,31 +224,43 @@ def overhead(work: Path, devices: str = "cuda", epochs: int = OVERHEAD_EPOCHS) -
     }
 
 
+def _backend_of(run_dir: Path) -> str:
+    """The collective backend a run used, from its run folder's config.json."""
+    return str(json.loads((run_dir / "config.json").read_text()).get("backend"))
+
+
 def nccl(work: Path) -> dict[str, Any]:
-    """--backend nccl with the CUDA workers that fit on one card: one worker, then two at half a GPU each,
-    each checked against single-process weights; a refusal is recorded with mixtrain's own message."""
+    """NCCL on the CUDA workers that fit: one worker under --backend nccl; two CUDA workers under the default
+    backend (auto); and two under --backend nccl, which on one card must be refused by mixtrain with the fix
+    (NCCL itself takes one rank per GPU: "Duplicate GPU detected"), on two cards must train. Every run that
+    trains is checked against single-process weights."""
     from mixtrain import DeviceGroup
 
-    detail, outcomes = [], []
+    one_card = torch.cuda.device_count() < 2
+    pair = [DeviceGroup(device="cuda", num_workers=2, resources_per_worker={"GPU": 0.5 if one_card else 1.0})]
+    where = "on one card (GPU 0.5 each)" if one_card else "on two cards"
     runs = [
-        ("1 CUDA worker", [DeviceGroup(device="cuda", num_workers=1)], [EXACT_SAMPLES]),
-        (
-            "2 CUDA workers on one card (GPU 0.5 each)",
-            [DeviceGroup(device="cuda", num_workers=2, resources_per_worker={"GPU": 0.5})],
-            [400, 240],
-        ),
+        ("1 CUDA worker, nccl", [DeviceGroup(device="cuda", num_workers=1)], [EXACT_SAMPLES], "nccl", "nccl"),
+        (f"2 CUDA workers {where}, auto", pair, [400, 240], "auto", "gloo" if one_card else "nccl"),
+        (f"2 CUDA workers {where}, nccl", pair, [400, 240], "nccl", None if one_card else "nccl"),
     ]
-    for i, (what, groups, shares) in enumerate(runs):
+    detail, outcomes = [], []
+    for i, (what, groups, shares, backend, expected) in enumerate(runs):
+        run_dir = work / f"nccl-{i}"
         try:
-            got, _ = _exact_run(groups, shares, "sgd", work / f"nccl-{i}", backend="nccl")
+            got, _ = _exact_run(groups, shares, "sgd", run_dir, backend=backend)
         except Exception as e:
             message = " ".join(f"{type(e).__name__}: {e}".split())[:600]
-            detail.append(f"{what}: refused: {message}")
-            outcomes.append("refused")
+            told = expected is None and "share one GPU" in message  # refused before any group formed, with the fix
+            detail.append(f"{what}: refused{' as it must be' if told else ''}: {message}")
+            outcomes.append("pass" if told else "refused")
             continue
         err = _max_rel_diff(got, _reference("sgd"))
-        ok = err <= EXACT_TOL["cuda"]
-        detail.append(f"{what}: trained; max relative difference to one process {err:.1e}")
+        used = _backend_of(run_dir)
+        ok = err <= EXACT_TOL["cuda"] and used == expected
+        detail.append(
+            f"{what}: trained over {used} (expected {expected}); max relative difference to one process {err:.1e}"
+        )
         outcomes.append("pass" if ok else "fail")
     result = "fail" if "fail" in outcomes else ("refused" if "refused" in outcomes else "pass")
     return {"result": result, "figure": "; ".join(f"{r[0]}: {o}" for r, o in zip(runs, outcomes)), "detail": detail}
@@ -328,6 +340,8 @@ def lost_worker(work: Path, devices: str = "cuda") -> dict[str, Any]:
         outcome, line = _lost_run(what, groups, shares, lost, backend, work / f"lost-{i}").split("|", 1)
         outcomes.append(outcome)
         detail.append(f"{line} ({outcome})")
+    if devices == "cuda" and torch.cuda.device_count() < 2:
+        detail.append("nccl: not run: one GPU here, and NCCL takes one worker per GPU (needs 2 GPUs)")
     detail.append(f"MIXTRAIN_COLLECTIVE_TIMEOUT_S={LOST_TIMEOUT_S}; stopped in its {LOST_AT_CALL}th step; rejoin off")
     result = "fail" if "fail" in outcomes else ("refused" if "refused" in outcomes else "pass")
     figure = "; ".join(f"{r[4]}: {o}" for r, o in zip(runs, outcomes))
@@ -335,10 +349,11 @@ def lost_worker(work: Path, devices: str = "cuda") -> dict[str, Any]:
 
 
 def _gpu_lost_runs() -> list[tuple[str, list, list[int], int, str]]:
+    """gloo over a CUDA and two CPU workers; NCCL over two CUDA workers where there are two cards (NCCL takes one
+    rank per GPU, and mixtrain refuses two on one card: the nccl step checks that refusal)."""
     from mixtrain import DeviceGroup
 
-    gpu_share = 1.0 if torch.cuda.device_count() > 1 else 0.5  # NCCL may refuse two ranks on one card
-    return [
+    runs = [
         (
             "gloo, CUDA + 2 CPU workers, CPU worker 2 stopped",
             [DeviceGroup(device="cuda", num_workers=1), DeviceGroup(device="cpu", num_workers=2)],
@@ -346,14 +361,18 @@ def _gpu_lost_runs() -> list[tuple[str, list, list[int], int, str]]:
             2,
             "gloo",
         ),
-        (
-            f"nccl, 2 CUDA workers (GPU {gpu_share} each), worker 1 stopped",
-            [DeviceGroup(device="cuda", num_workers=2, resources_per_worker={"GPU": gpu_share})],
-            [400, 240],
-            1,
-            "nccl",
-        ),
     ]
+    if torch.cuda.device_count() > 1:
+        runs.append(
+            (
+                "nccl, 2 CUDA workers (a GPU each), worker 1 stopped",
+                [DeviceGroup(device="cuda", num_workers=2, resources_per_worker={"GPU": 1.0})],
+                [400, 240],
+                1,
+                "nccl",
+            )
+        )
+    return runs
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
@@ -16,6 +18,7 @@ def cuda_box(monkeypatch):
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda i=0: f"NVIDIA A100 #{i}")
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda i=0: (30 * 2**30, 40 * 2**30))
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda i=0: (8, 0))
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda i=0: SimpleNamespace(uuid=f"GPU-{i}"))
 
 
 @pytest.fixture
@@ -49,6 +52,7 @@ def test_cuda_is_first_in_the_detect_order(cuda_box):
     info = devices.get("cuda").info(1)
     assert info.name == "NVIDIA A100 #1" and info.total_memory == 40 * 2**30 and info.free_memory == 30 * 2**30
     assert info.bf16 and info.fp16
+    assert info.uuid == "GPU-1"  # two workers on one card share it: NCCL is not used between them
 
 
 def test_a_gpu_request_on_a_mac_resolves_to_mps(mac):

@@ -5,8 +5,9 @@ from __future__ import annotations
 from dataclasses import replace
 
 import pytest
+import torch
 
-from mixtrain.comm.process_group import choose_backend
+from mixtrain.comm.process_group import choose_backend, shared_gpu
 from mixtrain.core import preflight
 from mixtrain.core.messages import BuildReport, NumericsResult
 from mixtrain.devices import DeviceInfo
@@ -80,3 +81,28 @@ def test_backend_follows_the_device_set():
     assert choose_backend("gloo", ["cuda", "cuda"], True) == "gloo"
     with pytest.raises(ValueError, match=r"backend='nccl' needs every worker on CUDA.*\['cuda', 'cpu'\]"):
         choose_backend("nccl", ["cuda", "cpu"], True)
+
+
+def test_two_workers_on_one_gpu_never_get_nccl():
+    """Found on a real H100 (the GPU check, 2026-11-24): NCCL refuses two ranks on one card ("Duplicate GPU
+    detected"), which is what two workers at half a GPU each are. auto falls back to gloo; nccl is refused
+    before any group forms, with the fix."""
+    same_card = [("10.0.0.1", "cuda", "GPU-a"), ("10.0.0.1", "cuda", "GPU-a")]
+    assert shared_gpu(same_card) == (0, 1)
+    assert shared_gpu([("10.0.0.1", "cuda", "GPU-a"), ("10.0.0.1", "cuda", "GPU-b")]) is None
+    assert shared_gpu([("10.0.0.1", "cuda", "GPU-a"), ("10.0.0.2", "cuda", "GPU-a")]) is None  # other node
+    assert shared_gpu([("10.0.0.1", "cpu", ""), ("10.0.0.1", "cpu", "")]) is None
+    assert shared_gpu([("h", "cuda", "x"), ("h", "cpu", ""), ("h", "cuda", "x")]) == (0, 2)
+    assert choose_backend("auto", ["cuda", "cuda"], True, (0, 1)) == "gloo"
+    with pytest.raises(ValueError, match=r"workers 0 and 1 share one GPU.*resources_per_worker=\{'GPU': 1\}"):
+        choose_backend("nccl", ["cuda", "cuda"], True, (0, 1))
+
+
+def test_a_cuda_device_reports_its_uuid(monkeypatch):
+    from mixtrain.devices.cuda import CudaDevice
+
+    class Props:
+        uuid = "4600b3ca-1d6d-279f-16a3-e1ea56a93741"
+
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda index: Props())
+    assert CudaDevice().uuid(0) == "4600b3ca-1d6d-279f-16a3-e1ea56a93741"

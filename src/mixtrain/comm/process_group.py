@@ -30,17 +30,40 @@ class Rendezvous:
         self.port = self.store.port
 
 
-def choose_backend(requested: str, kinds: list[str], nccl_available: bool) -> str:
-    """gloo through CPU buffers for any mix; NCCL only when every worker is CUDA and has it."""
+def choose_backend(
+    requested: str, kinds: list[str], nccl_available: bool, shared_gpu: tuple[int, int] | None = None
+) -> str:
+    """gloo through CPU buffers for any mix; NCCL only when every worker is CUDA, has it, and has a GPU of its
+    own (`shared_gpu`: two workers that share one card, which NCCL refuses: "Duplicate GPU detected")."""
     all_cuda = all(k == "cuda" for k in kinds)
     if requested == "nccl" and not (all_cuda and nccl_available):
         raise ValueError(
             f"backend='nccl' needs every worker on CUDA with NCCL available, but the devices are {kinds}"
             f"{'' if nccl_available else ' and this torch has no NCCL'}; use backend='gloo' or 'auto'"
         )
+    if requested == "nccl" and shared_gpu is not None:
+        a, b = shared_gpu
+        raise ValueError(
+            f"backend='nccl': workers {a} and {b} share one GPU, and NCCL takes one worker per GPU; give each "
+            "worker a GPU of its own (resources_per_worker={'GPU': 1}), or use backend='gloo' or 'auto' "
+            "(which use gloo for workers that share a card)"
+        )
     if requested == "auto":
-        return "nccl" if all_cuda and nccl_available else "gloo"
+        return "nccl" if all_cuda and nccl_available and shared_gpu is None else "gloo"
     return requested
+
+
+def shared_gpu(devices: list[tuple[str, str, str]]) -> tuple[int, int] | None:
+    """The first two workers (by rank) on one physical GPU, from each worker's (node, device kind, device
+    uuid); None when every GPU has one worker. Devices without a uuid (CPUs) are never shared."""
+    seen: dict[tuple[str, str], int] = {}
+    for rank, (node, kind, uuid) in enumerate(devices):
+        if kind != "cuda" or not uuid:
+            continue
+        if (node, uuid) in seen:
+            return seen[(node, uuid)], rank
+        seen[(node, uuid)] = rank
+    return None
 
 
 NCCL_ERRORS_AS_EXCEPTIONS = {

@@ -18,7 +18,7 @@ import ray
 from mixtrain import compat
 from mixtrain._constants import EXCLUDE_GAIN, env_float, transfer_s
 from mixtrain.comm import ps_server
-from mixtrain.comm.process_group import choose_backend
+from mixtrain.comm.process_group import choose_backend, shared_gpu
 from mixtrain.config import ScalingConfig, Slowdown, StrategyConfig
 from mixtrain.core import preflight
 from mixtrain.core.group_ops import GroupOps, setup_wait_s, user_cap
@@ -135,10 +135,14 @@ def bring_up(
     if strategy.name.startswith("ps"):
         notes.append(_start_parameter_servers(group, task_factory, strategy, found.reports))
     kinds = [r.device.kind for r in found.reports if r.device is not None]
+    sharing = shared_gpu([(r.host, r.device.kind, r.device.uuid) for r in found.reports if r.device is not None])
+    backend = choose_backend(group.scaling.backend, kinds, all(r.nccl for r in found.reports), sharing)
+    if sharing is not None and group.scaling.backend == "auto" and all(k == "cuda" for k in kinds):
+        notes.append(f"backend gloo, not NCCL: workers {sharing[0]} and {sharing[1]} share one GPU")
     ops = GroupOps(
         group,
         strategy=strategy,
-        backend=choose_backend(group.scaling.backend, kinds, all(r.nccl for r in found.reports)),
+        backend=backend,
         loss_scaling=any(r.precision == "fp16" for r in found.reports),
         data_refs=data_refs,
         task_factory=task_factory,

@@ -20,6 +20,9 @@ class DeviceInfo:
     free_memory: int | None
     bf16: bool
     fp16: bool
+    uuid: str = ""
+    """The physical device's identity where the platform gives one (CUDA's UUID), else empty: two workers
+    whose devices share it share one GPU."""
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -96,6 +99,10 @@ class DeviceKind(ABC):
     def is_oom(self, exc: BaseException) -> bool:
         """True when `exc` is this device's out-of-memory error."""
 
+    def uuid(self, index: int = 0) -> str:
+        """The physical device's identity (see DeviceInfo.uuid); empty where the platform gives none."""
+        return ""
+
     def info(self, index: int = 0) -> DeviceInfo:
         total, free = self.memory(index)
         return DeviceInfo(
@@ -106,4 +113,5 @@ class DeviceKind(ABC):
             free_memory=free,
             bf16=self.supports_bf16(index),
             fp16=self.supports_fp16(index),
+            uuid=self.uuid(index),
         )

@@ -22,6 +22,10 @@ class CudaDevice(DeviceKind):
     def name(self, index: int = 0) -> str:
         return torch.cuda.get_device_name(index)
 
+    def uuid(self, index: int = 0) -> str:
+        # the same card seen from two processes (Ray gives each half a GPU) has one UUID; NCCL refuses that pair
+        return str(getattr(torch.cuda.get_device_properties(index), "uuid", "") or "")
+
     def memory(self, index: int = 0) -> tuple[int | None, int | None]:
         free, total = torch.cuda.mem_get_info(index)
         return int(total), int(free)
