@@ -29,11 +29,10 @@ def _weighted_grads(rank, world, shares, poison):
         loss.backward()
     if poison == rank:
         next(model.parameters()).grad[0, 0] = float("inf")
-    extras = torch.tensor([loss.item()])
-    buckets.all_reduce_(extras)
+    summed = buckets.all_reduce_(torch.tensor([loss.item()]))
     return {
         "grads": [p.grad.clone() for p in model.parameters()],
-        "loss": float(extras[0]),
+        "loss": float(summed[0]),
         "finite": buckets.all_finite(),
         "num_buckets": len(buckets.buckets),
     }

@@ -52,6 +52,7 @@ def train(model, opt, shares, x, y, tmp_path, steps_per_round=7, eval_data=None,
 @pytest.mark.parametrize(
     "model,opt,shares",
     [
+        ("mlp", "adamw", [64]),  # one worker: autograd's own gradients, no bucket views, no collective
         ("mlp", "sgd", [40, 24]),
         ("mlp", "adamw", [40, 24]),
         ("mlp", "sgd", [30, 20, 14]),

@@ -102,3 +102,30 @@ def test_auto_adopts_allreduce_on_a_fast_link_and_local_sgd_with_h_and_compressi
     assert slower.outer_lr == auto.outer_lr and slower.outer_momentum == auto.outer_momentum
     tiny = choose(0.0003, 0.004, auto, 2, 3_000)  # 3 KB: latency, which fewer bytes would not shorten
     assert (tiny.name, tiny.local_steps, tiny.compress) == ("local-sgd", 64, "none")
+
+
+def test_one_rank_keeps_plain_gradients_and_agrees_on_finiteness():
+    """SoloGrads (one worker): autograd's own gradients, no bucket views; NaN/Inf anywhere (a gradient or the
+    loss) is caught, a norm that merely overflows is not mistaken for one, and the loss scale unscales."""
+    from mixtrain.comm.buckets import SoloGrads, make_grad_buckets
+
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Linear(3, 2))
+    params = list(model.parameters())
+    grads = make_grad_buckets(params, 1 << 20, num_extras=1)  # no process group: one rank
+    assert isinstance(grads, SoloGrads) and grads.wire_bytes == 0
+    grads.zero_()
+    assert all(p.grad is None for p in params)
+    model(torch.randn(5, 4)).sum().backward()
+    loss = torch.tensor([0.5])
+    assert grads.all_reduce_(loss) is loss and grads.all_finite(loss)
+    before = [p.grad.clone() for p in params]
+    grads.scale_(0.25)
+    assert all(torch.equal(p.grad, b * 0.25) for p, b in zip(params, before))
+    assert not grads.all_finite(torch.tensor([float("nan")]))
+    params[1].grad[0] = float("inf")
+    assert not grads.all_finite(loss)
+    params[1].grad[0] = 3e38  # finite, but the norm of such values overflows: the elementwise check decides
+    params[0].grad.fill_(3e38)
+    assert grads.all_finite(loss)
+    params[3].grad = None  # an unused parameter: skipped, as plain PyTorch skips it
+    assert grads.all_finite(loss)

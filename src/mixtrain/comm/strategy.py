@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 from mixtrain.comm import replicas
-from mixtrain.comm.buckets import GradBuckets
+from mixtrain.comm.buckets import make_grad_buckets
 from mixtrain.comm.compress import wire_dtype
 from mixtrain.comm.state_transfer import unpack
 from mixtrain.comm.zero import ShardedOptimizer, split_runs
@@ -48,8 +48,9 @@ class StepOutcome:
     """Bytes of gradients or deltas this rank sent for this step (the wire size)."""
     staleness: int = 0
     """How many updates the weights this step's gradient was computed on were behind the step."""
-    grad_norm: float | None = None
-    """The gradient's global L2 norm before clipping (None: the task does not clip)."""
+    grad_norm: torch.Tensor | float | None = None
+    """The gradient's global L2 norm before clipping (None: the task does not clip); a tensor on the device is
+    read when the round ends, so clipping costs no wait for the device per step."""
 
 
 @dataclass(frozen=True)
@@ -95,12 +96,13 @@ def tensor_bytes(obj: Any) -> int:
     return 0
 
 
-def clip_gradients(task: Task, params: list[torch.nn.Parameter]) -> float | None:
-    """Clip the (reduced, unscaled) gradient of `params` to the task's max_grad_norm; its norm before.
-    Every replica holds the same gradient here, so every replica clips it the same way."""
+def clip_gradients(task: Task, params: list[torch.nn.Parameter]) -> torch.Tensor | None:
+    """Clip the (reduced, unscaled) gradient of `params` to the task's max_grad_norm; its norm before (a
+    tensor on the device, read later). Every replica holds the same gradient here, so every replica clips it
+    the same way."""
     if task.max_grad_norm is None:
         return None
-    return float(torch.nn.utils.clip_grad_norm_(params, task.max_grad_norm))
+    return torch.nn.utils.clip_grad_norm_(params, task.max_grad_norm).detach()
 
 
 MEASURE_BUDGET_S = 3.0
@@ -152,6 +154,8 @@ class SyncStrategy(ABC):
     """The job-wide loss scale (fp16); the worker multiplies each loss by `loss_scale.scale`."""
     keeps_partial_rounds: bool = True
     """After a failed round the steps committed so far stand; False: the round is redone from its start."""
+    stats_on_device: bool = False
+    """`step` takes the per-step statistics (the loss) on the worker's device; else on the CPU."""
 
     def __init__(self, config: StrategyConfig) -> None:
         self.config = config
@@ -226,12 +230,13 @@ class AllReduceStrategy(SyncStrategy):
     """Synchronous data parallel: sum of sample-weighted gradients over gloo, then the same step everywhere."""
 
     name = "allreduce"
+    stats_on_device = True  # they ride in the gradients' staging copy (or, alone, never leave the device)
 
     def setup(self, task: Task, ctx: JoinContext) -> None:
         replicas.broadcast_state(task.model)
         self.params = params = [p for p in task.model.parameters() if p.requires_grad]
         # the loss rides along in a spare slot (at the wire precision when compressed)
-        self.buckets = GradBuckets(
+        self.buckets = make_grad_buckets(
             params,
             ctx.bucket_bytes,
             num_extras=1,
@@ -279,9 +284,10 @@ class AllReduceStrategy(SyncStrategy):
 
     def step(self, task: Task, local_stats: torch.Tensor, weight: float) -> StepOutcome:
         t0 = time.perf_counter()
-        self.buckets.all_reduce_(local_stats)
+        stats = self.buckets.all_reduce_(local_stats)
+        assert stats is not None
         comm_s = time.perf_counter() - t0
-        applied = self.buckets.all_finite() and bool(torch.isfinite(local_stats).all())
+        applied = self.buckets.all_finite(stats)
         used = self.loss_scale.scale
         self.loss_scale.update(applied)  # the same verdict on every rank keeps the scales equal
         norm = None
@@ -298,7 +304,7 @@ class AllReduceStrategy(SyncStrategy):
             if task.scheduler is not None:
                 task.scheduler.step()
         return StepOutcome(
-            done=[StepResult(applied, local_stats)], comm_s=comm_s, sent_bytes=self.buckets.wire_bytes, grad_norm=norm
+            done=[StepResult(applied, stats)], comm_s=comm_s, sent_bytes=self.buckets.wire_bytes, grad_norm=norm
         )
 
     def end_round(self, task: Task, weight: float, drift_tolerance: float) -> RoundSync:

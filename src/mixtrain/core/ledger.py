@@ -1,11 +1,16 @@
 """A worker's bookkeeping for one round: per-step timings and bytes, and the global results of steps that
-arrive later than the step itself (asynchronous strategies). Keeps the step loop free of it."""
+arrive later than the step itself (asynchronous strategies). Keeps the step loop free of it.
+
+Losses and gradient norms may be tensors on the worker's device: they are kept as they are and read in one go
+when the round ends (or fails), so that the bookkeeping never makes the step loop wait for a GPU."""
 
 from __future__ import annotations
 
 import math
 import time
 from collections import deque
+
+import torch
 
 from mixtrain.comm.strategy import RoundSync, StepOutcome, StepResult
 from mixtrain.core.messages import RoundPlan, WorkerReport
@@ -17,8 +22,13 @@ class RoundLedger:
         self.report = WorkerReport(rank=rank)
         self._waiting: deque[int] = deque()  # steps whose global result (loss, applied) is not known yet
         self._started = time.perf_counter()
+        self._losses: list[torch.Tensor] = []  # global mean loss per committed step, read at the end
+        self._local: list[tuple[int, torch.Tensor]] = []  # (step, this worker's loss term), read at the end
+        self._norms: list[torch.Tensor | float] = []
 
-    def step_done(self, step: int, outcome: StepOutcome, seconds: float, samples: int, local_loss: float) -> None:
+    def step_done(
+        self, step: int, outcome: StepOutcome, seconds: float, samples: int, local_loss: torch.Tensor
+    ) -> None:
         """One step of this worker: `seconds` from its start to the strategy's return, communication included."""
         r = self.report
         self._waiting.append(step)
@@ -28,10 +38,9 @@ class RoundLedger:
         r.sent_bytes += outcome.sent_bytes
         r.samples += samples
         if outcome.grad_norm is not None:
-            r.grad_norms.append(outcome.grad_norm)
+            self._norms.append(outcome.grad_norm)
         self._take(outcome.done)
-        if not math.isfinite(local_loss):
-            r.nonfinite_steps.append(step)
+        self._local.append((step, local_loss))
 
     def close(
         self, plan: RoundPlan, sync: RoundSync, memory_bytes: int | None, state_bytes: dict[str, int]
@@ -40,6 +49,7 @@ class RoundLedger:
         r = self.report
         self._take(sync.done)
         assert not self._waiting, f"steps {list(self._waiting)} ended the round without a result"
+        self._read_tensors()
         r.sent_bytes += sync.sent_bytes
         r.drift, r.rebroadcast, r.round_comm_s = sync.drift, sync.rebroadcast, sync.comm_s
         r.wall_s = time.perf_counter() - self._started
@@ -60,10 +70,11 @@ class RoundLedger:
     @property
     def committed_steps(self) -> int:
         """Steps whose global result this worker has seen (every rank agreed on their update)."""
-        return len(self.report.losses)
+        return len(self._losses)
 
     def abort(self, peer_lost: str, committed: int) -> WorkerReport:
         """The round failed on a lost peer: what this worker did, and how many steps of it stand."""
+        self._read_tensors()
         r = self.report
         r.peer_lost, r.committed_steps = peer_lost, committed
         r.wall_s = time.perf_counter() - self._started
@@ -73,6 +84,22 @@ class RoundLedger:
     def _take(self, done: list[StepResult]) -> None:
         for result in done:
             step = self._waiting.popleft()
-            self.report.losses.append(float(result.stats[0]))
+            self._losses.append(result.stats.reshape(-1)[0])
             if not result.applied:
                 self.report.skipped_steps.append(step)
+
+    def _read_tensors(self) -> None:
+        """Losses, local losses and norms as floats in the report (one copy from the device for each kind)."""
+        r = self.report
+        r.losses = _floats(self._losses)
+        r.grad_norms = _floats(self._norms)
+        local = _floats([t for _, t in self._local])
+        r.nonfinite_steps = [step for (step, _), value in zip(self._local, local) if not math.isfinite(value)]
+
+
+def _floats(values: list[torch.Tensor] | list[torch.Tensor | float]) -> list[float]:
+    """Scalars (tensors on one device or several, or floats) as Python floats, with as few copies as can be."""
+    tensors = [v for v in values if isinstance(v, torch.Tensor)]
+    if len(tensors) == len(values) and values and len({t.device for t in tensors}) == 1:
+        return torch.stack([t.reshape(()).float() for t in tensors]).tolist()
+    return [float(v) for v in values]

@@ -64,12 +64,13 @@ def forward_backward(
     batches: Iterator[Any],
     chunks: list[np.ndarray],
     step_total: int,
-) -> float:
+) -> torch.Tensor:
     """Backward of this rank's micro-batches (`chunks`, read from `batches`), each mean loss scaled by its
     size / B so the sum over micro-batches and ranks is the global mean. Returns this rank's term of the
-    global mean loss. A function, not an actor method: Ray wraps every method of an actor class (tracing),
+    global mean loss as a 1-element fp32 tensor on the device: reading it here would make every step wait for
+    a GPU to finish. A function, not an actor method: Ray wraps every method of an actor class (tracing),
     which cost a few percent of a small model's step."""
-    total = 0.0
+    total: torch.Tensor | None = None
     for n, chunk in enumerate(chunks):
         batch = to_device(next(batches), device)
         with precision.autocast(device, prec):
@@ -78,8 +79,11 @@ def forward_backward(
         if n == len(chunks) - 1:
             strategy.before_last_backward(task)
         (loss * (weight * strategy.loss_scale.scale)).backward()
-        total += float(loss.detach()) * weight
-    return total
+        term = loss.detach() * weight
+        total = term if total is None else total + term
+    if total is None:  # no samples for this rank in this step
+        return torch.zeros(1, device=device)
+    return total.reshape(1)
 
 
 class TrainWorker:
@@ -391,8 +395,8 @@ class TrainWorker:
             local_loss = forward_backward(
                 self.task, self.strategy, self.device, self.precision, batches, chunks, step_total
             )
-            loss = torch.tensor([local_loss], dtype=torch.float32)
-            outcome = self.strategy.step(self.task, loss, num_samples / step_total)
+            stats = local_loss if self.strategy.stats_on_device else local_loss.cpu()
+            outcome = self.strategy.step(self.task, stats, num_samples / step_total)
             ledger.step_done(step, outcome, time.perf_counter() - t0, num_samples, local_loss)
         weight = plan.shares[self.rank] / sum(plan.shares)  # for buffer averaging: this rank's part of the round
         sync = self.strategy.end_round(self.task, weight, plan.drift_tolerance)
