@@ -295,8 +295,8 @@ class RunConfig:
     progress: bool = True
     """Show live progress on the terminal."""
     checkpoint_every_s: float = 60.0
-    """Write a checkpoint after the first round that ends this long after the last one (and at every
-    epoch end); 0 checkpoints after every round."""
+    """Write a checkpoint after the first round that ends this long after the last one, and at the end of the
+    last epoch and of every epoch followed by an evaluation; 0 checkpoints after every round."""
     keep_checkpoints: int = 3
     """Checkpoints kept in run_dir/checkpoints (the newest); older ones are deleted."""
     max_failures: int = 3
