@@ -127,5 +127,6 @@ def test_one_rank_keeps_plain_gradients_and_agrees_on_finiteness():
     params[1].grad[0] = 3e38  # finite, but the norm of such values overflows: the elementwise check decides
     params[0].grad.fill_(3e38)
     assert grads.all_finite(loss)
-    params[3].grad = None  # an unused parameter: skipped, as plain PyTorch skips it
-    assert grads.all_finite(loss)
+    params[3].grad = None  # an unused parameter gets zeros, as in a group of several (a zeroed bucket view)
+    grads.all_reduce_(loss)
+    assert torch.equal(params[3].grad, torch.zeros_like(params[3])) and grads.all_finite(loss)

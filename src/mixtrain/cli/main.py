@@ -110,7 +110,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=60.0,
         metavar="SECONDS",
         help="write a checkpoint after the round that ends this long after the last one (default 60; 0: every "
-        "round); one is always written at each epoch end",
+        "round); one is also written before each held-out evaluation and after the last epoch",
     )
     train.add_argument("--max-failures", type=int, default=3, help="lost workers survived before stopping (default 3)")
     train.add_argument("--quiet", action="store_true", help="no live progress")

@@ -19,6 +19,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from mixtrain import devices
+
 FIRST_BUCKET_BYTES = 1 << 20
 
 
@@ -209,7 +211,13 @@ class SoloGrads:
         """No hooks to remove."""
 
     def all_reduce_(self, extras: torch.Tensor | None = None) -> torch.Tensor | None:
-        return extras  # the gradients and `extras` are already the totals
+        """The gradients and `extras` are already the totals. A parameter that got no gradient gets zeros, as
+        it does in a group of several (its gradient is a zeroed bucket view there): the math must not change
+        when a group shrinks to one worker or grows back (AdamW moves a parameter with a zero gradient)."""
+        for p in self.params:
+            if p.grad is None and p.requires_grad:
+                p.grad = torch.zeros_like(p)
+        return extras
 
     def scale_(self, factor: float) -> None:
         grads = self._grads()
@@ -220,11 +228,13 @@ class SoloGrads:
         """True when every gradient and every `extra` tensor is finite: one norm over all gradients (NaN or Inf
         anywhere makes it non-finite), read once; the elementwise check runs only when it is not finite, to
         tell a real NaN/Inf from a norm that merely overflowed."""
-        from mixtrain import devices
-
         grads = self._grads()
         checks = [t.detach().float().sum().reshape(1) for t in extra]
         if grads:
+            kind = devices.KINDS.get(grads[0].device.type)
+            limit = kind.max_reduce_numel if kind is not None else None
+            if limit:  # MPS reductions are wrong past 2**31 - 1 elements: norms of slices, then their norm
+                grads = [piece for g in grads for piece in g.reshape(-1).split(limit)]
             norm = torch.nn.utils.get_total_norm(grads).float().reshape(1)
             checks.append(norm.to(checks[0].device) if checks else norm)
         if not checks or bool(torch.isfinite(torch.cat(checks)).all()):

@@ -395,6 +395,9 @@ class Controller:
         state, manifest = CheckpointStore.read(self.last_checkpoint)
         state.pop("rng", None)
         meta = CheckpointMeta.from_manifest(manifest)
+        for record in self.history:  # rounds to be trained again: kept in the history, not counted twice
+            if (record["epoch"], record["first_step"]) >= (meta.epoch, meta.step):
+                record["superseded"] = True
         self.ops.leave_out(lost, lost=True, restore=ray.put(pack(state)))
         self._forget(lost)
         self._adopt(self._replan(), f"re-formed with {self.group.num_workers} workers")
@@ -518,7 +521,7 @@ class Controller:
         )
 
     def _end_epoch(self, epoch: int) -> None:
-        rounds = [r for r in self.history if r["epoch"] == epoch]
+        rounds = [r for r in self.history if r["epoch"] == epoch and not r.get("superseded")]
         samples = sum(r["samples"] for r in rounds)
         wall = sum(r["wall_s"] for r in rounds)
         line = f"epoch {epoch + 1}/{self.epochs}: loss {rounds[-1]['last_loss']:.4f}  {samples / wall:,.0f} samples/s"

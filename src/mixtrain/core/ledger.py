@@ -73,8 +73,14 @@ class RoundLedger:
         return len(self._losses)
 
     def abort(self, peer_lost: str, committed: int) -> WorkerReport:
-        """The round failed on a lost peer: what this worker did, and how many steps of it stand."""
-        self._read_tensors()
+        """The round failed on a lost peer: what this worker did, and how many steps of it stand. The device may
+        be in no state to answer (out of memory, an aborted NCCL communicator): then the losses read as NaN."""
+        try:
+            self._read_tensors()
+        except Exception as exc:  # the failure being reported matters more than its losses
+            worker_log.log.warning("could not read this round's losses from the device: %s", exc)
+            self.report.losses = [math.nan] * len(self._losses)
+            self.report.grad_norms = []
         r = self.report
         r.peer_lost, r.committed_steps = peer_lost, committed
         r.wall_s = time.perf_counter() - self._started

@@ -396,6 +396,8 @@ class TrainWorker:
                 self.task, self.strategy, self.device, self.precision, batches, chunks, step_total
             )
             stats = local_loss if self.strategy.stats_on_device else local_loss.cpu()
+            if self.world_size > 1:  # the planner splits shares by compute time: queued kernels are compute, not
+                self.kind.synchronize(index)  # the exchange's (costs nothing: the exchange waits for them anyway)
             outcome = self.strategy.step(self.task, stats, num_samples / step_total)
             ledger.step_done(step, outcome, time.perf_counter() - t0, num_samples, local_loss)
         weight = plan.shares[self.rank] / sum(plan.shares)  # for buffer averaging: this rank's part of the round
