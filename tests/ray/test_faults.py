@@ -171,6 +171,36 @@ def test_a_worker_out_of_memory_even_at_one_sample_is_left_out_and_training_stay
     assert_same_weights(result.state_dict, reference("mlp", "sgd", x, y))
 
 
+def test_resuming_at_the_very_end_of_an_epoch_evaluates_it_and_goes_on(tmp_path):
+    """A Ctrl-C that lands after an epoch's last round stops at (epoch, its last step): resuming there goes
+    straight to that epoch's end, its evaluation, with none of its rounds in this process. Found by the CLI's
+    Ctrl-C test in a fresh-clone run (an IndexError in the epoch line); here the checkpoint's position is set
+    to that point directly, so the test does not depend on when a signal lands."""
+    import json
+
+    x, y = data("mlp", NUM_SAMPLES)
+
+    def trainer(run_dir):
+        return Trainer(
+            factory("mlp", "sgd"),
+            (x, y),
+            eval_data=(x[:64], y[:64]),
+            global_batch=GLOBAL_BATCH,
+            scaling=ScalingConfig(num_workers=2, cpus_per_worker=0.5),
+            run=RunConfig(run_dir=str(run_dir), seed=SEED, progress=False, tensorboard=False),
+        )
+
+    first = trainer(tmp_path / "first").fit(epochs=1)
+    [end] = CheckpointStore(first.run_dir).paths()
+    manifest = json.loads((end / "manifest.json").read_text())
+    assert (manifest["epoch"], manifest["step"]) == (1, 0)
+    manifest["epoch"], manifest["step"] = 0, 30  # the same global step: epoch 0 after its last (30th) step
+    (end / "manifest.json").write_text(json.dumps(manifest))
+    resumed = trainer(tmp_path / "resumed").fit(epochs=2, resume=end)
+    assert [r["epoch"] for r in run_records(resumed.run_dir, "eval")] == [0, 1]
+    assert {r["epoch"] for r in resumed.history} == {1} and sum(r["num_steps"] for r in resumed.history) == 30
+
+
 def test_resuming_mid_epoch_with_dropout_and_an_lr_schedule_continues_exactly(tmp_path):
     # A checkpoint after every round; resume from the one at epoch 0, step 12 (of 30) into another folder:
     # the workers' random streams (dropout) and the scheduler's position come back, so the resumed run ends

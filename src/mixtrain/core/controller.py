@@ -524,7 +524,9 @@ class Controller:
         rounds = [r for r in self.history if r["epoch"] == epoch and not r.get("superseded")]
         samples = sum(r["samples"] for r in rounds)
         wall = sum(r["wall_s"] for r in rounds)
-        line = f"epoch {epoch + 1}/{self.epochs}: loss {rounds[-1]['last_loss']:.4f}  {samples / wall:,.0f} samples/s"
+        line = f"epoch {epoch + 1}/{self.epochs}:"
+        if rounds:  # none when a run resumed exactly at this epoch's end (a Ctrl-C after its last round)
+            line += f" loss {rounds[-1]['last_loss']:.4f}  {samples / wall:,.0f} samples/s"
         if self.settings.num_eval:
             ev = self._tolerant("evaluate", self.evaluate, epoch + 1, 0)
             ev["epoch"] = epoch
