@@ -176,13 +176,10 @@ class GradBuckets:
         A NaN or Inf makes a bucket's sum non-finite; the sums of every bucket are stacked and read once (one
         wait for the device per step, not one per bucket), and only when that is not finite does the
         elementwise check run, to tell a real NaN/Inf from a sum that merely overflowed."""
-        summed = [b.host for b in self.buckets]
-        by_device: dict[torch.device, list[torch.Tensor]] = {}
-        for t in [*summed, *extra]:
-            by_device.setdefault(t.device, []).append(t.sum().float())
-        if all(bool(torch.isfinite(torch.stack(sums)).all()) for sums in by_device.values()):
+        summed = [*(b.host for b in self.buckets), *extra]  # all on the comm device (all_reduce_'s sum too)
+        if bool(torch.isfinite(torch.stack([t.sum().float() for t in summed])).all()):
             return True
-        return all(bool(torch.isfinite(t).all()) for t in [*summed, *extra])
+        return devices.all_finite(summed)
 
 
 class SoloGrads:
