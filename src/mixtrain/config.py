@@ -328,6 +328,9 @@ class RunConfig:
 
 
 STRATEGY_NAMES = ("allreduce", "ps", "ps-async", "local-sgd", "auto")
+OVERLAP_EXCHANGES_PER_ROUND = 4
+"""Overlapped local SGD: rounds hold at least this many exchanges; the last of each round blocks (replicas are
+equal at every round boundary), the others run while the next H steps compute."""
 QUANTIZED = ("int8", "int4")
 """Compressions for local SGD's deltas only: quantized with a scale per block and error feedback."""
 COMPRESSION = ("none", "bf16", "fp16", *QUANTIZED)
@@ -355,6 +358,11 @@ class StrategyConfig:
     """local-sgd: learning rate of the outer optimizer applied to the averaged delta (DiLoCo: 0.7)."""
     outer_momentum: float = 0.9
     """local-sgd: Nesterov momentum of the outer optimizer (DiLoCo: 0.9)."""
+    overlap: bool = False
+    """local-sgd: exchange in the background while the next H steps compute, and apply the average one
+    exchange late (Streaming DiLoCo's delayed outer update): a slow link costs up to H steps of compute less
+    per exchange. Rounds then hold at least OVERLAP_EXCHANGES_PER_ROUND exchanges (a round ends in a blocking
+    one). With `auto`: overlap if local SGD is chosen."""
     ps_shards: int | str = "auto"
     """ps, ps-async: parameter-server actors the parameters are split over, by size; "auto": one per 16 MB,
     at most 4."""
@@ -375,21 +383,40 @@ class StrategyConfig:
             )
         if not isinstance(self.staleness, int) or self.staleness < 0:
             raise ValueError(f"StrategyConfig.staleness={self.staleness!r}: must be an integer >= 0 (0: synchronous)")
+        self._check_local_sgd()
+        if self.ps_shards != "auto" and not (isinstance(self.ps_shards, int) and self.ps_shards >= 1):
+            raise ValueError(f"StrategyConfig.ps_shards={self.ps_shards!r}: use 'auto' or an integer >= 1")
+
+    def _check_local_sgd(self) -> None:
         if not isinstance(self.local_steps, int) or self.local_steps < 1:
             raise ValueError(f"StrategyConfig.local_steps={self.local_steps!r}: must be an integer >= 1")
         if not (isinstance(self.outer_lr, (int, float)) and self.outer_lr > 0):
             raise ValueError(f"StrategyConfig.outer_lr={self.outer_lr!r}: must be a number > 0")
         if not (isinstance(self.outer_momentum, (int, float)) and 0 <= self.outer_momentum < 1):
             raise ValueError(f"StrategyConfig.outer_momentum={self.outer_momentum!r}: must be in [0, 1)")
-        if self.ps_shards != "auto" and not (isinstance(self.ps_shards, int) and self.ps_shards >= 1):
-            raise ValueError(f"StrategyConfig.ps_shards={self.ps_shards!r}: use 'auto' or an integer >= 1")
+        if not isinstance(self.overlap, bool):
+            raise ValueError(f"StrategyConfig.overlap={self.overlap!r}: must be True or False")
+        if self.overlap and self.name not in ("local-sgd", "auto"):
+            raise ValueError(
+                f"StrategyConfig.overlap=True (--overlap) works with strategy local-sgd (or auto, when it picks "
+                f"local-sgd), not {self.name!r}: use strategy='local-sgd' (--strategy local-sgd --overlap)"
+            )
 
     @property
     def steps_per_exchange(self) -> int:
         """Steps between two exchanges over the link."""
         return self.local_steps if self.name == "local-sgd" else 1
 
+    @property
+    def min_round_steps(self) -> int:
+        """The shortest round: overlapped local SGD needs several exchanges per round, as a round ends with a
+        blocking one."""
+        if self.name == "local-sgd" and self.overlap:
+            return self.local_steps * OVERLAP_EXCHANGES_PER_ROUND
+        return 1
+
     def describe(self) -> str:
-        extra = {"ps-async": f" (staleness {self.staleness})", "local-sgd": f" (H={self.local_steps})"}
+        overlapped = ", overlapped" if self.overlap else ""
+        extra = {"ps-async": f" (staleness {self.staleness})", "local-sgd": f" (H={self.local_steps}{overlapped})"}
         wire = f", {self.compress} on the wire" if self.compress != "none" else ""
         return f"{self.name}{extra.get(self.name, '')}{wire}"

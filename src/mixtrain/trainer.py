@@ -210,6 +210,7 @@ class Trainer:
             global_batch=self.global_batch,
             steps_per_round=self.run.steps_per_round,
             steps_per_exchange=up.strategy.steps_per_exchange,
+            min_round_steps=up.strategy.min_round_steps,
             drift_tolerance=self.run.drift_tolerance,
             num_eval=up.num_eval,
             balanced=scaling.balanced,

@@ -233,6 +233,12 @@ def _job_flags(p: argparse.ArgumentParser) -> None:
         help="ps-async: updates a worker may run ahead (default 2; 0: synchronous)",
     )
     p.add_argument("--local-steps", type=_positive_int, default=8, help="local-sgd: steps between averages (default 8)")
+    p.add_argument(
+        "--overlap",
+        action="store_true",
+        help="local-sgd: exchange in the background while the next --local-steps steps compute, applying the "
+        "average one exchange late (a slow link)",
+    )
     p.add_argument("--ps-shards", type=_positive_int, help="ps, ps-async: parameter-server actors (default: by size)")
 
 
@@ -329,6 +335,7 @@ def _trainer(
             compress=args.compress,
             staleness=args.staleness,
             local_steps=args.local_steps,
+            overlap=args.overlap,
             ps_shards=args.ps_shards or "auto",
         ),
         run=RunConfig(

@@ -14,15 +14,28 @@ With `compress` int8 or int4 the deltas travel quantized (a scale per 256 values
 (compress.ErrorFeedback), through an all-gather: every rank sums every rank's dequantized delta in rank
 order, so the replicas stay equal bit for bit.
 
-A step is committed at the exchange that averages it. When a peer is lost mid-round, a worker
-goes back to its common point (the weights, scheduler position and loss scale of its last
-exchange) and the steps since are redone; its inner optimizer state keeps what those steps
+With `overlap` the exchange runs in the background (a non-blocking collective on the same group) while the
+next H inner steps compute, and its average is applied one exchange late (the delayed outer update of
+Streaming DiLoCo). The replicas share a common point A that lags one exchange; each worker's weights are
+A minus its own progress since its last exchange. At an exchange the worker measures that progress d,
+waits for the exchange in flight (the average D of the previous window), moves A by the outer step on D,
+sets its weights to the new A - d and sends d in the background. So every worker's own last H steps stay
+applied while the average of everyone's previous H steps arrives; the outer optimizer sees the same
+pseudo-gradients as without overlap, one exchange later. A round's end waits for the exchange in flight and
+exchanges what is left at once (blocking): replicas are equal at every round boundary and checkpoint, as
+without overlap. Rounds hold at least OVERLAP_EXCHANGES_PER_ROUND exchanges so that that one blocking
+exchange is a small part of a round.
+
+A step is committed at the exchange that averages it (with overlap: when that average is applied). When a
+peer is lost mid-round, a worker goes back to its common point (the weights, scheduler position and loss
+scale of its last applied exchange) and the steps since are redone; its inner optimizer state keeps what those steps
 added (local SGD makes no exactness promise; the common point is exact).
 """
 
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -47,6 +60,22 @@ from mixtrain.devices.precision import LossScale
 from mixtrain.task import Task
 
 
+@dataclass
+class _InFlight:
+    """An exchange running in the background (overlap): its collective, its buffer, and what it commits."""
+
+    work: Any
+    """The non-blocking collective's handle (`dist.Work`)."""
+    buf: torch.Tensor
+    """The fp32 buffer the sum lands in: n delta values, then 2 statistics per step."""
+    wire: torch.Tensor | list[torch.Tensor]
+    """What travels: `buf` itself, its narrower copy, or (int8/int4) every rank's gathered codes."""
+    steps: int
+    committed: dict[str, Any]
+    """The scheduler position and loss scale after the window's last step: the restore point once applied."""
+    started: float
+
+
 class LocalSGDStrategy(SyncStrategy):
     name = "local-sgd"
     momentum: torch.Tensor = torch.zeros(0)
@@ -58,7 +87,13 @@ class LocalSGDStrategy(SyncStrategy):
         self.anchor = self._flat_params()  # the last common point, on the CPU in fp32
         if self.momentum.numel() != self.anchor.numel():  # first set-up (a re-formed group keeps it)
             self.momentum = torch.zeros_like(self.anchor)
-        self._work = torch.zeros(self.anchor.numel() + 2 * self.config.local_steps)  # the exchange's one buffer
+        size = self.anchor.numel() + 2 * self.config.local_steps
+        self._work = torch.zeros(size)  # the exchange's buffer (overlap: two, one in flight)
+        self.overlap = self.config.overlap and dist.get_world_size() > 1
+        self._spare = torch.zeros(size) if self.overlap else torch.zeros(0)
+        self.base = self.anchor.clone() if self.overlap else self.anchor
+        """Where this worker's own progress is measured from (overlap: A minus its progress in flight)."""
+        self._inflight: _InFlight | None = None
         self.loss_scale = LossScale(enabled=ctx.loss_scaling)
         bits = QUANTIZED_BITS.get(self.config.compress)
         self.wire = torch.float32 if bits else (wire_dtype(self.config.compress) or torch.float32)
@@ -71,7 +106,10 @@ class LocalSGDStrategy(SyncStrategy):
         self._committed = small_state(task, self.loss_scale)  # a round starts at a common point
 
     def recover(self, task: Task) -> None:
+        self._inflight = None  # its group is gone; its steps are redone from the common point
         replicas.unflatten_into(self.anchor, self.params)
+        if self.overlap:
+            self.base.copy_(self.anchor)
         if self.feedback is not None:  # the residual of a delta no survivor applied
             self.feedback.reset()
         load_small_state(task, self.loss_scale, self._committed)
@@ -102,70 +140,124 @@ class LocalSGDStrategy(SyncStrategy):
         if len(self._pending) < self.config.local_steps:
             return StepOutcome(done=[], comm_s=0.0, grad_norm=norm)
         t0 = time.perf_counter()
-        done, sent = self._exchange(task)
+        done, sent = self._exchange_overlapped(task) if self.overlap else self._exchange(task)
         return StepOutcome(done=done, comm_s=time.perf_counter() - t0, sent_bytes=sent, grad_norm=norm)
+
+    def _pack(self, buf: torch.Tensor) -> float:
+        """Write this worker's progress since its base (base - params) and the pending per-step statistics
+        into `buf`; return this rank's part of the samples since the last exchange (the delta's weight)."""
+        n = self.base.numel()
+        delta = buf[:n].copy_(self.base)
+        offset = 0
+        for p in self.params:  # one parameter at a time: no temporary as large as the model
+            delta[offset : offset + p.numel()].sub_(p.detach().reshape(-1).to("cpu", torch.float32))
+            offset += p.numel()
+        buf[n:].copy_(torch.stack(self._pending).reshape(-1))
+        return sum(self._weights) / len(self._weights)
 
     def _exchange(self, task: Task) -> tuple[list[StepResult], int]:
         """Average the weighted deltas and the pending per-step statistics in one collective, then
         apply the outer step to the common point. Everything happens in one reused fp32 buffer: no
         temporary as large as the model besides a narrower wire copy when compressing."""
-        share = sum(self._weights) / len(self._weights)  # this rank's part of the samples since the last exchange
         n, k = self.anchor.numel(), len(self._pending)
         buf = self._work[: n + 2 * k]
-        delta = buf[:n].copy_(self.anchor)
-        offset = 0
-        for p in self.params:  # delta = anchor - params, one parameter at a time
-            delta[offset : offset + p.numel()].sub_(p.detach().reshape(-1).to("cpu", torch.float32))
-            offset += p.numel()
-        delta.mul_(share)
-        buf[n:].copy_(torch.stack(self._pending).reshape(-1))
+        buf[:n].mul_(self._pack(buf))
+        work, wire, sent = self._launch(buf, n, async_op=False)
+        done = self._land(buf, n, k, wire, work)
+        replicas.unflatten_into(self.anchor, self.params)
+        if self.overlap:
+            self.base.copy_(self.anchor)
+        self._pending, self._weights = [], []
+        self._committed = small_state(task, self.loss_scale)
+        return done, sent
+
+    def _exchange_overlapped(self, task: Task) -> tuple[list[StepResult], int]:
+        """Send this window's delta in the background; apply the previous window's average (waiting for it
+        if it has not arrived) and keep this window's own progress on top of it. Returns the previous
+        window's step results (none at a round's first exchange)."""
+        n, k = self.anchor.numel(), len(self._pending)
+        buf = self._work[: n + 2 * k]
+        share = self._pack(buf)  # d: this worker's progress in this window, unweighted
+        landed = self._inflight is not None
+        done = self._finish() if landed else []
+        self.base.copy_(self.anchor).sub_(buf[:n])  # A - d: the average so far plus this worker's own window
+        if landed:  # (else A is where this window started: the weights are A - d already)
+            replicas.unflatten_into(self.base, self.params)
+        buf[:n].mul_(share)
+        work, wire, sent = self._launch(buf, n, async_op=True)
+        committed = small_state(task, self.loss_scale)
+        self._inflight = _InFlight(work, buf, wire, k, committed, time.perf_counter())
+        self._work, self._spare = self._spare, self._work  # the next window packs into the other buffer
+        self._pending, self._weights = [], []
+        return done, sent
+
+    def _finish(self) -> list[StepResult]:
+        """Wait for the exchange in flight and apply its average to the common point."""
+        flight, self._inflight = self._inflight, None
+        assert flight is not None
+        done = self._land(flight.buf, self.anchor.numel(), flight.steps, flight.wire, flight.work)
+        self._committed = flight.committed
+        return done
+
+    def _launch(self, buf: torch.Tensor, n: int, async_op: bool) -> tuple[Any, Any, int]:
+        """Start the collective over `buf` (the weighted delta, then the statistics). Returns its handle (None
+        when it ran to the end), what travels, and the bytes this rank sent."""
         if self.feedback is not None:
-            sent = self._gather_quantized(buf, n)
-        else:
-            wire = buf if self.wire == torch.float32 and replicas.comm_device().type == "cpu" else None
-            if wire is None:
-                wire = buf.to(self.wire).to(replicas.comm_device())
-            dist.all_reduce(wire, op=dist.ReduceOp.SUM)
-            if wire is not buf:
-                buf.copy_(wire)
-            sent = wire.numel() * wire.element_size()
+            codes = self.feedback.encode(buf[:n])
+            mine = torch.cat([codes, buf[n:].contiguous().view(torch.uint8)]).to(replicas.comm_device())
+            everyone = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
+            return dist.all_gather(everyone, mine, async_op=async_op), (everyone, codes.numel()), mine.numel()
+        wire = buf if self.wire == torch.float32 and replicas.comm_device().type == "cpu" else None
+        if wire is None:
+            wire = buf.to(self.wire).to(replicas.comm_device())
+        work = dist.all_reduce(wire, op=dist.ReduceOp.SUM, async_op=async_op)
+        return work, wire, wire.numel() * wire.element_size()
+
+    def _land(self, buf: torch.Tensor, n: int, k: int, wire: Any, work: Any) -> list[StepResult]:
+        """Wait for the collective, put the sum into `buf` and apply the outer step to the common point."""
+        if work is not None:
+            work.wait()
+        if self.feedback is not None:
+            self._sum_quantized(buf, n, *wire)
+        elif wire is not buf:
+            buf.copy_(wire)
+        delta = buf[:n]
         stats = buf[n:].view(k, 2).clone()
         applied = bool(torch.isfinite(delta.sum())) or bool(torch.isfinite(delta).all())  # the sum: no big temporary
         if applied:  # SGD with Nesterov momentum on the pseudo-gradient, as torch.optim.SGD computes it
             mu = self.config.outer_momentum
             self.momentum.mul_(mu).add_(delta)
             self.anchor.sub_(delta.add_(self.momentum, alpha=mu), alpha=self.config.outer_lr)
-        replicas.unflatten_into(self.anchor, self.params)
-        self._pending, self._weights = [], []
-        self._committed = small_state(task, self.loss_scale)
-        done = [StepResult(applied and float(s[-1]) == 0.0, s[:-1]) for s in stats]
-        return done, sent
+        return [StepResult(applied and float(s[-1]) == 0.0, s[:-1]) for s in stats]
 
-    def _gather_quantized(self, buf: torch.Tensor, n: int) -> int:
+    def _sum_quantized(self, buf: torch.Tensor, n: int, everyone: list[torch.Tensor], size: int) -> None:
         """int8/int4: quantized sums do not add up across ranks (each block has its own scale), so every rank
         gathers every rank's codes and scales (plus its fp32 statistics) and adds them up itself, in rank
-        order: the same sum, bit for bit, on every rank. Writes the sum into `buf`; returns the bytes sent."""
+        order: the same sum, bit for bit, on every rank. Writes the sum into `buf`."""
         assert self.feedback is not None
-        codes = self.feedback.encode(buf[:n])
-        mine = torch.cat([codes, buf[n:].contiguous().view(torch.uint8)]).to(replicas.comm_device())
-        everyone = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
-        dist.all_gather(everyone, mine)
         buf.zero_()
-        size = codes.numel()
         for theirs in everyone:
             theirs = theirs.to("cpu")
             buf[:n].add_(dequantize(theirs[:size], n, self.feedback.bits))
             buf[n:].add_(theirs[size:].view(torch.float32))
-        return mine.numel()
 
     def end_round(self, task: Task, weight: float, drift_tolerance: float) -> RoundSync:
         t0 = time.perf_counter()
-        done, sent = self._exchange(task) if self._pending else ([], 0)
+        landed = self._inflight is not None
+        done = self._finish() if landed else []
+        sent = 0
+        if self._pending:  # what is left is exchanged at once: replicas are equal at a round boundary
+            more, sent = self._exchange(task)
+            done += more
+        elif landed:  # overlap: the last window was in flight; the weights become the common point
+            replicas.unflatten_into(self.anchor, self.params)
+            self.base.copy_(self.anchor)
         self._sync_loss_scale()
         replicas.average_buffers(task.model, weight)
         d, rebroadcast = replicas.resync_if_drifted(task.model, task.optimizer, drift_tolerance)
         if rebroadcast:
-            self.anchor = self._flat_params()
+            self.anchor.copy_(self._flat_params())
+            self.base.copy_(self.anchor)
         return RoundSync(drift=d, rebroadcast=rebroadcast, comm_s=time.perf_counter() - t0, done=done, sent_bytes=sent)
 
     def _sync_loss_scale(self) -> None:
@@ -178,7 +270,8 @@ class LocalSGDStrategy(SyncStrategy):
             self.loss_scale.load_state_dict({"scale": float(scale), "good_steps": 0})
 
     def state_bytes(self, task: Task) -> dict[str, int]:
-        own = tensor_bytes([self.anchor, self.momentum, self._work])
+        own = tensor_bytes([self.anchor, self.momentum, self._work, self._spare])
+        own += tensor_bytes([self.base]) if self.overlap else 0
         own += tensor_bytes([self.feedback.residual]) if self.feedback is not None else 0
         return {"optimizer": tensor_bytes(task.optimizer.state), "strategy": own}
 

@@ -116,7 +116,8 @@ class Controller:
         self.started_at = time.perf_counter()
         self.epochs = epochs
         # a short first round measures the step time (local SGD: H steps, the shortest without an early exchange)
-        round_steps = whole_exchanges(self.settings.steps_per_round or 2, self.settings.steps_per_exchange)
+        first = self.settings.steps_per_round or max(2, self.settings.min_round_steps)
+        round_steps = whole_exchanges(first, self.settings.steps_per_exchange)
         epoch, step = start
         if self.ops.shards_optimizer and self.checkpoints is not None:
             self._checkpoint(epoch, step)  # a lost worker takes its optimizer slice along: this is the way back
@@ -221,6 +222,7 @@ class Controller:
             target,
             self.settings.steps_per_round,
             per_exchange=self.settings.steps_per_exchange,
+            min_steps=self.settings.min_round_steps,
         )
 
     def _slowdown(self, round_index: int) -> tuple[float, ...]:

@@ -91,16 +91,22 @@ def time_split(entry: dict) -> tuple[float, float, float]:
 
 
 def next_round_steps(
-    step_s: float, target_s: float, fixed: int | None, max_steps: int = 10_000, per_exchange: int = 1
+    step_s: float,
+    target_s: float,
+    fixed: int | None,
+    max_steps: int = 10_000,
+    per_exchange: int = 1,
+    min_steps: int = 1,
 ) -> int:
-    """Steps for the next round: the user's fixed number, or enough for about `target_s` seconds; either way
-    a whole number of `per_exchange` steps (local SGD's H), so that no round boundary forces an early one."""
+    """Steps for the next round: the user's fixed number, or enough for about `target_s` seconds (at least
+    `min_steps`); either way a whole number of `per_exchange` steps (local SGD's H), so that no round
+    boundary forces an early one."""
     if fixed is not None:
         steps = fixed
     elif step_s <= 0:
         steps = max_steps
     else:
-        steps = max(1, min(max_steps, round(target_s / step_s)))
+        steps = max(1, min_steps, min(max_steps, round(target_s / step_s)))
     return whole_exchanges(steps, per_exchange)
 
 

@@ -19,6 +19,8 @@ class RunSettings:
     steps_per_exchange: int = 1
     """local-sgd's H: rounds are whole multiples of it (a round boundary ends with an exchange), but for an
     epoch's last round."""
+    min_round_steps: int = 1
+    """The shortest round but an epoch's last (overlapped local SGD: several exchanges)."""
     drift_tolerance: float
     num_eval: int
     balanced: bool = False
