@@ -140,13 +140,13 @@ def test_auto_keeps_allreduce_where_compute_dominates_and_the_math_stays_exact(t
 
 def test_auto_adopts_local_sgd_where_the_exchange_dominates_a_step(tmp_path):
     # the tiny MLP computes a step in a fraction of the time one all-reduce takes on its latency alone: the
-    # group re-forms with local SGD before the first step, with the H the figures call for
+    # group re-forms with overlapped local SGD before the first step, with the H the figures call for
     x, y = data("mlp", NUM_SAMPLES)
     result = train("mlp", "sgd", [32, 32], x, y, tmp_path, strategy="auto")
     config = _chosen(result)
     chosen, advice = config["strategy"], config["strategy_advice"]
-    assert chosen["name"] == "local-sgd" and chosen["local_steps"] >= 2, advice
-    assert advice.startswith(f"auto chose local-sgd (H={chosen['local_steps']})"), advice
+    assert chosen["name"] == "local-sgd" and chosen["local_steps"] >= 2 and chosen["overlap"], advice
+    assert advice.startswith(f"auto chose local-sgd (H={chosen['local_steps']}, overlapped)"), advice
     assert all(r["drift"] == 0.0 for r in result.history)
     h = chosen["local_steps"]
     assert all(r["num_steps"] % h == 0 or r["first_step"] + r["num_steps"] == 30 for r in result.history)

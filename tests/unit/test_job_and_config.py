@@ -106,6 +106,18 @@ def test_toml_keys_become_flag_defaults_and_flags_win(tmp_path):
     assert plan_args.task == "chars" and not hasattr(plan_args, "epochs")
 
 
+def test_local_sgd_flags_reach_the_strategy():
+    from mixtrain.cli.main import _trainer
+
+    argv = ["train", "digits", "--strategy", "local-sgd", "--local-steps", "16", "--overlap", "--compress", "int4"]
+    args, _ = _parse([*argv, "--outer-lr", "0.7", "--outer-momentum", "0.9"])
+    strategy = _trainer(args)[1].strategy
+    assert (strategy.local_steps, strategy.overlap, strategy.compress) == (16, True, "int4")
+    assert (strategy.outer_lr, strategy.outer_momentum) == (0.7, 0.9)
+    plain = _trainer(_parse(["train", "digits", "--strategy", "local-sgd"])[0])[1].strategy
+    assert (plain.overlap, plain.outer_lr, plain.outer_momentum) == (False, 1.0, 0.0)  # plain averaging
+
+
 @pytest.mark.parametrize(
     ("line", "message"),
     [

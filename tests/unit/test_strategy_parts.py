@@ -50,21 +50,21 @@ def test_advice_keeps_allreduce_on_a_fast_link():
     assert "allreduce suggested" in line and "1.0 MB per exchange took 5.0 ms (200 MB/s)" in line
 
 
-def test_advice_suggests_local_sgd_with_enough_local_steps_on_a_slow_link():
-    # 400 MB per step over 50 MB/s: 8 s of communication against 1 s of compute: H=80 for 10%, past the cap of
-    # 64; int8 deltas (a quarter of the bytes, scales included) need H=20.3 -> 32
+def test_advice_suggests_overlapped_local_sgd_with_enough_local_steps_on_a_slow_link():
+    # 400 MB per step over 50 MB/s: 8 s of communication against 1 s of compute. Overlapped, an exchange runs
+    # behind the next H steps and only a round's last (one in 4) blocks: H >= 8 / (0.1 x 4) = 20 -> 32
     line = suggest(1.0, 8.0, 400 * 2**20, StrategyConfig(), workers=2)
-    assert (
-        "local-sgd with H=32 and int8 deltas suggested (--strategy local-sgd --local-steps 32 --compress int8)" in line
-    )
+    assert "overlapped local-sgd with H=32 suggested (--strategy local-sgd --local-steps 32 --overlap)" in line
     assert "400.0 MB per exchange" in line and "(50 MB/s)" in line
-    # 16 s against 1 s: int8 needs H=40.6 -> 64; 64 s against 1 s: int8 would need 162, int4 needs 82 -> the cap
-    assert "H=64 and int8 deltas" in suggest(1.0, 16.0, 400 * 2**20, StrategyConfig(), workers=2)
-    assert "H=64 and int4 deltas" in suggest(1.0, 64.0, 400 * 2**20, StrategyConfig(), workers=2)
-    line = suggest(1.0, 0.8, 400 * 2**20, StrategyConfig(), workers=2)  # H=8 is enough: bf16 as an option
-    assert "local-sgd with H=8 suggested" in line and "--compress bf16 halves the bytes" in line
-    line = suggest(0.1, 0.07, 2**20, StrategyConfig(compress="bf16"), workers=3)
-    assert "H=8" in line and "--compress" not in line  # 0.7 / 0.1 = 7 -> the next power of two
+    assert "H=64 suggested" in suggest(1.0, 16.0, 400 * 2**20, StrategyConfig(), workers=2)  # 40 -> 64
+    # 64 s against 1 s: H=160 past the cap of 64; int8 deltas (a quarter of the bytes, scales included): 40.6
+    line = suggest(1.0, 64.0, 400 * 2**20, StrategyConfig(), workers=2)
+    assert "H=64 and int8 deltas suggested (--strategy local-sgd --local-steps 64 --overlap --compress int8)" in line
+    assert "H=64 and int4 deltas" in suggest(1.0, 200.0, 400 * 2**20, StrategyConfig(), workers=2)
+    line = suggest(1.0, 0.8, 400 * 2**20, StrategyConfig(), workers=2)  # the exchange hides behind 2 steps
+    assert "local-sgd with H=2 suggested" in line and "--compress bf16 halves the bytes" in line
+    line = suggest(0.1, 0.3, 2**20, StrategyConfig(compress="bf16"), workers=3)
+    assert "H=8" in line and "--compress" not in line  # 3 / 0.4 = 7.5 -> the next power of two
     assert "allreduce suggested" in suggest(0.1, 0.05, 2**20, StrategyConfig(), workers=2)  # at most half
     assert "nothing to exchange" in suggest(0.1, 0.0, 0, StrategyConfig(), workers=1)
 
@@ -80,6 +80,8 @@ def test_advice_suggests_local_sgd_with_enough_local_steps_on_a_slow_link():
         ({"local_steps": 0}, "StrategyConfig.local_steps=0"),
         ({"outer_momentum": 1.0}, "StrategyConfig.outer_momentum=1.0"),
         ({"ps_shards": 0}, "StrategyConfig.ps_shards=0"),
+        ({"overlap": True}, "StrategyConfig.overlap=True (--overlap) works with strategy local-sgd"),
+        ({"overlap": 1, "name": "local-sgd"}, "StrategyConfig.overlap=1: must be True or False"),
     ],
 )
 def test_bad_strategy_settings_name_the_field_and_the_fix(kwargs, fragment):
@@ -95,10 +97,10 @@ def test_auto_adopts_allreduce_on_a_fast_link_and_local_sgd_with_h_and_compressi
     assert choose(0.050, 0.005, auto, 2, mb).name == "allreduce"  # a tenth of the compute
     assert choose(0.1, 0.05, StrategyConfig(name="auto", compress="bf16"), 2, mb).compress == "bf16"
     assert choose(1.0, 8.0, auto, 1, mb).name == "allreduce"  # one worker: nothing to exchange
-    slow = choose(0.1, 0.2, auto, 2, mb)  # twice the compute: H = 2 / 0.1 = 20 -> 32
-    assert (slow.name, slow.local_steps, slow.compress) == ("local-sgd", 32, "none")
-    slower = choose(1.0, 8.0, auto, 3, 400 * mb)  # H=80 past the cap: int8, H=32
-    assert (slower.name, slower.local_steps, slower.compress) == ("local-sgd", 32, "int8")
+    slow = choose(0.1, 0.2, auto, 2, mb)  # twice the compute, overlapped: H = 2 / (0.1 x 4) = 5 -> 8
+    assert (slow.name, slow.local_steps, slow.compress, slow.overlap) == ("local-sgd", 8, "none", True)
+    slower = choose(1.0, 32.0, auto, 3, 400 * mb)  # H=80 past the cap: int8, H=32
+    assert (slower.name, slower.local_steps, slower.compress, slower.overlap) == ("local-sgd", 32, "int8", True)
     assert slower.outer_lr == auto.outer_lr and slower.outer_momentum == auto.outer_momentum
     tiny = choose(0.0003, 0.004, auto, 2, 3_000)  # 3 KB: latency, which fewer bytes would not shorten
     assert (tiny.name, tiny.local_steps, tiny.compress) == ("local-sgd", 64, "none")

@@ -9,7 +9,7 @@ Command lines:
     mixtrain train digits --workers 3 --shares 30,20,14 --global-batch 64 --epochs 5 --run-dir runs/a
     mixtrain train digits --workers cuda:1,mps:1,cpu:2 --precision auto --address 192.168.1.10:6379
     mixtrain train --resume runs/a --epochs 20             # continue a stopped run
-    mixtrain train digits --strategy local-sgd --local-steps 16 --compress bf16   # a slow link
+    mixtrain train digits --strategy local-sgd --local-steps 16 --overlap --compress int8   # a slow link
     mixtrain plan digits --workers cuda:1,mps:1            # measure and show the split, no training
     mixtrain report runs/a                                 # plots and a summary of a run
     mixtrain devices
@@ -234,6 +234,18 @@ def _job_flags(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--local-steps", type=_positive_int, default=8, help="local-sgd: steps between averages (default 8)")
     p.add_argument(
+        "--outer-lr",
+        type=float,
+        default=1.0,
+        help="local-sgd: learning rate of the outer step on the averaged delta (default 1.0: plain averaging)",
+    )
+    p.add_argument(
+        "--outer-momentum",
+        type=float,
+        default=0.0,
+        help="local-sgd: Nesterov momentum of the outer step (default 0; DiLoCo: --outer-lr 0.7 --outer-momentum 0.9)",
+    )
+    p.add_argument(
         "--overlap",
         action="store_true",
         help="local-sgd: exchange in the background while the next --local-steps steps compute, applying the "
@@ -336,6 +348,8 @@ def _trainer(
             staleness=args.staleness,
             local_steps=args.local_steps,
             overlap=args.overlap,
+            outer_lr=args.outer_lr,
+            outer_momentum=args.outer_momentum,
             ps_shards=args.ps_shards or "auto",
         ),
         run=RunConfig(

@@ -3,11 +3,12 @@
 Each worker steps its own copy of the user's optimizer (the inner optimizer) on the mean
 gradient of its own samples. Every `local_steps` steps the workers all-reduce their parameter
 deltas from the last common point, weighted by their share of the samples, and every rank
-applies the average as a gradient to that common point with SGD + Nesterov momentum (DiLoCo:
-lr 0.7, momentum 0.9). One collective per H steps instead of one per step. A round always
-ends with an exchange, so replicas are equal at every round boundary (checkpoints, workers
-leaving and joining work as with all-reduce); the controller sizes rounds in whole multiples of H
-(RunSettings.steps_per_exchange), so that exchange is never an early one, but at an epoch's end.
+applies the average as a gradient to that common point with SGD + Nesterov momentum (by default lr 1
+and no momentum: plain averaging; DiLoCo's lr 0.7, momentum 0.9 suit H in the hundreds). One collective
+per H steps instead of one per step. A round always ends with an exchange, so replicas are equal at every
+round boundary (checkpoints, workers leaving and joining work as with all-reduce); the controller sizes
+rounds in whole multiples of H (RunSettings.steps_per_exchange), so that exchange is never an early one, but
+at an epoch's end.
 Inner optimizer states stay per worker; a checkpoint keeps rank 0's.
 
 With `compress` int8 or int4 the deltas travel quantized (a scale per 256 values) with error feedback

@@ -5,13 +5,15 @@ from __future__ import annotations
 import math
 from dataclasses import replace
 
-from mixtrain.config import QUANTIZED, StrategyConfig
+from mixtrain.config import OVERLAP_EXCHANGES_PER_ROUND, QUANTIZED, StrategyConfig
 
 ALLREDUCE_MAX_RATIO = 0.5
 """All-reduce is suggested while one exchange costs at most this fraction of a step's compute (it keeps the
 exact math, and its exchange partly overlaps backward)."""
 LOCAL_SGD_TARGET = 0.10
-"""local-sgd's H is chosen so communication is at most this fraction of compute (H a power of 2, 2..64)."""
+"""local-sgd's H is chosen so communication is at most this fraction of compute (H a power of 2, 2..64). With
+overlap an exchange runs behind the next H steps' compute: only a round's last one blocks (one in
+OVERLAP_EXCHANGES_PER_ROUND or more), so H needs to cover the exchange time and a quarter of the 10% rule."""
 MAX_LOCAL_STEPS = 64
 """Past this H, int8 (then int4) deltas are suggested instead of more local steps."""
 WIRE_BYTES = {"none": 4.0, "bf16": 2.0, "fp16": 2.0, "int8": 1.0 + 4 / 256, "int4": 0.5 + 4 / 256}
@@ -39,11 +41,11 @@ def suggest(compute_s: float, exchange_s: float, exchange_bytes: int, current: S
             verdict += " (--strategy allreduce)"
         return f"{figures}: {verdict}"
     h, compress = chosen.local_steps, chosen.compress
-    flags = f"--strategy local-sgd --local-steps {h}"
+    flags = f"--strategy local-sgd --local-steps {h} --overlap"
     if compress != current.compress:
-        verdict = f"local-sgd with H={h} and {compress} deltas suggested ({flags} --compress {compress})"
+        verdict = f"overlapped local-sgd with H={h} and {compress} deltas suggested ({flags} --compress {compress})"
     else:
-        verdict = f"local-sgd with H={h} suggested ({flags})"
+        verdict = f"overlapped local-sgd with H={h} suggested ({flags})"
     if compress == "none":
         verdict += "; --compress bf16 halves the bytes"
     return f"{figures}: {verdict}"
@@ -55,15 +57,17 @@ def choose(
     """The strategy the figures call for, as `current` changed: all-reduce (the exact math) while one exchange
     costs at most ALLREDUCE_MAX_RATIO of a step's compute; else local SGD with the H (and, past H=64, the
     int8/int4 deltas, for exchanges of QUANTIZE_MIN_BYTES or more) that bring communication under
-    LOCAL_SGD_TARGET. What `--strategy auto` adopts."""
+    LOCAL_SGD_TARGET, overlapped (the exchange runs while the next H steps compute). What `--strategy auto`
+    adopts."""
     if workers < 2 or compute_s <= 0 or exchange_s <= 0 or exchange_s / compute_s <= ALLREDUCE_MAX_RATIO:
         wire = "none" if current.compress in QUANTIZED else current.compress  # no int8 gradients
         return replace(current, name="allreduce", compress=wire)
-    need = exchange_s / compute_s / LOCAL_SGD_TARGET
+    ratio = exchange_s / compute_s
+    need = max(ratio, ratio / (LOCAL_SGD_TARGET * OVERLAP_EXCHANGES_PER_ROUND))
     if exchange_bytes < QUANTIZE_MIN_BYTES:
-        return replace(current, name="local-sgd", local_steps=_power_of_two(need))
+        return replace(current, name="local-sgd", local_steps=_power_of_two(need), overlap=True)
     h, compress = _local_steps_and_wire(need, current.compress)
-    return replace(current, name="local-sgd", local_steps=h, compress=compress)
+    return replace(current, name="local-sgd", local_steps=h, compress=compress, overlap=True)
 
 
 def _power_of_two(need: float) -> int:
