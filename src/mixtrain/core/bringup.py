@@ -114,7 +114,7 @@ def bring_up(
     phases = phases or Phases()
     requested = strategy
     if strategy.name == "auto":  # measured as all-reduce (the exact math), kept unless the link is slow for it
-        strategy = replace(strategy, name="allreduce")
+        strategy = replace(strategy, name="allreduce", overlap=False)
     notes: list[str] = []
     left_out: list[LeftOut] = []
     # Build before forming the group, so a factory that raises fails at once instead of
