@@ -11,7 +11,7 @@ import pytest
 import torch
 from torch.nn.utils import parameters_to_vector, vector_to_parameters
 
-from mixtrain import StrategyConfig
+from mixtrain import RunConfig, ScalingConfig, StrategyConfig, Trainer
 from mixtrain.data.sampling import epoch_permutation, steps_per_epoch
 from tests.conftest import run_records
 from tests.models import data, faulty_task, make_task
@@ -133,8 +133,6 @@ def test_a_worker_killed_mid_exchange_under_overlap_is_survived(tmp_path, monkey
     x, y = data("mlp", NUM_SAMPLES)
     task = functools.partial(faulty_task, "mlp", "sgd0", "kill", 1, 8, str(tmp_path / "fired"))
     strategy = StrategyConfig(name="local-sgd", local_steps=H, overlap=True)
-    from mixtrain import RunConfig, ScalingConfig, Trainer
-
     result = Trainer(
         task,
         (x, y),

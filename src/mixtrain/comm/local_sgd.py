@@ -74,7 +74,6 @@ class _InFlight:
     steps: int
     committed: dict[str, Any]
     """The scheduler position and loss scale after the window's last step: the restore point once applied."""
-    started: float
 
 
 class LocalSGDStrategy(SyncStrategy):
@@ -108,13 +107,17 @@ class LocalSGDStrategy(SyncStrategy):
 
     def recover(self, task: Task) -> None:
         self._inflight = None  # its group is gone; its steps are redone from the common point
-        replicas.unflatten_into(self.anchor, self.params)
-        if self.overlap:
-            self.base.copy_(self.anchor)
+        self._to_common_point()
         if self.feedback is not None:  # the residual of a delta no survivor applied
             self.feedback.reset()
         load_small_state(task, self.loss_scale, self._committed)
         self._pending, self._weights = [], []
+
+    def _to_common_point(self) -> None:
+        """The weights (and, with overlap, the base progress is measured from) become the common point."""
+        replicas.unflatten_into(self.anchor, self.params)
+        if self.overlap:  # (without overlap the base is the common point itself)
+            self.base.copy_(self.anchor)
 
     def _flat_params(self) -> torch.Tensor:
         return replicas.flat_on_host(self.params, torch.float32)
@@ -165,9 +168,7 @@ class LocalSGDStrategy(SyncStrategy):
         buf[:n].mul_(self._pack(buf))
         work, wire, sent = self._launch(buf, n, async_op=False)
         done = self._land(buf, n, k, wire, work)
-        replicas.unflatten_into(self.anchor, self.params)
-        if self.overlap:
-            self.base.copy_(self.anchor)
+        self._to_common_point()
         self._pending, self._weights = [], []
         self._committed = small_state(task, self.loss_scale)
         return done, sent
@@ -187,7 +188,7 @@ class LocalSGDStrategy(SyncStrategy):
         buf[:n].mul_(share)
         work, wire, sent = self._launch(buf, n, async_op=True)
         committed = small_state(task, self.loss_scale)
-        self._inflight = _InFlight(work, buf, wire, k, committed, time.perf_counter())
+        self._inflight = _InFlight(work, buf, wire, k, committed)
         self._work, self._spare = self._spare, self._work  # the next window packs into the other buffer
         self._pending, self._weights = [], []
         return done, sent
@@ -251,14 +252,14 @@ class LocalSGDStrategy(SyncStrategy):
             more, sent = self._exchange(task)
             done += more
         elif landed:  # overlap: the last window was in flight; the weights become the common point
-            replicas.unflatten_into(self.anchor, self.params)
-            self.base.copy_(self.anchor)
+            self._to_common_point()
         self._sync_loss_scale()
         replicas.average_buffers(task.model, weight)
         d, rebroadcast = replicas.resync_if_drifted(task.model, task.optimizer, drift_tolerance)
         if rebroadcast:
             self.anchor.copy_(self._flat_params())
-            self.base.copy_(self.anchor)
+            if self.overlap:
+                self.base.copy_(self.anchor)
         return RoundSync(drift=d, rebroadcast=rebroadcast, comm_s=time.perf_counter() - t0, done=done, sent_bytes=sent)
 
     def _sync_loss_scale(self) -> None:
