@@ -59,7 +59,8 @@ def _run(host: netns.Host, argv: list[str], home: Path, timeout: float = 180) ->
 
 def _strategy(spec: str) -> dict:
     """allreduce, allreduce+bf16, local-sgd:8, local-sgd:8+bf16 (or +int8, +int4), local-sgd:8+int8+overlap,
-    local-sgd:8+outer=1/0 (the outer lr and momentum), ps, ps-async:2; "alone" is one worker on one host (the
+    local-sgd:8+outer=1/0 (the outer lr and momentum), local-sgd:8+int4+overlap+paced (per-device pace), ps,
+    ps-async:2; "alone" is one worker on one host (the
     fast machine alone)."""
     body, *flags = spec.split("+")
     name, _, number = body.partition(":")
@@ -67,6 +68,8 @@ def _strategy(spec: str) -> dict:
     for flag in flags:
         if flag == "overlap":
             out["overlap"] = True
+        elif flag == "paced":
+            out["pace"] = "per-device"
         elif flag.startswith("outer="):
             lr, momentum = flag.removeprefix("outer=").split("/")
             out.update(outer_lr=float(lr), outer_momentum=float(momentum))

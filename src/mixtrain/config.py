@@ -334,6 +334,9 @@ equal at every round boundary), the others run while the next H steps compute.""
 QUANTIZED = ("int8", "int4")
 """Compressions for local SGD's deltas only: quantized with a scale per block and error feedback."""
 COMPRESSION = ("none", "bf16", "fp16", *QUANTIZED)
+PACES = ("balanced", "per-device")
+"""Local SGD on unequal devices: the same inner steps per worker on batches sized by speed, or the same inner
+batch per worker and steps sized by speed."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -365,6 +368,11 @@ class StrategyConfig:
     exchange late (Streaming DiLoCo's delayed outer update): a slow link costs up to H steps of compute less
     per exchange. Rounds then hold at least OVERLAP_EXCHANGES_PER_ROUND exchanges (a round ends in a blocking
     one). With `auto`: overlap if local SGD is chosen."""
+    pace: str = "balanced"
+    """local-sgd with unequal devices: "balanced" (each step's samples are split by speed, so every worker takes
+    the same H inner steps per window, the slower ones on smaller batches) or "per-device" (every worker's inner
+    batch is the global batch over the number of workers, so a faster device, holding more of the samples,
+    takes more inner steps per window; deltas are weighted by samples either way)."""
     ps_shards: int | str = "auto"
     """ps, ps-async: parameter-server actors the parameters are split over, by size; "auto": one per 16 MB,
     at most 4."""
@@ -403,6 +411,13 @@ class StrategyConfig:
                 f"StrategyConfig.overlap=True (--overlap) works with strategy local-sgd (or auto, when it picks "
                 f"local-sgd), not {self.name!r}: use strategy='local-sgd' (--strategy local-sgd --overlap)"
             )
+        if self.pace not in PACES:
+            raise ValueError(f"StrategyConfig.pace={self.pace!r} (--pace): use one of {', '.join(PACES)}")
+        if self.pace != "balanced" and self.name not in ("local-sgd", "auto"):
+            raise ValueError(
+                f"StrategyConfig.pace={self.pace!r} (--pace {self.pace}) works with strategy local-sgd (or auto, when "
+                f"it picks local-sgd), not {self.name!r}: every other strategy takes one update per global batch"
+            )
 
     @property
     def steps_per_exchange(self) -> int:
@@ -419,6 +434,7 @@ class StrategyConfig:
 
     def describe(self) -> str:
         overlapped = ", overlapped" if self.overlap else ""
+        overlapped += f", {self.pace} pace" if self.pace != "balanced" else ""
         extra = {"ps-async": f" (staleness {self.staleness})", "local-sgd": f" (H={self.local_steps}{overlapped})"}
         wire = f", {self.compress} on the wire" if self.compress != "none" else ""
         return f"{self.name}{extra.get(self.name, '')}{wire}"

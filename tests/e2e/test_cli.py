@@ -335,8 +335,8 @@ def test_plan_measures_prints_the_split_and_suggests_a_strategy_without_training
 @pytest.mark.parametrize(
     "flags",
     [["--strategy", "ps", "--ps-shards", "2"], ["--strategy", "ps-async", "--staleness", "2"],
-     ["--strategy", "local-sgd", "--local-steps", "4", "--overlap", "--compress", "int8"]],
-    ids=["ps", "ps-async", "local-sgd-overlap-int8"],
+     ["--strategy", "local-sgd", "--local-steps", "4", "--overlap", "--compress", "int8", "--pace", "per-device"]],
+    ids=["ps", "ps-async", "local-sgd-overlap-int8-per-device-pace"],
 )  # fmt: skip
 def test_each_strategy_trains_the_digits_job_through_the_cli(flags, tmp_path, ray_address):
     run_dir = tmp_path / "run"
@@ -351,6 +351,7 @@ def test_each_strategy_trains_the_digits_job_through_the_cli(flags, tmp_path, ra
     assert config["strategy"]["name"] == flags[1]
     assert f"strategy: {flags[1]}" in proc.stderr and "MB per exchange took" in proc.stderr
     assert config["strategy"]["overlap"] == ("--overlap" in flags)
+    assert config["strategy"]["pace"] == ("per-device" if "--pace" in flags else "balanced")
     rounds = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     rounds = [r for r in rounds if r["kind"] == "round"]
     assert sum(r["samples"] for r in rounds) == 3 * config["num_samples"]

@@ -29,12 +29,15 @@ class Simulation:
     the mean gradient of its own slice; every H steps the share-weighted deltas from each replica's base are
     summed and applied to the common point A by SGD with Nesterov momentum. Plain: every replica then takes
     A. Overlapped: the sum is applied at the next exchange, and each replica becomes the new A minus its own
-    delta; a round's end applies what is in flight and every replica takes A."""
+    delta; a round's end applies what is in flight and every replica takes A. Per-device pace: a replica
+    steps on each `inner` samples of its slices in order, whatever the step they came in, and on what is left
+    when an exchange comes."""
 
-    def __init__(self, shares: list[int], overlap: bool):
+    def __init__(self, shares: list[int], overlap: bool, inner: int | None = None):
         torch.manual_seed(SEED)
         self.task = make_task("mlp", "sgd0")
-        self.shares, self.overlap = shares, overlap
+        self.shares, self.overlap, self.inner = shares, overlap, inner
+        self.queues = [torch.zeros(0, dtype=torch.long) for _ in shares]  # per-device pace: not yet stepped on
         self.models = [copy.deepcopy(self.task.model) for _ in shares]
         self.opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in self.models]
         self.anchor = parameters_to_vector(self.task.model.parameters()).detach().clone()
@@ -42,14 +45,24 @@ class Simulation:
         self.bases = [self.anchor.clone() for _ in shares]
         self.inflight: torch.Tensor | None = None
 
-    def step(self, x: torch.Tensor, y: torch.Tensor, idx: torch.Tensor) -> None:
+    def step(self, x: torch.Tensor, y: torch.Tensor, idx: torch.Tensor, exchange_follows: bool) -> None:
         lo = 0
-        for m, opt, b in zip(self.models, self.opts, self.shares):
-            opt.zero_grad()
+        for r, (m, opt, b) in enumerate(zip(self.models, self.opts, self.shares)):
             part = idx[lo : lo + b]
-            self.task.loss_fn(m(x[part]), y[part]).backward()
-            opt.step()
             lo += b
+            if self.inner is None:
+                self._sgd(m, opt, x[part], y[part])
+                continue
+            queue = torch.cat([self.queues[r], part])
+            while len(queue) >= self.inner or (exchange_follows and len(queue)):
+                batch, queue = queue[: self.inner], queue[self.inner :]
+                self._sgd(m, opt, x[batch], y[batch])
+            self.queues[r] = queue
+
+    def _sgd(self, model: torch.nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor, y: torch.Tensor) -> None:
+        opt.zero_grad()
+        self.task.loss_fn(model(x), y).backward()
+        opt.step()
 
     def _outer(self, delta: torch.Tensor) -> None:
         self.momentum.mul_(MU).add_(delta)
@@ -86,11 +99,13 @@ class Simulation:
             self._set([self.anchor] * len(self.models))
 
 
-def simulate(x: torch.Tensor, y: torch.Tensor, shares: list[int], overlap: bool) -> dict[str, torch.Tensor]:
-    sim = Simulation(shares, overlap)
+def simulate(
+    x: torch.Tensor, y: torch.Tensor, shares: list[int], overlap: bool, inner: int | None = None
+) -> dict[str, torch.Tensor]:
+    sim = Simulation(shares, overlap, inner)
     perm = torch.from_numpy(epoch_permutation(SEED, 0, len(y)))
     for step in range(steps_per_epoch(len(y), GLOBAL_BATCH)):
-        sim.step(x, y, perm[step * GLOBAL_BATCH : (step + 1) * GLOBAL_BATCH])
+        sim.step(x, y, perm[step * GLOBAL_BATCH : (step + 1) * GLOBAL_BATCH], (step + 1) % H == 0)
         if (step + 1) % H == 0:
             sim.exchange()
         if (step + 1) % ROUND == 0:
@@ -98,19 +113,29 @@ def simulate(x: torch.Tensor, y: torch.Tensor, shares: list[int], overlap: bool)
     return sim.models[0].state_dict()
 
 
-@pytest.mark.parametrize("overlap", [False, True], ids=["plain", "overlapped"])
-def test_local_sgd_matches_a_one_process_simulation_of_its_math(overlap, tmp_path):
+@pytest.mark.parametrize(
+    "overlap,pace",
+    [(False, "balanced"), (True, "balanced"), (True, "per-device")],
+    ids=["plain", "overlapped", "overlapped-per-device-pace"],
+)
+def test_local_sgd_matches_a_one_process_simulation_of_its_math(overlap, pace, tmp_path):
     x, y = data("mlp", NUM_SAMPLES)
-    strategy = StrategyConfig(name="local-sgd", local_steps=H, outer_lr=OUTER_LR, outer_momentum=MU, overlap=overlap)
+    strategy = StrategyConfig(
+        name="local-sgd", local_steps=H, outer_lr=OUTER_LR, outer_momentum=MU, overlap=overlap, pace=pace
+    )
     result = train("mlp", "sgd0", [40, 24], x, y, tmp_path, steps_per_round=ROUND, strategy=strategy)
     assert [r["num_steps"] for r in result.history] == [ROUND] * 4
     assert all(r["drift"] == 0.0 for r in result.history)  # replicas are equal at every round's end
     # every window of H steps is exchanged once, with or without overlap: a round sends ROUND / H deltas
     sent = {w["sent_bytes"] for r in result.history for w in r["workers"]}
     assert len(sent) == 1, sent
-    want = simulate(x, y, [40, 24], overlap)
+    # per-device pace: each worker's inner batch is 64 / 2 = 32 samples; in a window of H=2 steps worker 0 (40
+    # a step) steps on 32, 32 and, at the exchange, the 16 left; worker 1 (24 a step) on 32 and the 16 left
+    inner = GLOBAL_BATCH // 2 if pace == "per-device" else None
+    want = simulate(x, y, [40, 24], overlap, inner)
     assert_same_weights(result.state_dict, want)
-    other = simulate(x, y, [40, 24], not overlap)  # and the two differ: the test can tell them apart
+    # and they differ: the test can tell overlap from none, and the paces apart
+    other = simulate(x, y, [40, 24], overlap, None) if inner else simulate(x, y, [40, 24], not overlap)
     assert any(not torch.allclose(want[k], other[k], rtol=1e-4) for k in want)
 
 

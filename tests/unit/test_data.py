@@ -57,3 +57,28 @@ def test_to_arrays_errors_are_clear():
         to_arrays((torch.ones(4, 2), torch.zeros(3)))
     with pytest.raises(TypeError, match="not supported"):
         to_arrays("not a dataset")
+
+
+def test_per_device_pace_cuts_a_workers_samples_into_inner_batches_across_steps():
+    from mixtrain.core.worker_data import paced_segments
+
+    # 3 steps of 5 samples each on this worker, micro-batches of at most 3; inner batches of 4; an exchange
+    # after step 1 (the second): what is left there is stepped on, and counting starts again
+    steps = [(s, 16, [np.arange(5 * s, 5 * s + 3), np.arange(5 * s + 3, 5 * s + 5)]) for s in range(3)]
+    out = paced_segments(steps, 4, [False, True, False])
+    flat = [(list(map(list, seg)), fraction) for _, _, segments in out for seg, fraction in segments]
+    assert flat == [
+        ([[0, 1, 2], [3]], 1.0),
+        ([[4]], 0.0),  # step 0 ends with 1 sample towards the next inner batch
+        ([[5, 6, 7]], 1.0),
+        ([[8, 9]], 0.5),  # the exchange: the 2 left are stepped on
+        ([[10, 11, 12], [13]], 1.0),
+        ([[14]], 0.0),
+    ]
+    assert [(step, total) for step, total, _ in out] == [(0, 16), (1, 16), (2, 16)]
+    # every sample once, in order, and no piece longer than its micro-batch
+    assert np.concatenate([c for _, _, segs in out for seg, _ in segs for c in seg]).tolist() == list(range(15))
+    # a step with no samples here still steps on what is left when an exchange follows it
+    empty = paced_segments([(0, 8, [np.arange(3)]), (1, 8, [])], 4, [False, True])
+    assert [[f for _, f in segs] for _, _, segs in empty] == [[0.0], [0.75]]
+    assert empty[1][2][0][0] == []

@@ -82,6 +82,8 @@ def test_advice_suggests_overlapped_local_sgd_with_enough_local_steps_on_a_slow_
         ({"ps_shards": 0}, "StrategyConfig.ps_shards=0"),
         ({"overlap": True}, "StrategyConfig.overlap=True (--overlap) works with strategy local-sgd"),
         ({"overlap": 1, "name": "local-sgd"}, "StrategyConfig.overlap=1: must be True or False"),
+        ({"pace": "fast", "name": "local-sgd"}, "StrategyConfig.pace='fast' (--pace): use one of balanced, per-device"),
+        ({"pace": "per-device"}, "(--pace per-device) works with strategy local-sgd (or auto"),
     ],
 )
 def test_bad_strategy_settings_name_the_field_and_the_fix(kwargs, fragment):

@@ -251,6 +251,13 @@ def _job_flags(p: argparse.ArgumentParser) -> None:
         help="local-sgd: exchange in the background while the next --local-steps steps compute, applying the "
         "average one exchange late (a slow link)",
     )
+    p.add_argument(
+        "--pace",
+        choices=["balanced", "per-device"],
+        default="balanced",
+        help="local-sgd on unequal devices: balanced (default: the same steps everywhere, batches sized by speed) "
+        "or per-device (the same batch everywhere, a faster device takes more inner steps per exchange)",
+    )
     p.add_argument("--ps-shards", type=_positive_int, help="ps, ps-async: parameter-server actors (default: by size)")
 
 
@@ -348,6 +355,7 @@ def _trainer(
             staleness=args.staleness,
             local_steps=args.local_steps,
             overlap=args.overlap,
+            pace=args.pace,
             outer_lr=args.outer_lr,
             outer_momentum=args.outer_momentum,
             ps_shards=args.ps_shards or "auto",

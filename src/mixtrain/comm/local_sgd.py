@@ -101,6 +101,8 @@ class LocalSGDStrategy(SyncStrategy):
         self._pending: list[torch.Tensor] = []  # per step since the last exchange: [loss term, non-finite]
         self._weights: list[float] = []
         self._committed: dict[str, Any] = {}  # scheduler and loss scale at the last exchange
+        self._inner_finite: bool = True  # per-device pace: the inner steps since the last step(), all finite
+        self._inner_norm: torch.Tensor | None = None  # and the last one's gradient norm
 
     def begin_round(self, task: Task) -> None:
         self._committed = small_state(task, self.loss_scale)  # a round starts at a common point
@@ -112,6 +114,7 @@ class LocalSGDStrategy(SyncStrategy):
             self.feedback.reset()
         load_small_state(task, self.loss_scale, self._committed)
         self._pending, self._weights = [], []
+        self._inner_finite, self._inner_norm = True, None
 
     def _to_common_point(self) -> None:
         """The weights (and, with overlap, the base progress is measured from) become the common point."""
@@ -125,20 +128,49 @@ class LocalSGDStrategy(SyncStrategy):
     def zero_grad(self, task: Task) -> None:
         task.model.zero_grad(set_to_none=True)
 
-    def step(self, task: Task, local_stats: torch.Tensor, weight: float) -> StepOutcome:
+    def inner_batch(self, global_batch: int, world_size: int) -> int | None:
+        return -(-global_batch // world_size) if self.config.pace == "per-device" else None
+
+    def exchanges_after(self, num_steps: int) -> list[bool]:
+        h = self.config.local_steps
+        left = h - len(self._pending)
+        return [(i + 1 - left) % h == 0 for i in range(num_steps)]
+
+    def _optimizer_step(
+        self, task: Task, fraction: float, also: tuple[torch.Tensor, ...] = ()
+    ) -> tuple[bool, torch.Tensor | None]:
+        """Step the inner optimizer on the mean gradient of this rank's samples since the last step, whose
+        gradients add up to `fraction` times it (times the loss scale); skipped when it (or `also`) is not finite."""
         grads = [p.grad for p in self.params if p.grad is not None]
+        finite = devices.all_finite([*grads, *also])  # on the device: MPS checks in slices of < 2**31
         norm = None
-        finite = devices.all_finite([*grads, local_stats])  # on the device: MPS checks in slices of < 2**31
-        if weight > 0:
-            if finite:
-                factor = 1.0 / (weight * self.loss_scale.scale)  # this rank's own mean gradient
-                for g in grads:
-                    g.mul_(factor)
-                norm = clip_gradients(task, self.params)  # this worker's own mean gradient (local SGD)
-                task.optimizer.step()
-                if task.scheduler is not None:
-                    task.scheduler.step()
-            self.loss_scale.update(finite)
+        if finite:
+            factor = 1.0 / (fraction * self.loss_scale.scale)
+            for g in grads:
+                g.mul_(factor)
+            norm = clip_gradients(task, self.params)  # this worker's own mean gradient (local SGD)
+            task.optimizer.step()
+        self.loss_scale.update(finite)
+        return finite, norm
+
+    def inner_step(self, task: Task, fraction: float) -> None:
+        finite, self._inner_norm = self._optimizer_step(task, fraction)
+        self._inner_finite &= finite
+        task.model.zero_grad(set_to_none=True)
+
+    def step(self, task: Task, local_stats: torch.Tensor, weight: float) -> StepOutcome:
+        norm = None
+        if self.config.pace == "per-device":  # the inner steps ran as their batches filled (inner_step); the
+            finite = devices.all_finite([local_stats]) and self._inner_finite  # schedule follows the global steps
+            norm, self._inner_norm, self._inner_finite = self._inner_norm, None, True
+            if task.scheduler is not None:
+                task.scheduler.step()
+        elif weight > 0:
+            finite, norm = self._optimizer_step(task, weight, also=(local_stats,))  # this rank's own mean gradient
+            if finite and task.scheduler is not None:
+                task.scheduler.step()
+        else:  # no samples here in this step
+            finite = devices.all_finite([local_stats])
         self._pending.append(torch.cat([local_stats.float().reshape(-1), torch.tensor([0.0 if finite else 1.0])]))
         self._weights.append(weight)
         if len(self._pending) < self.config.local_steps:

@@ -194,6 +194,22 @@ class SyncStrategy(ABC):
         own copies (local SGD's common point and outer momentum)."""
         return {"optimizer": tensor_bytes(task.optimizer.state), "strategy": 0}
 
+    def inner_batch(self, global_batch: int, world_size: int) -> int | None:
+        """Samples per optimizer step where the strategy steps on a batch of its own instead of once per global
+        step (local SGD at per-device pace): the worker then calls `inner_step` each time that many samples'
+        gradients are in, and after each step that `exchanges_after` marks. None: one update per global step."""
+        return None
+
+    def inner_step(self, task: Task, fraction: float) -> None:
+        """Step on the gradient of the samples backwarded since the last inner step, `fraction` of an inner
+        batch (each sample's loss was weighted 1 / inner batch)."""
+        raise NotImplementedError(f"{self.name} takes one update per global step")
+
+    def exchanges_after(self, num_steps: int) -> list[bool]:
+        """Which of the next `num_steps` global steps end with an exchange (where every gradient must have gone
+        into an inner step)."""
+        return [True] * num_steps
+
     def before_last_backward(self, task: Task) -> None:  # noqa: B027 - optional hook, a no-op by default
         """Called before the backward of a step's last micro-batch (when gradients become final)."""
 

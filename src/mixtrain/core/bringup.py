@@ -114,7 +114,7 @@ def bring_up(
     phases = phases or Phases()
     requested = strategy
     if strategy.name == "auto":  # measured as all-reduce (the exact math), kept unless the link is slow for it
-        strategy = replace(strategy, name="allreduce", overlap=False)
+        strategy = replace(strategy, name="allreduce", overlap=False, pace="balanced")
     notes: list[str] = []
     left_out: list[LeftOut] = []
     # Build before forming the group, so a factory that raises fails at once instead of
@@ -170,6 +170,8 @@ def bring_up(
     advice = suggest(compute_s, exchange_s, exchange_bytes, strategy, group.num_workers)
     if requested.name == "auto":
         chosen = choose(compute_s, exchange_s, strategy, group.num_workers, exchange_bytes)
+        if chosen.name == "local-sgd":  # with the pace asked for (all-reduce has one)
+            chosen = replace(chosen, pace=requested.pace)
         if chosen != strategy:
             plan, exchange_s, exchange_bytes = _switch(ops, chosen, global_batch, found, exchanged)
             strategy = chosen

@@ -31,7 +31,7 @@ from mixtrain.core.messages import (
     WorkerInfo,
     WorkerReport,
 )
-from mixtrain.core.worker_data import WorkerData
+from mixtrain.core.worker_data import StepSegments, WorkerData, paced_segments
 from mixtrain.data.sampling import Arrays
 from mixtrain.data.sources import EVAL_EPOCH, Loader, to_device
 from mixtrain.devices import precision
@@ -64,9 +64,11 @@ def forward_backward(
     batches: Iterator[Any],
     chunks: list[np.ndarray],
     step_total: int,
+    grad_total: int | None = None,
 ) -> torch.Tensor:
     """Backward of this rank's micro-batches (`chunks`, read from `batches`), each mean loss scaled by its
-    size / B so the sum over micro-batches and ranks is the global mean. Returns this rank's term of the
+    size / B so the sum over micro-batches and ranks is the global mean (`grad_total`: scaled by its size /
+    grad_total instead, an inner batch of per-device-paced local SGD). Returns this rank's term of the
     global mean loss as a 1-element fp32 tensor on the device: reading it here would make every step wait for
     a GPU to finish. A function, not an actor method: Ray wraps every method of an actor class (tracing),
     which cost a few percent of a small model's step."""
@@ -78,7 +80,8 @@ def forward_backward(
         weight = len(chunk) / step_total
         if n == len(chunks) - 1:
             strategy.before_last_backward(task)
-        (loss * (weight * strategy.loss_scale.scale)).backward()
+        grad_weight = weight if grad_total is None else len(chunk) / grad_total
+        (loss * (grad_weight * strategy.loss_scale.scale)).backward()
         term = loss.detach() * weight
         total = term if total is None else total + term
     if total is None:  # no samples for this rank in this step
@@ -382,19 +385,31 @@ class TrainWorker:
     def _run_round(self, plan: RoundPlan, ledger: RoundLedger) -> WorkerReport:
         index = self.device.index or 0
         self.kind.reset_peak_memory(index)
-        steps = self.data.round_chunks(plan, self.rank)
+        steps = self._round_segments(plan)
         slowdown = plan.slowdown[self.rank] if plan.slowdown else 1.0
-        batches = self.data.train.batches(plan.epoch, [c for _, _, chunks in steps for c in chunks])
+        chunks = [c for _, _, segments in steps for seg, _ in segments for c in seg]
+        batches = self.data.train.batches(plan.epoch, chunks)
+        inner = self.strategy.inner_batch(plan.global_batch, len(plan.shares))
         self.task.model.train()
-        for step, step_total, chunks in steps:
-            num_samples = sum(len(c) for c in chunks)
+        if inner is not None:  # per-device pace: gradients add up across steps until an inner batch is full
+            self.strategy.zero_grad(self.task)
+        for step, step_total, segments in steps:
+            num_samples = sum(len(c) for seg, _ in segments for c in seg)
             t0 = time.perf_counter()
             if slowdown > 1.0:  # EMULATION of a slower device, off by default; the probe timed a sample; the
                 time.sleep((slowdown - 1.0) * self._sec_per_sample * num_samples)  # sleep precedes every collective
-            self.strategy.zero_grad(self.task)
-            local_loss = forward_backward(
-                self.task, self.strategy, self.device, self.precision, batches, chunks, step_total
-            )
+            if inner is None:
+                self.strategy.zero_grad(self.task)
+            local_loss: torch.Tensor | None = None
+            for seg, fraction in segments:
+                term = forward_backward(
+                    self.task, self.strategy, self.device, self.precision, batches, seg, step_total, inner
+                )
+                local_loss = term if local_loss is None else local_loss + term
+                if fraction:
+                    self.strategy.inner_step(self.task, fraction)
+            if local_loss is None:  # (per-device pace: no samples here in this step)
+                local_loss = torch.zeros(1, device=self.device)
             stats = local_loss if self.strategy.stats_on_device else local_loss.cpu()
             if self.world_size > 1:  # the planner splits shares by compute time: queued kernels are compute, not
                 self.kind.synchronize(index)  # the exchange's (costs nothing: the exchange waits for them anyway)
@@ -403,6 +418,17 @@ class TrainWorker:
         weight = plan.shares[self.rank] / sum(plan.shares)  # for buffer averaging: this rank's part of the round
         sync = self.strategy.end_round(self.task, weight, plan.drift_tolerance)
         return ledger.close(plan, sync, self.kind.memory_in_use(index), self._state_bytes())
+
+    def _round_segments(self, plan: RoundPlan) -> list[StepSegments]:
+        """The round's steps, each as segments of micro-batches: one per step (an update per global step), or
+        cut where this worker's inner batch fills (local SGD at per-device pace)."""
+        steps = self.data.round_chunks(plan, self.rank)
+        inner = self.strategy.inner_batch(plan.global_batch, len(plan.shares))
+        if inner is None:
+            return [(step, total, [(chunks, 0.0)]) for step, total, chunks in steps]
+        flush = self.strategy.exchanges_after(len(steps))
+        flush[-1] = True  # a round ends with an exchange
+        return paced_segments(steps, inner, flush)
 
     def _state_bytes(self) -> dict[str, int]:
         """What this replica holds, by part: weights (and buffers), gradients, optimizer state, strategy state."""

@@ -14,6 +14,10 @@ from mixtrain.devices import DeviceKind
 
 StepChunks = tuple[int, int, list[np.ndarray]]
 """(global step, samples in the whole step, this worker's micro-batches as dataset indices)."""
+Segment = tuple[list[np.ndarray], float]
+"""Micro-batches of one step, then the part of an inner batch the optimizer steps on after them (0: none)."""
+StepSegments = tuple[int, int, list[Segment]]
+"""(global step, samples in the whole step, this worker's micro-batches in segments)."""
 
 
 @dataclass
@@ -71,3 +75,31 @@ class WorkerData:
         self.train.close()
         if self.eval is not None:
             self.eval.close()
+
+
+def paced_segments(steps: list[StepChunks], inner: int, flush_after: list[bool]) -> list[StepSegments]:
+    """Per-device pace (local SGD): the round's micro-batches cut where an inner batch of `inner` samples
+    fills, so the optimizer steps every `inner` samples of this worker whatever its share of each global step,
+    and on what is left after each step `flush_after` marks (an exchange, the round's end). A step's segments
+    each end with an inner step, but its last, which may end with none (0)."""
+    out = []
+    fill = 0
+    for (step, total, chunks), flush in zip(steps, flush_after, strict=True):
+        segments: list[Segment] = []
+        current: list[np.ndarray] = []
+        for chunk in chunks:
+            lo = 0
+            while lo < len(chunk):
+                take = min(len(chunk) - lo, inner - fill)
+                current.append(chunk[lo : lo + take])
+                fill, lo = fill + take, lo + take
+                if fill == inner:
+                    segments.append((current, 1.0))
+                    current, fill = [], 0
+        if flush and fill:
+            segments.append((current, fill / inner))
+            current, fill = [], 0
+        elif current:
+            segments.append((current, 0.0))
+        out.append((step, total, segments))
+    return out
