@@ -8,17 +8,6 @@ import pytest
 REPO = Path(__file__).resolve().parent.parent
 
 
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """`make test` runs two pytest processes (pytest-xdist, --dist loadgroup), each with its own session Ray:
-    most of the suite waits on peers and timeouts, so a second process fills that time. The multi-host tests
-    build network namespaces and limit links on one bridge: they run one after another in the same process,
-    and first (about 4 minutes of waiting on timeouts), while the other process takes the rest."""
-    for item in items:
-        if "multihost" in item.path.parts:
-            item.add_marker(pytest.mark.xdist_group("netns"))
-    items.sort(key=lambda item: "multihost" not in item.path.parts)  # stable: otherwise collection order
-
-
 @pytest.fixture(scope="session")
 def ray_session():
     """One local Ray for the whole test session: starting Ray costs seconds."""
