@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from mixtrain.devices.precision import PRECISIONS
 
@@ -431,6 +431,12 @@ class StrategyConfig:
         if self.name == "local-sgd" and self.overlap:
             return self.local_steps * OVERLAP_EXCHANGES_PER_ROUND
         return 1
+
+    def as_allreduce(self) -> StrategyConfig:
+        """These settings for all-reduce: local SGD's own options (overlap, pace) back to their defaults, and
+        no int8/int4 gradients."""
+        compress = "none" if self.compress in QUANTIZED else self.compress
+        return replace(self, name="allreduce", compress=compress, overlap=False, pace="balanced")
 
     def describe(self) -> str:
         overlapped = ", overlapped" if self.overlap else ""

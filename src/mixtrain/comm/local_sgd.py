@@ -156,7 +156,7 @@ class LocalSGDStrategy(SyncStrategy):
     def inner_step(self, task: Task, fraction: float) -> None:
         finite, self._inner_norm = self._optimizer_step(task, fraction)
         self._inner_finite &= finite
-        task.model.zero_grad(set_to_none=True)
+        self.zero_grad(task)
 
     def step(self, task: Task, local_stats: torch.Tensor, weight: float) -> StepOutcome:
         norm = None

@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any
 
 import ray
@@ -114,7 +114,7 @@ def bring_up(
     phases = phases or Phases()
     requested = strategy
     if strategy.name == "auto":  # measured as all-reduce (the exact math), kept unless the link is slow for it
-        strategy = replace(strategy, name="allreduce", overlap=False, pace="balanced")
+        strategy = strategy.as_allreduce()
     notes: list[str] = []
     left_out: list[LeftOut] = []
     # Build before forming the group, so a factory that raises fails at once instead of
@@ -169,9 +169,7 @@ def bring_up(
     compute_s = plan.predicted_step_s - (plan.comm_s if group.num_workers > 1 else 0.0)
     advice = suggest(compute_s, exchange_s, exchange_bytes, strategy, group.num_workers)
     if requested.name == "auto":
-        chosen = choose(compute_s, exchange_s, strategy, group.num_workers, exchange_bytes)
-        if chosen.name == "local-sgd":  # with the pace asked for (all-reduce has one)
-            chosen = replace(chosen, pace=requested.pace)
+        chosen = choose(compute_s, exchange_s, requested, group.num_workers, exchange_bytes)  # the options asked for
         if chosen != strategy:
             plan, exchange_s, exchange_bytes = _switch(ops, chosen, global_batch, found, exchanged)
             strategy = chosen

@@ -385,11 +385,11 @@ class TrainWorker:
     def _run_round(self, plan: RoundPlan, ledger: RoundLedger) -> WorkerReport:
         index = self.device.index or 0
         self.kind.reset_peak_memory(index)
-        steps = self._round_segments(plan)
+        inner = self.strategy.inner_batch(plan.global_batch, len(plan.shares))
+        steps = self._round_segments(plan, inner)
         slowdown = plan.slowdown[self.rank] if plan.slowdown else 1.0
         chunks = [c for _, _, segments in steps for seg, _ in segments for c in seg]
         batches = self.data.train.batches(plan.epoch, chunks)
-        inner = self.strategy.inner_batch(plan.global_batch, len(plan.shares))
         self.task.model.train()
         if inner is not None:  # per-device pace: gradients add up across steps until an inner batch is full
             self.strategy.zero_grad(self.task)
@@ -419,11 +419,10 @@ class TrainWorker:
         sync = self.strategy.end_round(self.task, weight, plan.drift_tolerance)
         return ledger.close(plan, sync, self.kind.memory_in_use(index), self._state_bytes())
 
-    def _round_segments(self, plan: RoundPlan) -> list[StepSegments]:
+    def _round_segments(self, plan: RoundPlan, inner: int | None) -> list[StepSegments]:
         """The round's steps, each as segments of micro-batches: one per step (an update per global step), or
-        cut where this worker's inner batch fills (local SGD at per-device pace)."""
+        cut where this worker's inner batch of `inner` samples fills (local SGD at per-device pace)."""
         steps = self.data.round_chunks(plan, self.rank)
-        inner = self.strategy.inner_batch(plan.global_batch, len(plan.shares))
         if inner is None:
             return [(step, total, [(chunks, 0.0)]) for step, total, chunks in steps]
         flush = self.strategy.exchanges_after(len(steps))

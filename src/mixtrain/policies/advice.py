@@ -60,8 +60,7 @@ def choose(
     LOCAL_SGD_TARGET, overlapped (the exchange runs while the next H steps compute). What `--strategy auto`
     adopts."""
     if workers < 2 or compute_s <= 0 or exchange_s <= 0 or exchange_s / compute_s <= ALLREDUCE_MAX_RATIO:
-        wire = "none" if current.compress in QUANTIZED else current.compress  # no int8 gradients
-        return replace(current, name="allreduce", compress=wire, overlap=False, pace="balanced")
+        return current.as_allreduce()
     ratio = exchange_s / compute_s
     need = max(ratio, ratio / (LOCAL_SGD_TARGET * OVERLAP_EXCHANGES_PER_ROUND))
     if exchange_bytes < QUANTIZE_MIN_BYTES:
