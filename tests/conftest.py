@@ -19,6 +19,10 @@ def ray_session():
     # Once one peer's collective timeout has fired, the others get this long to answer before they too are
     # declared lost: 15 s by default (a laptop waking up), 3 s here, where every lost worker is a real one
     os.environ.setdefault("MIXTRAIN_LOST_GRACE_S", "3")
+    # Fits keep their workers for the next fit that asks for the same ones (ScalingConfig.keep_workers): each
+    # new worker process costs about 2 s of CPU to start, and the suite runs hundreds of fits on 2 cores. So
+    # nearly every test also trains on reused workers; tests/ray/test_warm_workers.py tests reuse itself
+    os.environ.setdefault("MIXTRAIN_KEEP_WORKERS", "1")
     # address="local": this session's own Ray, even where another cluster runs on the machine
     ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False, logging_level="ERROR")
     yield

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import functools
+import importlib
+import sys
 from collections.abc import Callable, Iterable
 
 import torch
@@ -51,6 +53,17 @@ def make_task(model: str, opt: str) -> Task:
 
 def factory(model: str, opt: str) -> Callable[[], Task]:
     return functools.partial(make_task, model, opt)
+
+
+def _task_from_module(folder: str, name: str) -> Task:
+    if folder not in sys.path:
+        sys.path.insert(0, folder)
+    return importlib.import_module(name).make_task()
+
+
+def from_module(folder: str, name: str) -> Callable[[], Task]:
+    """A factory that imports the user's module `name` from `folder` on the worker and calls its make_task()."""
+    return functools.partial(_task_from_module, folder, name)
 
 
 def raising_factory() -> Task:

@@ -4,6 +4,7 @@ from mixtrain.checkpoint import WeightsNotSaved, load_weights
 from mixtrain.config import DeviceGroup, RunConfig, ScalingConfig, StrategyConfig
 from mixtrain.core.controller import TrainingStopped
 from mixtrain.core.interrupt import TrainingInterrupted
+from mixtrain.core.warm_workers import release_workers
 from mixtrain.core.worker_group import WorkerError
 from mixtrain.job import Job
 from mixtrain.result import Result
@@ -24,5 +25,6 @@ __all__ = [
     "WeightsNotSaved",
     "WorkerError",
     "load_weights",
+    "release_workers",
 ]
 __version__ = "0.1.0"

@@ -17,6 +17,7 @@ from mixtrain.cluster import connect
 from mixtrain.comm.state_transfer import pack, unpack
 from mixtrain.comm.strategy import tensor_bytes
 from mixtrain.config import RunConfig, ScalingConfig, StrategyConfig
+from mixtrain.core import warm_workers
 from mixtrain.core.bringup import Bringup, Phases, bring_up
 from mixtrain.core.controller import Controller
 from mixtrain.core.interrupt import GracefulStop
@@ -114,7 +115,7 @@ class Trainer:
 
     def _train(self, group: WorkerGroup, start: _Start, stop: GracefulStop) -> tuple[Controller, Bringup, Any]:
         """Bring the workers up, train, and fetch the final weights; the workers stop whatever happens."""
-        view, log, interrupted = ProgressView(False, 0), None, False
+        view, log, interrupted, finished = ProgressView(False, 0), None, False, False
         try:
             group.start()
             up = self._bring_up(group, start.phases)
@@ -137,13 +138,14 @@ class Trainer:
             stop.arm()
             controller.run(start.epochs, position)
             state = group.receive(0, "state_dict", stall_s=env_float(COLLECTIVE_TIMEOUT_S))
+            finished = True
             return controller, up, unpack(state)
         except KeyboardInterrupt:
             interrupted = True
             raise
         finally:
             view.close()
-            group.shutdown(quick=interrupted)
+            group.shutdown(quick=interrupted, keep=finished and warm_workers.wanted(self.scaling.keep_workers))
             if log is not None:
                 log.close()
 
@@ -226,11 +228,14 @@ class Trainer:
         what `fit` would do before its first step, without training. `plan_table` prints the result."""
         connect.ensure_ray(self.scaling.address, _cpus_needed(self.scaling))
         group = self.worker_group_cls(self.scaling, self.run.seed)
+        planned = False
         try:
             group.start()
-            return self._bring_up(group)
+            up = self._bring_up(group)
+            planned = True
+            return up
         finally:
-            group.shutdown()
+            group.shutdown(keep=planned and warm_workers.wanted(self.scaling.keep_workers))
 
     def _restore(
         self, group: WorkerGroup, up: Bringup, resumed: Resumed, view: ProgressView

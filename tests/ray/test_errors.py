@@ -5,6 +5,7 @@ import time
 import pytest
 import torch
 
+import mixtrain
 from mixtrain import RunConfig, ScalingConfig, Trainer, WorkerError
 from tests.models import data, factory, raising_factory
 
@@ -54,6 +55,7 @@ def test_resources_held_elsewhere_time_out_with_the_inventory(tmp_path, monkeypa
     import ray
 
     monkeypatch.setenv("MIXTRAIN_PLACEMENT_TIMEOUT_S", "2")
+    mixtrain.release_workers()  # workers kept from earlier tests hold CPUs too
     hog = ray.util.placement_group([{"CPU": 3}])
     ray.get(hog.ready())
     try:

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import copy
+import gc
 import os
 import socket
+import sys
 import time
 from collections import defaultdict
 from collections.abc import Callable, Iterator
@@ -20,7 +22,7 @@ from mixtrain.comm import netif, process_group, registry, state_transfer
 from mixtrain.comm.state_transfer import pack, unpack
 from mixtrain.comm.strategy import JoinContext, SyncStrategy
 from mixtrain.config import StrategyConfig
-from mixtrain.core import evaluation, probe
+from mixtrain.core import evaluation, probe, warm_workers
 from mixtrain.core.ledger import RoundLedger
 from mixtrain.core.messages import (
     BuildReport,
@@ -104,6 +106,19 @@ class TrainWorker:
         log_to: tuple[str, str] | None = None,
     ) -> None:
         """`log_to`: (the run's log folder, the driver's node id); see worker_log."""
+        self._modules_at_start = set(sys.modules)  # what a kept worker keeps loaded (warm_workers)
+        self._setup(rank, world_size, num_threads, seed, device_request, precision_request, log_to)
+
+    def _setup(
+        self,
+        rank: int,
+        world_size: int,
+        num_threads: int,
+        seed: int,
+        device_request: str,
+        precision_request: str,
+        log_to: tuple[str, str] | None,
+    ) -> None:
         self.log_file: Path | None = None
         self._log_elsewhere = False  # written outside the run folder (another node): the driver copies it back
         if log_to is not None:
@@ -114,6 +129,8 @@ class TrainWorker:
             worker_log.log.info(
                 "worker %d of %d on %s, asking for %s", rank, world_size, socket.gethostname(), device_request
             )
+        else:
+            worker_log.restore_output()
         torch.set_num_threads(num_threads)
         self.rank = rank
         self.world_size = world_size
@@ -131,6 +148,28 @@ class TrainWorker:
         self._strategy: SyncStrategy | None = None
         self._rendezvous: process_group.Rendezvous | None = None
         self._loaded: dict | None = None  # a checkpoint's loss scale and strategy state, until join() applies them
+
+    def reuse(
+        self,
+        rank: int,
+        world_size: int,
+        num_threads: int,
+        seed: int,
+        device_request: str,
+        precision_request: str,
+        log_to: tuple[str, str] | None,
+    ) -> None:
+        """A kept worker (warm_workers) starts over for the next fit, as a new actor with these arguments would:
+        nothing of the last fit's task, data, group, user modules or torch defaults stays."""
+        process_group.leave_group()
+        self.data.close()
+        self._task = self._strategy = self._rendezvous = self._loaded = None
+        warm_workers.forget_user_modules(self._modules_at_start)
+        warm_workers.fresh_torch_defaults()
+        gc.collect()
+        self.kind.empty_cache()
+        warm_workers.reset_peak_rss()
+        self._setup(rank, world_size, num_threads, seed, device_request, precision_request, log_to)
 
     @property
     def task(self) -> Task:

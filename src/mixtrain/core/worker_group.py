@@ -16,6 +16,7 @@ from mixtrain._constants import PLACEMENT_TIMEOUT_S, RENUMBER_TIMEOUT_S, SHUTDOW
 from mixtrain.cluster import connect, placement
 from mixtrain.comm import state_transfer
 from mixtrain.config import ScalingConfig
+from mixtrain.core import warm_workers
 from mixtrain.core.worker import TrainWorker
 
 
@@ -66,6 +67,8 @@ class WorkerGroup:
         """Workers left out mid-run but kept alive (outside the group), to take back if the job was faster with them."""
         self.log_dir: Path | None = None
         """Where the workers' output goes (RUN_DIR/logs); None leaves it to Ray's log files."""
+        self._started: tuple[list[placement.WorkerSpec], tuple] | None = None
+        """(specs, warm-workers key) as started: a set that ends as it started may be kept (warm_workers)."""
 
     @property
     def num_workers(self) -> int:
@@ -83,6 +86,13 @@ class WorkerGroup:
                 "Use fewer workers or smaller resources_per_worker / cpus_per_worker (fractions such as 0.5 are "
                 "allowed), or add a node with `mixtrain cluster join`."
             )
+        key = warm_workers.key_for(
+            self.worker_cls, self.specs, self.scaling.placement_strategy, self.scaling.network_interface
+        )
+        self._started = (list(self.specs), key)
+        idle = warm_workers.take(key)  # frees a kept set started for other workers, so this one has room
+        if idle is not None and self._reuse(idle):
+            return
         timeout = env_float(PLACEMENT_TIMEOUT_S)
         selectors = [s.label_selector for s in self.specs]
         self.pg = placement_group(
@@ -100,6 +110,20 @@ class WorkerGroup:
             )
         n = len(self.specs)
         self.actors = [self._make_actor(spec, spec.rank, n) for spec in self.specs]
+
+    def _reuse(self, idle: warm_workers.Idle) -> bool:
+        """Take a kept set of workers: each resets itself for this run. False (and the set freed) when one
+        does not answer: new workers start instead."""
+        self.pg, self.actors = idle.pg, idle.actors
+        n = len(self.specs)
+        args = [(s.rank, n, s.threads, self.seed, s.device, s.precision, self._log_to()) for s in self.specs]
+        try:
+            self.call_each("reuse", args, timeout_s=env_float(RENUMBER_TIMEOUT_S))
+        except WorkerError:
+            warm_workers.free(idle)
+            self.pg, self.actors = None, []
+            return False
+        return True
 
     def _fetch_remote_logs(self) -> None:
         if self.log_dir is None or not self.actors:
@@ -301,9 +325,11 @@ class WorkerGroup:
         ray.kill(actor)
         self.vacant.remove(spec)
 
-    def shutdown(self, quick: bool = False) -> None:
+    def shutdown(self, quick: bool = False, keep: bool = False) -> None:
         """Leave the process group where possible, copy the logs of workers on other machines into the run
-        folder, then kill the actors and free the resources. `quick` (Ctrl-C): kill at once."""
+        folder, then kill the actors and free the resources. `quick` (Ctrl-C): kill at once. `keep` (a run
+        that ended cleanly, with ScalingConfig.keep_workers): workers that are all still as started and
+        answer are kept for the next fit (warm_workers) instead."""
         if not quick:
             self._fetch_remote_logs()
         for _, actor, _ in self._pending.values():
@@ -315,7 +341,9 @@ class WorkerGroup:
         if self.actors:
             if not quick:
                 refs = [a.shutdown.remote() for a in self.actors]
-                ray.wait(refs, num_returns=len(refs), timeout=env_float(SHUTDOWN_WAIT_S))
+                ready, _ = ray.wait(refs, num_returns=len(refs), timeout=env_float(SHUTDOWN_WAIT_S))
+                if keep:
+                    self._keep(ready, refs)  # kept: this group holds no actors or bundles any more
             for actor in self.actors:
                 ray.kill(actor)
             self.actors = []
@@ -325,3 +353,15 @@ class WorkerGroup:
         if self.pg is not None:
             remove_placement_group(self.pg)
             self.pg = None
+
+    def _keep(self, ready: list[Any], refs: list[Any]) -> None:
+        """Hand the workers and their bundles to warm_workers if they are the set that started, in the same
+        order, and every one left its group (a set that lost, left out or replaced a worker is not kept)."""
+        if self._started is None or self.specs != self._started[0] or len(ready) != len(refs):
+            return
+        try:
+            ray.get(ready)
+        except ray.exceptions.RayError:
+            return
+        warm_workers.keep(warm_workers.Idle(self._started[1], self.pg, self.actors))
+        self.pg, self.actors = None, []

@@ -69,10 +69,17 @@ def open_log(path: Path) -> int:
     return os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | _NOFOLLOW, 0o600)
 
 
+_original: tuple[int, int] | None = None
+"""Copies of this process's first stdout and stderr, taken at the first redirection (restore_output)."""
+
+
 def redirect_output(path: Path) -> None:
     """Send this process's stdout, stderr and INFO-level mixtrain records to `path` (appending)."""
+    global _original
     sys.stdout.flush()
     sys.stderr.flush()
+    if _original is None:
+        _original = (os.dup(1), os.dup(2))
     fd = open_log(path)
     os.dup2(fd, 1)
     os.dup2(fd, 2)
@@ -83,6 +90,16 @@ def redirect_output(path: Path) -> None:
     root.handlers = [handler]
     root.setLevel(logging.INFO)
     root.propagate = False
+
+
+def restore_output() -> None:
+    """Undo redirect_output (a kept worker whose next run has no log folder): output goes where it first went."""
+    if _original is None:
+        return
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.dup2(_original[0], 1)
+    os.dup2(_original[1], 2)
 
 
 def read_tail(path: Path) -> str:

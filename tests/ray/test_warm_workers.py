@@ -1,0 +1,108 @@
+"""Kept workers (ScalingConfig.keep_workers): the next fit reuses the processes of the last one, starts sooner,
+and trains exactly as new workers would; what the last fit left behind (a user's edited module, torch defaults,
+its log file) does not reach the next; other workers, a dead kept worker, or a failed fit start new ones."""
+
+from __future__ import annotations
+
+import os
+import signal
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+import mixtrain
+from mixtrain import RunConfig, ScalingConfig, Trainer
+from mixtrain.core import warm_workers
+from tests.models import data, factory, from_module, raising_factory
+from tests.ray.test_exactness import GLOBAL_BATCH, NUM_SAMPLES, SEED, assert_same_weights, reference
+
+pytestmark = pytest.mark.usefixtures("ray_session")
+
+
+def _fit(tmp_path: Path, name: str, make=None, num_workers: int = 2, keep: bool | None = True, x=None, y=None):
+    if x is None:
+        x, y = data("mlp", NUM_SAMPLES)
+    trainer = Trainer(
+        make or factory("mlp", "sgd"),
+        (x, y),
+        global_batch=GLOBAL_BATCH,
+        scaling=ScalingConfig(num_workers=num_workers, keep_workers=keep, leave_out_slow=False),
+        run=RunConfig(run_dir=str(tmp_path / name), seed=SEED, steps_per_round=10, progress=False),
+    )
+    return trainer.fit(epochs=1)
+
+
+def _pids(result) -> list[int]:
+    return [w["pid"] for w in result.workers]
+
+
+def test_the_next_fit_reuses_the_kept_workers_and_trains_exactly(tmp_path):
+    mixtrain.release_workers()
+    x, y = data("mlp", NUM_SAMPLES)
+    first = _fit(tmp_path, "first")
+    assert warm_workers.kept() == 2
+    second = _fit(tmp_path, "second")
+    assert _pids(second) == _pids(first)
+    assert warm_workers.kept() == 2
+    want = reference("mlp", "sgd", x, y)
+    assert_same_weights(first.state_dict, want)
+    assert_same_weights(second.state_dict, want)  # the kept workers start over: same seed, same math
+    logs = [sorted(p.name for p in (tmp_path / name / "logs").iterdir()) for name in ("first", "second")]
+    assert logs[0] == logs[1] and len(logs[1]) == 2, logs  # each run's worker logs go to its own folder
+    assert "worker 0 of 2" in (tmp_path / "second" / "logs" / logs[1][0]).read_text()
+    # the processes are started once: the reused fit reaches its first step sooner
+    assert second.seconds_to_first_step < first.seconds_to_first_step, (first, second)
+
+
+def test_an_edited_user_module_and_changed_torch_defaults_do_not_reach_the_next_fit(tmp_path):
+    mixtrain.release_workers()
+    folder = tmp_path / "user_code"
+    folder.mkdir()
+    source = """
+        import torch
+        from torch import nn
+        from mixtrain import Task
+
+        def make_task():
+            if {wide}:
+                torch.set_default_dtype(torch.float64)  # process-wide: a new worker would not have it
+            model = nn.Sequential(nn.Linear(20, {hidden}), nn.Tanh(), nn.Linear({hidden}, 5)){cast}
+            return Task(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+                        loss_fn=nn.functional.cross_entropy)
+    """
+    module = folder / "edited_model.py"
+    module.write_text(textwrap.dedent(source.format(hidden=8, wide=True, cast=".float()")))
+    first = _fit(tmp_path, "first", from_module(str(folder), "edited_model"))
+    assert first.state_dict["0.weight"].shape == (8, 20)
+    module.write_text(textwrap.dedent(source.format(hidden=12, wide=False, cast="")))  # the user edits the file
+    second = _fit(tmp_path, "second", from_module(str(folder), "edited_model"))
+    assert _pids(second) == _pids(first)
+    assert second.state_dict["0.weight"].shape == (12, 20)  # the edit is seen, as by new workers
+    # the first task switched the workers' default dtype to float64; the kept workers went back to float32
+    assert second.state_dict["0.weight"].dtype == torch.float32
+
+
+def test_other_workers_a_dead_kept_worker_or_a_failed_fit_start_new_workers(tmp_path):
+    mixtrain.release_workers()
+    x, y = data("mlp", NUM_SAMPLES)
+    want = reference("mlp", "sgd", x, y)
+    two = _fit(tmp_path, "two")
+    three = _fit(tmp_path, "three", num_workers=3)  # other workers: the kept pair is freed first
+    assert not set(_pids(three)) & set(_pids(two))
+    assert warm_workers.kept() == 3
+    os.kill(_pids(three)[1], signal.SIGKILL)  # a kept worker dies while idle
+    deadline = time.monotonic() + 30
+    while os.path.exists(f"/proc/{_pids(three)[1]}") and time.monotonic() < deadline:
+        time.sleep(0.05)
+    again = _fit(tmp_path, "again", num_workers=3)
+    assert not set(_pids(again)) & set(_pids(three))  # the set did not answer: all new
+    assert_same_weights(again.state_dict, want)
+    with pytest.raises(mixtrain.WorkerError):
+        _fit(tmp_path, "fails", raising_factory, num_workers=3)
+    assert warm_workers.kept() == 0  # a fit that failed keeps nothing
+    unkept = _fit(tmp_path, "unkept", num_workers=3, keep=False)
+    assert warm_workers.kept() == 0
+    assert_same_weights(unkept.state_dict, want)
