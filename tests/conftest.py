@@ -8,6 +8,19 @@ import pytest
 REPO = Path(__file__).resolve().parent.parent
 
 
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """`make test` runs two pytest processes (pytest-xdist, `--dist loadgroup`) with one group each. The
+    multi-host scenarios ("netns": network namespaces on one bridge, a partition that waits out timeouts) mostly
+    wait, so they run beside the rest ("main"), which runs one test after another in the other process. The
+    tests whose assertions follow measured speed (balanced shares, the leave-out advisor: test_balancing) run
+    last, long after the multi-host ones (about 4 minutes) have ended, so no second training shares the 2 cores
+    with them."""
+    for item in items:
+        group = "netns" if "multihost" in item.path.parts else "main"
+        item.add_marker(pytest.mark.xdist_group(group))
+    items.sort(key=lambda item: item.path.name == "test_balancing.py")  # stable: the rest keep their order
+
+
 @pytest.fixture(scope="session")
 def ray_session():
     """One local Ray for the whole test session: starting Ray costs seconds."""

@@ -17,7 +17,6 @@ from mixtrain.cluster import connect
 from mixtrain.comm.state_transfer import pack, unpack
 from mixtrain.comm.strategy import tensor_bytes
 from mixtrain.config import RunConfig, ScalingConfig, StrategyConfig
-from mixtrain.core import warm_workers
 from mixtrain.core.bringup import Bringup, Phases, bring_up
 from mixtrain.core.controller import Controller
 from mixtrain.core.interrupt import GracefulStop
@@ -145,7 +144,7 @@ class Trainer:
             raise
         finally:
             view.close()
-            group.shutdown(quick=interrupted, keep=finished and warm_workers.wanted(self.scaling.keep_workers))
+            group.shutdown(quick=interrupted, finished=finished)
             if log is not None:
                 log.close()
 
@@ -235,7 +234,7 @@ class Trainer:
             planned = True
             return up
         finally:
-            group.shutdown(keep=planned and warm_workers.wanted(self.scaling.keep_workers))
+            group.shutdown(finished=planned)
 
     def _restore(
         self, group: WorkerGroup, up: Bringup, resumed: Resumed, view: ProgressView

@@ -259,6 +259,7 @@ def test_train_on_an_existing_ray_cluster_via_address(tmp_path):
             "--epochs",
             "2",
             "--quiet",
+            "--keep-all-devices",  # two workers on this cluster; the advisor may leave one out on a loaded machine
             "--run-dir",
             str(tmp_path / "run"),
             env={"MIXTRAIN_CONNECT_TIMEOUT_S": "60", **auth},
@@ -358,7 +359,7 @@ def test_each_strategy_trains_the_digits_job_through_the_cli(flags, tmp_path, ra
     assert all(w["sent_bytes"] > 0 for r in rounds for w in r["workers"])
 
 
-def test_a_killed_cli_run_resumes_from_its_checkpoint_and_ends_like_an_uninterrupted_one(tmp_path):
+def test_a_killed_cli_run_resumes_from_its_checkpoint_and_ends_like_an_uninterrupted_one(tmp_path, ray_address):
     import os
     import signal
     import time
@@ -383,7 +384,8 @@ def test_a_killed_cli_run_resumes_from_its_checkpoint_and_ends_like_an_uninterru
     resumed = run_cli("train", "--resume", str(run_dir))  # the run's own flags come from its folder
     assert resumed.returncode == 0, resumed.stderr
     assert "resumed from" in resumed.stderr and killed_at in resumed.stderr
-    straight = run_cli("train", *flags, "--run-dir", str(tmp_path / "straight"))
+    # the uninterrupted run to compare with (on the session's Ray: the embedded one is tested above)
+    straight = run_cli("train", *flags, "--run-dir", str(tmp_path / "straight"), "--address", ray_address)
     assert straight.returncode == 0, straight.stderr
     got = load_weights(run_dir / "model.safetensors")
     want = load_weights(tmp_path / "straight" / "model.safetensors")
@@ -437,7 +439,7 @@ def _processes_left(session: int, within: float = 20.0) -> list[str]:
         time.sleep(0.2)
 
 
-def test_ctrl_c_finishes_the_round_writes_a_checkpoint_and_prints_the_resume_line(tmp_path):
+def test_ctrl_c_finishes_the_round_writes_a_checkpoint_and_prints_the_resume_line(tmp_path, ray_address):
     import os
     import signal
     import time
@@ -459,7 +461,7 @@ def test_ctrl_c_finishes_the_round_writes_a_checkpoint_and_prints_the_resume_lin
     assert store.paths()[0].name.endswith(f"{stopped['step']:09d}") and store.verify(store.paths()[0])
     assert _processes_left(proc.pid) == []  # Ray's processes and the workers went too
 
-    resumed = run_cli("train", "--resume", str(run_dir))
+    resumed = run_cli("train", "--resume", str(run_dir), "--address", ray_address)  # (the session's Ray)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     rounds = run_records(run_dir, "round")
     assert rounds[-1]["epoch"] == 2 and f"at epoch {stopped['epoch']}, step {stopped['step']}" in resumed.stderr

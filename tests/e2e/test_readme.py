@@ -25,3 +25,20 @@ def test_your_own_training_code_script_trains_as_written(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     accuracy = float(re.search(r"held-out accuracy (\d\.\d+)", proc.stdout).group(1))
     assert accuracy > 0.9, proc.stdout  # a linear model cannot pass 0.5 on this XOR-shaped task
+
+
+def test_a_sweep_with_kept_workers_runs_as_written(tmp_path, monkeypatch, capsys, ray_session):
+    """The keep-workers snippet, in this process (its Ray is the session's): the second fit trains on the first
+    fit's worker processes (their log files carry their pids)."""
+    import mixtrain
+
+    mixtrain.release_workers()  # the snippet's first fit starts its own workers, as in a new Python process
+    monkeypatch.chdir(tmp_path)  # its run folders: mixtrain_runs/ under the current folder
+    exec(compile(readme_block("keep-workers"), "keep_workers.py", "exec"), {"__name__": "__main__"})
+    out = capsys.readouterr().out
+    accuracies = [float(s) for s in re.findall(r"lr [\d.e-]+: accuracy (\d\.\d+), first step after \d+\.\d s", out)]
+    assert len(accuracies) == 2 and min(accuracies) > 0.8, out
+    logs = [sorted(p.name for p in (tmp_path / "mixtrain_runs" / name / "logs").iterdir()) for name in
+            ("sweep-lr0.001", "sweep-lr0.003")]  # fmt: skip
+    assert logs[0] == logs[1] and len(logs[0]) == 2, logs  # worker-RANK-cpu-pidPID.log: the same processes
+    assert mixtrain.core.warm_workers.kept() == 0  # release_workers() freed them

@@ -106,3 +106,27 @@ def test_other_workers_a_dead_kept_worker_or_a_failed_fit_start_new_workers(tmp_
     unkept = _fit(tmp_path, "unkept", num_workers=3, keep=False)
     assert warm_workers.kept() == 0
     assert_same_weights(unkept.state_dict, want)
+
+
+def test_a_worker_the_plan_leaves_out_is_kept_with_the_others(tmp_path):
+    """Worker 1 of 3 is far too slow (emulated, as in test_balancing): the plan leaves it out at start. It idles
+    until the run ends and is kept with the two that trained, so the next fit starts no process either."""
+    mixtrain.release_workers()
+    x, y = data("mlp", NUM_SAMPLES)
+    scaling = ScalingConfig(
+        num_workers=3, cpus_per_worker=0.5, keep_workers=True, emulate_slowdown={0: 200.0, 1: 600000.0, 2: 200.0}
+    )
+    logs = []
+    for name in ("first", "second"):
+        result = Trainer(
+            factory("mlp", "sgd"),
+            (x, y),
+            global_batch=GLOBAL_BATCH,
+            scaling=scaling,
+            run=RunConfig(run_dir=str(tmp_path / name), seed=SEED, progress=False),
+        ).fit(epochs=1)
+        assert [w["rank"] for w in result.workers] == [0, 1], result.workers  # one of three left out
+        assert warm_workers.kept() == 3
+        logs.append(sorted(p.name for p in (tmp_path / name / "logs").iterdir()))
+        assert_same_weights(result.state_dict, reference("mlp", "sgd", x, y))
+    assert logs[0] == logs[1] and len(logs[0]) == 3, logs  # worker-RANK-cpu-pidPID.log: the same three processes

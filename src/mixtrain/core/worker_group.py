@@ -67,8 +67,12 @@ class WorkerGroup:
         """Workers left out mid-run but kept alive (outside the group), to take back if the job was faster with them."""
         self.log_dir: Path | None = None
         """Where the workers' output goes (RUN_DIR/logs); None leaves it to Ray's log files."""
+        self.keep = warm_workers.wanted(scaling.keep_workers)
+        """Keep the workers for the next fit when this one ends cleanly (ScalingConfig.keep_workers)."""
+        self.spare: list[tuple[placement.WorkerSpec, Any]] = []
+        """Workers left out (not lost) while `keep`: idle until the run ends, then kept with the others."""
         self._started: tuple[list[placement.WorkerSpec], tuple] | None = None
-        """(specs, warm-workers key) as started: a set that ends as it started may be kept (warm_workers)."""
+        """(specs, warm-workers key) as started: a set whose every bundle still has its worker may be kept."""
 
     @property
     def num_workers(self) -> int:
@@ -168,7 +172,10 @@ class WorkerGroup:
         if replaceable:
             self.vacant += [s for r, s in enumerate(self.specs) if r in gone]
         for r in gone:
-            ray.kill(self.actors[r])
+            if self.keep and not replaceable:  # healthy, only left out: kept for the next fit with the others
+                self.spare.append((self.specs[r], self.actors[r]))
+            else:
+                ray.kill(self.actors[r])
         self.actors = [a for r, a in enumerate(self.actors) if r not in gone]
         self.specs = [s for r, s in enumerate(self.specs) if r not in gone]
         self._renumber()
@@ -325,28 +332,25 @@ class WorkerGroup:
         ray.kill(actor)
         self.vacant.remove(spec)
 
-    def shutdown(self, quick: bool = False, keep: bool = False) -> None:
+    def shutdown(self, quick: bool = False, finished: bool = False) -> None:
         """Leave the process group where possible, copy the logs of workers on other machines into the run
-        folder, then kill the actors and free the resources. `quick` (Ctrl-C): kill at once. `keep` (a run
-        that ended cleanly, with ScalingConfig.keep_workers): workers that are all still as started and
-        answer are kept for the next fit (warm_workers) instead."""
+        folder, then kill the actors and free the resources. `quick` (Ctrl-C): kill at once. `finished` (the
+        run ended cleanly) with `keep`: if every bundle still has a worker that answers, they are kept for the
+        next fit (warm_workers) instead, left-out and parked ones included."""
         if not quick:
             self._fetch_remote_logs()
         for _, actor, _ in self._pending.values():
             ray.kill(actor)
         self._pending = {}
-        for _, actor in self.parked:
+        members = [*zip(self.specs, self.actors), *self.parked, *self.spare]
+        self.actors, self.parked, self.spare = [], [], []
+        if members and not quick:
+            refs = [actor.shutdown.remote() for _, actor in members]
+            ready, _ = ray.wait(refs, num_returns=len(refs), timeout=env_float(SHUTDOWN_WAIT_S))
+            if finished and self.keep and self._keep(members, ready, refs):
+                members = []  # kept, with their bundles: this group holds neither any more
+        for _, actor in members:
             ray.kill(actor)
-        self.parked = []
-        if self.actors:
-            if not quick:
-                refs = [a.shutdown.remote() for a in self.actors]
-                ready, _ = ray.wait(refs, num_returns=len(refs), timeout=env_float(SHUTDOWN_WAIT_S))
-                if keep:
-                    self._keep(ready, refs)  # kept: this group holds no actors or bundles any more
-            for actor in self.actors:
-                ray.kill(actor)
-            self.actors = []
         for server in self.servers:
             ray.kill(server)
         self.servers = []
@@ -354,14 +358,19 @@ class WorkerGroup:
             remove_placement_group(self.pg)
             self.pg = None
 
-    def _keep(self, ready: list[Any], refs: list[Any]) -> None:
-        """Hand the workers and their bundles to warm_workers if they are the set that started, in the same
-        order, and every one left its group (a set that lost, left out or replaced a worker is not kept)."""
-        if self._started is None or self.specs != self._started[0] or len(ready) != len(refs):
-            return
+    def _keep(self, members: list[tuple[placement.WorkerSpec, Any]], ready: list[Any], refs: list[Any]) -> bool:
+        """Hand the workers and their bundles to warm_workers, in the order they started, if every bundle still
+        has its first worker's spec and each left its group (a lost worker that was not replaced: not kept)."""
+        if self._started is None or len(ready) != len(refs):
+            return False
+        started, key = self._started
+        by_bundle = dict((spec.rank, (spec, actor)) for spec, actor in members)
+        if sorted(by_bundle) != [s.rank for s in started] or [by_bundle[s.rank][0] for s in started] != started:
+            return False
         try:
             ray.get(ready)
         except ray.exceptions.RayError:
-            return
-        warm_workers.keep(warm_workers.Idle(self._started[1], self.pg, self.actors))
-        self.pg, self.actors = None, []
+            return False
+        warm_workers.keep(warm_workers.Idle(key, self.pg, [by_bundle[s.rank][1] for s in started]))
+        self.pg = None
+        return True
