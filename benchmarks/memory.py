@@ -385,9 +385,9 @@ def _flushing_group(record_dir: Path) -> type:
     from mixtrain.core.worker_group import WorkerGroup
 
     class FlushingGroup(WorkerGroup):
-        def shutdown(self, quick: bool = False) -> None:
+        def shutdown(self, quick: bool = False, finished: bool = False) -> None:
             request_final_readings(record_dir)
-            super().shutdown(quick)
+            super().shutdown(quick, finished)
 
     return FlushingGroup
 

@@ -33,8 +33,11 @@ class Simulation:
     steps on each `inner` samples of its slices in order, whatever the step they came in, and on what is left
     when an exchange comes."""
 
-    def __init__(self, shares: list[int], overlap: bool, inner: int | None = None):
+    def __init__(
+        self, shares: list[int], overlap: bool, inner: int | None = None, outer: tuple[float, float] = (OUTER_LR, MU)
+    ):
         torch.manual_seed(SEED)
+        self.outer_lr, self.mu = outer
         self.task = make_task("mlp", "sgd0")
         self.shares, self.overlap, self.inner = shares, overlap, inner
         self.queues = [torch.zeros(0, dtype=torch.long) for _ in shares]  # per-device pace: not yet stepped on
@@ -65,8 +68,8 @@ class Simulation:
         opt.step()
 
     def _outer(self, delta: torch.Tensor) -> None:
-        self.momentum.mul_(MU).add_(delta)
-        self.anchor.sub_(delta.add_(self.momentum, alpha=MU), alpha=OUTER_LR)
+        self.momentum.mul_(self.mu).add_(delta)
+        self.anchor.sub_(delta.add_(self.momentum, alpha=self.mu), alpha=self.outer_lr)
 
     def _weighted_sum(self, deltas: list[torch.Tensor]) -> torch.Tensor:
         out = torch.zeros_like(self.anchor)
@@ -100,9 +103,14 @@ class Simulation:
 
 
 def simulate(
-    x: torch.Tensor, y: torch.Tensor, shares: list[int], overlap: bool, inner: int | None = None
+    x: torch.Tensor,
+    y: torch.Tensor,
+    shares: list[int],
+    overlap: bool,
+    inner: int | None = None,
+    outer: tuple[float, float] = (OUTER_LR, MU),
 ) -> dict[str, torch.Tensor]:
-    sim = Simulation(shares, overlap, inner)
+    sim = Simulation(shares, overlap, inner, outer)
     perm = torch.from_numpy(epoch_permutation(SEED, 0, len(y)))
     for step in range(steps_per_epoch(len(y), GLOBAL_BATCH)):
         sim.step(x, y, perm[step * GLOBAL_BATCH : (step + 1) * GLOBAL_BATCH], (step + 1) % H == 0)
@@ -114,14 +122,19 @@ def simulate(
 
 
 @pytest.mark.parametrize(
-    "overlap,pace",
-    [(False, "balanced"), (True, "balanced"), (True, "per-device")],
-    ids=["plain", "overlapped", "overlapped-per-device-pace"],
+    "overlap,pace,outer",
+    [
+        (False, "balanced", (OUTER_LR, MU)),
+        (False, "balanced", (1.0, 0.0)),  # the defaults: plain averaging, no momentum buffer at all
+        (True, "balanced", (OUTER_LR, MU)),
+        (True, "per-device", (OUTER_LR, MU)),
+    ],
+    ids=["plain", "plain-averaging", "overlapped", "overlapped-per-device-pace"],
 )
-def test_local_sgd_matches_a_one_process_simulation_of_its_math(overlap, pace, tmp_path):
+def test_local_sgd_matches_a_one_process_simulation_of_its_math(overlap, pace, outer, tmp_path):
     x, y = data("mlp", NUM_SAMPLES)
     strategy = StrategyConfig(
-        name="local-sgd", local_steps=H, outer_lr=OUTER_LR, outer_momentum=MU, overlap=overlap, pace=pace
+        name="local-sgd", local_steps=H, outer_lr=outer[0], outer_momentum=outer[1], overlap=overlap, pace=pace
     )
     result = train("mlp", "sgd0", [40, 24], x, y, tmp_path, steps_per_round=ROUND, strategy=strategy)
     assert [r["num_steps"] for r in result.history] == [ROUND] * 4
@@ -132,10 +145,13 @@ def test_local_sgd_matches_a_one_process_simulation_of_its_math(overlap, pace, t
     # per-device pace: each worker's inner batch is 64 / 2 = 32 samples; in a window of H=2 steps worker 0 (40
     # a step) steps on 32, 32 and, at the exchange, the 16 left; worker 1 (24 a step) on 32 and the 16 left
     inner = GLOBAL_BATCH // 2 if pace == "per-device" else None
-    want = simulate(x, y, [40, 24], overlap, inner)
+    want = simulate(x, y, [40, 24], overlap, inner, outer)
     assert_same_weights(result.state_dict, want)
     # and they differ: the test can tell overlap from none, and the paces apart
-    other = simulate(x, y, [40, 24], overlap, None) if inner else simulate(x, y, [40, 24], not overlap)
+    if inner:
+        other = simulate(x, y, [40, 24], overlap, None, outer)
+    else:
+        other = simulate(x, y, [40, 24], not overlap, outer=outer)
     assert any(not torch.allclose(want[k], other[k], rtol=1e-4) for k in want)
 
 

@@ -85,7 +85,9 @@ class LocalSGDStrategy(SyncStrategy):
         replicas.broadcast_state(task.model)
         self.params = [p for p in task.model.parameters() if p.requires_grad]
         self.anchor = self._flat_params()  # the last common point, on the CPU in fp32
-        if self.momentum.numel() != self.anchor.numel():  # first set-up (a re-formed group keeps it)
+        # first set-up (a re-formed group keeps it); none at all without outer momentum (the default): one
+        # copy of the weights less on every worker
+        if self.config.outer_momentum and self.momentum.numel() != self.anchor.numel():
             self.momentum = torch.zeros_like(self.anchor)
         size = self.anchor.numel() + 2 * self.config.local_steps
         self._work = torch.zeros(size)  # the exchange's buffer (overlap: two, one in flight)
@@ -260,8 +262,10 @@ class LocalSGDStrategy(SyncStrategy):
         applied = bool(torch.isfinite(delta.sum())) or bool(torch.isfinite(delta).all())  # the sum: no big temporary
         if applied:  # SGD with Nesterov momentum on the pseudo-gradient, as torch.optim.SGD computes it
             mu = self.config.outer_momentum
-            self.momentum.mul_(mu).add_(delta)
-            self.anchor.sub_(delta.add_(self.momentum, alpha=mu), alpha=self.config.outer_lr)
+            if mu:
+                self.momentum.mul_(mu).add_(delta)
+                delta.add_(self.momentum, alpha=mu)
+            self.anchor.sub_(delta, alpha=self.config.outer_lr)  # (without momentum: SGD's own update)
         return [StepResult(applied and float(s[-1]) == 0.0, s[:-1]) for s in stats]
 
     def _sum_quantized(self, buf: torch.Tensor, n: int, everyone: list[torch.Tensor], size: int) -> None:
