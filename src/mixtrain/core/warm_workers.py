@@ -54,7 +54,8 @@ _idle: Idle | None = None
 
 def key_for(worker_cls: type, specs: list[Any], placement_strategy: str, network_interface: str | None) -> tuple:
     """What a set of workers was started for: equal keys mean the same actors in the same bundles would do."""
-    cluster = ray.get_runtime_context().gcs_address
+    context = ray.get_runtime_context()
+    cluster = (context.gcs_address, context.get_node_id())  # this Ray, not a new one started on the same port
     return (cluster, worker_cls, tuple(specs), placement_strategy, network_interface)
 
 
@@ -107,29 +108,77 @@ def _installed_roots() -> tuple[str, ...]:
     return tuple(os.path.join(os.path.realpath(r), "") for r in roots if r)
 
 
-def forget_user_modules(seen_at_start: set[str]) -> list[str]:
-    """Drop from sys.modules what the last fit imported from outside the installed packages (the user's own
-    modules, next to their script): the next fit imports them again, so an edited model file is seen as a new
-    worker would see it. Installed packages (torchvision, transformers) and mixtrain itself stay loaded, as do
-    compiled extensions, which cannot be loaded twice. Returns the names dropped."""
+def _user_modules(seen_at_start: set[str]) -> dict[str, str]:
+    """name -> source file of the modules loaded since the worker started from outside the installed packages
+    (the user's own, next to their script); mixtrain itself never counts."""
     roots = _installed_roots()
-    dropped = []
+    found = {}
     for name, module in list(sys.modules.items()):
         if name in seen_at_start or name == "mixtrain" or name.startswith("mixtrain."):
             continue
         path = getattr(module, "__file__", None)
-        if not path or not path.endswith(".py") or os.path.realpath(path).startswith(roots):
-            continue
-        del sys.modules[name]
-        dropped.append(name)
+        if path and path.endswith(".py") and not os.path.realpath(path).startswith(roots):
+            found[name] = path
+    return found
+
+
+def _stat(path: str) -> tuple[int, int] | None:
+    try:
+        info = os.stat(path)
+    except OSError:
+        return None
+    return info.st_mtime_ns, info.st_size
+
+
+def user_module_stats(seen_at_start: set[str]) -> dict[str, tuple[int, int] | None]:
+    """The user's modules loaded now, each with its file's modification time and size (taken right after the task
+    was built: what the next fit compares with to tell an edited file)."""
+    return {name: _stat(path) for name, path in _user_modules(seen_at_start).items()}
+
+
+def forget_edited_modules(seen_at_start: set[str], stats: dict[str, tuple[int, int] | None]) -> list[str]:
+    """Drop from sys.modules the user's modules whose file changed since `stats` was taken, or that were loaded
+    after it: the next fit imports them again, as a new worker would. Unchanged ones stay loaded (a module that
+    registers something when imported, such as a Hugging Face config class, cannot always be imported twice).
+    Installed packages and mixtrain itself always stay. Returns the names dropped."""
+    dropped = []
+    for name, path in _user_modules(seen_at_start).items():
+        if name not in stats or _stat(path) != stats[name]:
+            del sys.modules[name]
+            dropped.append(name)
     return dropped
 
 
-def fresh_torch_defaults() -> None:
-    """Undo process-wide torch settings a user's task may have changed (a new process starts with these)."""
-    torch.set_default_dtype(torch.float32)
-    torch.set_grad_enabled(True)
-    torch.use_deterministic_algorithms(False)
+def torch_settings() -> dict[str, Any]:
+    """The process-wide torch settings a user's task may change (a new process starts with these)."""
+    return {
+        "dtype": torch.get_default_dtype(),
+        "device": torch.get_default_device(),
+        "grad": torch.is_grad_enabled(),
+        "anomaly": torch.is_anomaly_enabled(),
+        "deterministic": torch.are_deterministic_algorithms_enabled(),
+        "deterministic_warn_only": torch.is_deterministic_algorithms_warn_only_enabled(),
+        "matmul_precision": torch.get_float32_matmul_precision(),
+        "cuda_matmul_tf32": torch.backends.cuda.matmul.allow_tf32,
+        "cudnn_tf32": torch.backends.cudnn.allow_tf32,
+        "cudnn_benchmark": torch.backends.cudnn.benchmark,
+        "cudnn_deterministic": torch.backends.cudnn.deterministic,
+    }
+
+
+def restore_torch_settings(saved: dict[str, Any]) -> None:
+    """Put back what torch_settings() recorded."""
+    torch.set_default_dtype(saved["dtype"])
+    if torch.get_default_device() != saved["device"]:  # (setting "cpu" itself would add a mode to every call)
+        torch.set_default_device(None if saved["device"].type == "cpu" else saved["device"])
+    torch.set_grad_enabled(saved["grad"])
+    torch.set_anomaly_enabled(saved["anomaly"])
+    torch.use_deterministic_algorithms(saved["deterministic"], warn_only=saved["deterministic_warn_only"])
+    torch.set_float32_matmul_precision(saved["matmul_precision"])
+    torch.backends.cuda.matmul.allow_tf32 = saved["cuda_matmul_tf32"]
+    torch.backends.cudnn.allow_tf32 = saved["cudnn_tf32"]
+    torch.backends.cudnn.benchmark = saved["cudnn_benchmark"]
+    torch.backends.cudnn.deterministic = saved["cudnn_deterministic"]
 
 
 def reset_peak_rss() -> None:

@@ -107,6 +107,8 @@ class TrainWorker:
     ) -> None:
         """`log_to`: (the run's log folder, the driver's node id); see worker_log."""
         self._modules_at_start = set(sys.modules)  # what a kept worker keeps loaded (warm_workers)
+        self._torch_settings = warm_workers.torch_settings()  # and the process-wide torch settings it goes back to
+        self._module_stats: dict[str, tuple[int, int] | None] = {}  # the user's modules as the last task was built
         self._setup(rank, world_size, num_threads, seed, device_request, precision_request, log_to)
 
     def _setup(
@@ -161,13 +163,9 @@ class TrainWorker:
     ) -> None:
         """A kept worker (warm_workers) starts over for the next fit, as a new actor with these arguments would:
         nothing of the last fit's task, data, group, user modules or torch defaults stays."""
-        process_group.leave_group()
-        self.data.close()
-        self._task = self._strategy = self._rendezvous = self._loaded = None
-        warm_workers.forget_user_modules(self._modules_at_start)
-        warm_workers.fresh_torch_defaults()
-        gc.collect()
-        self.kind.empty_cache()
+        self.shutdown()
+        warm_workers.forget_edited_modules(self._modules_at_start, self._module_stats)
+        warm_workers.restore_torch_settings(self._torch_settings)
         warm_workers.reset_peak_rss()
         self._setup(rank, world_size, num_threads, seed, device_request, precision_request, log_to)
 
@@ -213,6 +211,7 @@ class TrainWorker:
         self.precision = precision.choose(self.precision_request, self.kind.kind, info.bf16, info.fp16)
         torch.manual_seed(self.seed)
         self._task = build_task(factory)
+        self._module_stats = warm_workers.user_module_stats(self._modules_at_start)
         model = self.task.model
         if not self.kind.supports_float64:
             wide = [n for n, t in (*model.named_parameters(), *model.named_buffers()) if t.dtype == torch.float64]
@@ -560,4 +559,11 @@ class TrainWorker:
         return self.log_file.name, worker_log.read_tail(self.log_file)
 
     def shutdown(self) -> None:
+        """Leave the group and let go of the task, its data and the device memory they held: a worker left out,
+        or kept idle for the next fit (warm_workers), holds nothing the others or the user could use."""
         process_group.leave_group()
+        self.data.close()
+        self.data = WorkerData.empty()
+        self._task = self._strategy = self._rendezvous = self._loaded = None
+        gc.collect()
+        self.kind.empty_cache()

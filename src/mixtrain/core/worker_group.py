@@ -123,7 +123,7 @@ class WorkerGroup:
         args = [(s.rank, n, s.threads, self.seed, s.device, s.precision, self._log_to()) for s in self.specs]
         try:
             self.call_each("reuse", args, timeout_s=env_float(RENUMBER_TIMEOUT_S))
-        except WorkerError:
+        except (WorkerError, ray.exceptions.RayError):  # a dead worker, or handles of a Ray that is gone
             warm_workers.free(idle)
             self.pg, self.actors = None, []
             return False
@@ -172,8 +172,9 @@ class WorkerGroup:
         if replaceable:
             self.vacant += [s for r, s in enumerate(self.specs) if r in gone]
         for r in gone:
-            if self.keep and not replaceable:  # healthy, only left out: kept for the next fit with the others
-                self.spare.append((self.specs[r], self.actors[r]))
+            if self.keep and not replaceable:  # healthy, only left out: kept for the next fit with the others,
+                self.spare.append((self.specs[r], self.actors[r]))  # out of the group and its memory freed now
+                self.actors[r].shutdown.remote()
             else:
                 ray.kill(self.actors[r])
         self.actors = [a for r, a in enumerate(self.actors) if r not in gone]

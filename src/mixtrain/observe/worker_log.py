@@ -69,8 +69,9 @@ def open_log(path: Path) -> int:
     return os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | _NOFOLLOW, 0o600)
 
 
-_original: tuple[int, int] | None = None
-"""Copies of this process's first stdout and stderr, taken at the first redirection (restore_output)."""
+_original: tuple[int, int, tuple[list[logging.Handler], int, bool]] | None = None
+"""Copies of this process's first stdout and stderr, and the mixtrain logger's first handlers, level and
+propagation, taken at the first redirection (restore_output)."""
 
 
 def redirect_output(path: Path) -> None:
@@ -79,7 +80,8 @@ def redirect_output(path: Path) -> None:
     sys.stdout.flush()
     sys.stderr.flush()
     if _original is None:
-        _original = (os.dup(1), os.dup(2))
+        logger = logging.getLogger("mixtrain")
+        _original = (os.dup(1), os.dup(2), (list(logger.handlers), logger.level, logger.propagate))
     fd = open_log(path)
     os.dup2(fd, 1)
     os.dup2(fd, 2)
@@ -100,6 +102,8 @@ def restore_output() -> None:
     sys.stderr.flush()
     os.dup2(_original[0], 1)
     os.dup2(_original[1], 2)
+    logger = logging.getLogger("mixtrain")
+    logger.handlers, logger.level, logger.propagate = list(_original[2][0]), _original[2][1], _original[2][2]
 
 
 def read_tail(path: Path) -> str:
