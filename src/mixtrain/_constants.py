@@ -43,6 +43,9 @@ RENUMBER_TIMEOUT_S = ("MIXTRAIN_RENUMBER_TIMEOUT_S", 30.0)
 UNREACHABLE_PROBE_S = ("MIXTRAIN_UNREACHABLE_PROBE_S", 2.0)
 """After a peer could not be reached: how long each connection attempt of the "No route to host" diagnosis
 (the peer, then the gateway) may take."""
+KEEP_WORKERS_MAX_FITS = ("MIXTRAIN_KEEP_WORKERS_MAX_FITS", 20.0)
+"""Kept workers (ScalingConfig.keep_workers) serve at most this many fits, then new ones start: a process that
+has built and dropped many tasks is not assumed to stay as fast and as lean as a new one."""
 PS_START_TIMEOUT_S = ("MIXTRAIN_PS_START_TIMEOUT_S", 120.0)
 """How long the parameter-server actors may take to build their part of the model and answer."""
 

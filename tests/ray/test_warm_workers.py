@@ -130,3 +130,10 @@ def test_a_worker_the_plan_leaves_out_is_kept_with_the_others(tmp_path):
         logs.append(sorted(p.name for p in (tmp_path / name / "logs").iterdir()))
         assert_same_weights(result.state_dict, reference("mlp", "sgd", x, y))
     assert logs[0] == logs[1] and len(logs[0]) == 3, logs  # worker-RANK-cpu-pidPID.log: the same three processes
+
+
+def test_kept_workers_serve_at_most_the_configured_number_of_fits(tmp_path, monkeypatch):
+    mixtrain.release_workers()
+    monkeypatch.setenv("MIXTRAIN_KEEP_WORKERS_MAX_FITS", "2")
+    pids = [_pids(_fit(tmp_path, name)) for name in ("one", "two", "three")]
+    assert pids[1] == pids[0] and not set(pids[2]) & set(pids[0]), pids  # served 2 fits, then new ones

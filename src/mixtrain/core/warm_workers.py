@@ -47,6 +47,8 @@ class Idle:
     key: tuple
     pg: Any
     actors: list[Any]
+    fits: int = 1
+    """How many fits these workers have served (KEEP_WORKERS_MAX_FITS bounds it)."""
 
 
 _idle: Idle | None = None

@@ -12,7 +12,13 @@ import ray
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from mixtrain._constants import PLACEMENT_TIMEOUT_S, RENUMBER_TIMEOUT_S, SHUTDOWN_WAIT_S, env_float
+from mixtrain._constants import (
+    KEEP_WORKERS_MAX_FITS,
+    PLACEMENT_TIMEOUT_S,
+    RENUMBER_TIMEOUT_S,
+    SHUTDOWN_WAIT_S,
+    env_float,
+)
 from mixtrain.cluster import connect, placement
 from mixtrain.comm import state_transfer
 from mixtrain.config import ScalingConfig
@@ -73,6 +79,8 @@ class WorkerGroup:
         """Workers left out (not lost) while `keep`: idle until the run ends, then kept with the others."""
         self._started: tuple[list[placement.WorkerSpec], tuple] | None = None
         """(specs, warm-workers key) as started: a set whose every bundle still has its worker may be kept."""
+        self._fits = 1
+        """The fits these workers served, this one included (more than one: a kept set was reused)."""
 
     @property
     def num_workers(self) -> int:
@@ -118,7 +126,7 @@ class WorkerGroup:
     def _reuse(self, idle: warm_workers.Idle) -> bool:
         """Take a kept set of workers: each resets itself for this run. False (and the set freed) when one
         does not answer: new workers start instead."""
-        self.pg, self.actors = idle.pg, idle.actors
+        self.pg, self.actors, self._fits = idle.pg, idle.actors, idle.fits + 1
         n = len(self.specs)
         args = [(s.rank, n, s.threads, self.seed, s.device, s.precision, self._log_to()) for s in self.specs]
         try:
@@ -362,7 +370,7 @@ class WorkerGroup:
     def _keep(self, members: list[tuple[placement.WorkerSpec, Any]], ready: list[Any], refs: list[Any]) -> bool:
         """Hand the workers and their bundles to warm_workers, in the order they started, if every bundle still
         has its first worker's spec and each left its group (a lost worker that was not replaced: not kept)."""
-        if self._started is None or len(ready) != len(refs):
+        if self._started is None or len(ready) != len(refs) or self._fits >= env_float(KEEP_WORKERS_MAX_FITS):
             return False
         started, key = self._started
         by_bundle = dict((spec.rank, (spec, actor)) for spec, actor in members)
@@ -372,6 +380,6 @@ class WorkerGroup:
             ray.get(ready)
         except ray.exceptions.RayError:
             return False
-        warm_workers.keep(warm_workers.Idle(key, self.pg, [by_bundle[s.rank][1] for s in started]))
+        warm_workers.keep(warm_workers.Idle(key, self.pg, [by_bundle[s.rank][1] for s in started], self._fits))
         self.pg = None
         return True
