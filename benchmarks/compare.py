@@ -15,9 +15,11 @@ mx:local-sgd,mx:allreduce+bf16,mx:ps+bf16,mx:ps-async+bf16,mx:local-sgd+bf16
         # mixtrain's strategies ("mx:NAME[+bf16]": every worker kept; ps-async with staleness 2,
         # local-sgd with H=8); the link-limited comparison is benchmarks/slow_link.py
 
-Emulation rule, the same in every runner: before computing a step, a slow rank sleeps
-(factor - 1) x the plain compute time of its samples (DDP: calibrated once for its fixed slice;
-mixtrain: its previous step's time per sample), so no collective overlaps the sleep.
+Emulation rule, the same in every runner: a slow rank sleeps (factor - 1) x the plain compute
+time of its samples where no collective overlaps the sleep (DDP and Ray Train: before each step,
+on a timing of its fixed slice calibrated once at start, since their exchange runs inside the
+backward pass; mixtrain: after each step's compute and before its exchange, on that step's own
+measured compute).
 
 Every runner is its own subprocess, started the way a user would start it, so "first step"
 is the wall time from the command starting to the first training step. Workloads use

@@ -2,22 +2,12 @@
 
 import pytest
 
-import mixtrain
 from mixtrain import RunConfig, ScalingConfig, Trainer
 from tests.conftest import run_records
 from tests.models import data, factory
 from tests.ray.test_exactness import GLOBAL_BATCH, NUM_SAMPLES, SEED, assert_same_weights, reference
 
 pytestmark = pytest.mark.usefixtures("ray_session")
-
-
-@pytest.fixture(autouse=True)
-def _new_workers(monkeypatch):
-    """New worker processes for every test here, not kept ones: the emulated slowdowns are calibrated by one
-    start-up timing per worker, and these tests assert shares that follow it (the quarter test failed twice in
-    full runs on kept workers, with shares [41, 23] and [57, 7] from its first round)."""
-    mixtrain.release_workers()
-    monkeypatch.setenv("MIXTRAIN_KEEP_WORKERS", "0")
 
 
 def fit(model, opt, scaling, x, y, tmp_path, steps_per_round=4):
@@ -111,8 +101,8 @@ def test_a_worker_that_slows_the_job_down_is_left_out_and_training_stays_exact(t
 
 
 def test_a_worker_that_turns_very_slow_mid_run_is_left_out_and_training_stays_exact(tmp_path):
-    # Worker 1 of 3 turns 10000x slower from round 2 (a laptop throttling hard): even one sample per step
-    # holds the others up. Two measured rounds in a row find the job faster without it; between
+    # Worker 1 of 3 turns 100x slower from round 2 (a laptop throttling hard): even one sample per step
+    # (50 ms) holds the others up. Two measured rounds in a row find the job faster without it; between
     # rounds the other two re-form the group and go on. Every sample also takes 0.5 ms on every worker (a
     # sleep in the loss), so that two workers clearly beat one (16 against 32 ms a step) and no second worker
     # goes. (A fixed 20 ms per step, as this test had, made two workers barely faster than one: on a loaded
@@ -129,7 +119,7 @@ def test_a_worker_that_turns_very_slow_mid_run_is_left_out_and_training_stays_ex
         task,
         (x, y),
         global_batch=GLOBAL_BATCH,
-        scaling=ScalingConfig(num_workers=3, cpus_per_worker=0.5, emulate_slowdown={1: (10000.0, 2)}),
+        scaling=ScalingConfig(num_workers=3, cpus_per_worker=0.5, emulate_slowdown={1: (100.0, 2)}),
         run=RunConfig(run_dir=str(tmp_path), seed=SEED, steps_per_round=2, progress=False),
     )
     result = trainer.fit(epochs=1)
@@ -152,26 +142,28 @@ def test_keep_all_devices_keeps_the_slow_worker(tmp_path):
     assert first_plan["shares"][1] < first_plan["shares"][0]
 
 
-def _paced_task(tmp_path):
-    """The mlp task with 1 ms of compute per sample on every worker: two workers really are twice one."""
+def _paced_task(tmp_path, per_sample_s):
+    """The mlp task with `per_sample_s` of compute per sample on every worker: two workers really are twice
+    one (the compute is a sleep, so it holds on a loaded machine too)."""
     import functools
 
     from tests.models import faulty_task
 
-    return functools.partial(faulty_task, "mlp", "sgd", "none", -1, 0, str(tmp_path / "unused"), 0.0, 0, 0.001)
+    return functools.partial(faulty_task, "mlp", "sgd", "none", -1, 0, str(tmp_path / "unused"), 0.0, 0, per_sample_s)
 
 
 def test_a_pair_measured_slower_than_the_fast_worker_alone_drops_the_slow_one_exactly(tmp_path, monkeypatch):
-    # The model is told never to leave anyone out (a 100x gain required); worker 1 turns 10000x slower from
-    # round 2. The wall clock shows the pair far below what worker 0 computes alone: worker 1 is left out
-    # at a round boundary on that measurement, the check confirms it, and the math is one process's.
+    # The model is told never to leave anyone out (a 100x gain required); worker 1 turns 100x slower from
+    # round 2 (its 1 ms per sample becomes 100 ms). The wall clock shows the pair far below what worker 0
+    # computes alone: worker 1 is left out at a round boundary on that measurement, the check confirms it, and
+    # the math is one process's.
     monkeypatch.setenv("MIXTRAIN_EXCLUDE_GAIN", "100")
     x, y = data("mlp", NUM_SAMPLES)
     trainer = Trainer(
-        _paced_task(tmp_path),
+        _paced_task(tmp_path, 0.001),
         (x, y),
         global_batch=GLOBAL_BATCH,
-        scaling=ScalingConfig(num_workers=2, cpus_per_worker=0.5, emulate_slowdown={1: (10000.0, 2)}),
+        scaling=ScalingConfig(num_workers=2, cpus_per_worker=0.5, emulate_slowdown={1: (100.0, 2)}),
         run=RunConfig(run_dir=str(tmp_path), seed=SEED, steps_per_round=2, progress=False),
     )
     result = trainer.fit(epochs=1)
@@ -186,14 +178,15 @@ def test_a_leave_out_the_wall_clock_proves_wrong_is_taken_back_and_training_stay
     # A margin of -95% makes the measured check leave out one of two equal, useful workers (the model is
     # told never to). Without it the job runs at about half the pair's samples/s, so two measured rounds
     # later it is taken back with the current state, and nobody is left out again for the cool-down; the
-    # math never changes.
+    # math never changes. 5 ms of compute per sample: a loaded machine added about 0.1 s to each of the pair's
+    # steps (their exchange waits for both processes to get a core), which 1 ms per sample did not outweigh.
     from mixtrain.policies import decisions
 
     monkeypatch.setenv("MIXTRAIN_EXCLUDE_GAIN", "100")
     monkeypatch.setattr(decisions, "MEASURED_MARGIN", -0.95)
     x, y = data("mlp", NUM_SAMPLES)
     trainer = Trainer(
-        _paced_task(tmp_path),
+        _paced_task(tmp_path, 0.005),
         (x, y),
         global_batch=GLOBAL_BATCH,
         scaling=ScalingConfig(num_workers=2, cpus_per_worker=0.5),

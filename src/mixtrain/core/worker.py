@@ -143,7 +143,6 @@ class TrainWorker:
         self.kind: devices.DeviceKind = devices.get("cpu")
         self.device = torch.device("cpu")
         self.precision = "fp32"
-        self._sec_per_sample = 0.0  # plain compute time per sample, from the probe (EMULATION sleeps on it)
         # Set by the driver's calls, in this order: build, load_data, open_rendezvous (rank 0), join.
         self._task: Task | None = None
         self.data = WorkerData.empty()
@@ -284,7 +283,6 @@ class TrainWorker:
             for name, b in model.named_buffers():
                 b.copy_(buffers[name])
         model.zero_grad(set_to_none=True)
-        self._sec_per_sample = step_s / batch
         return ProbeResult(
             rank=self.rank,
             samples_per_s=batch / (step_s * max(slowdown, 1.0)),
@@ -434,8 +432,6 @@ class TrainWorker:
         for step, step_total, segments in steps:
             num_samples = sum(len(c) for seg, _ in segments for c in seg)
             t0 = time.perf_counter()
-            if slowdown > 1.0:  # EMULATION of a slower device, off by default; the probe timed a sample; the
-                time.sleep((slowdown - 1.0) * self._sec_per_sample * num_samples)  # sleep precedes every collective
             if inner is None:
                 self.strategy.zero_grad(self.task)
             local_loss: torch.Tensor | None = None
@@ -449,8 +445,10 @@ class TrainWorker:
             if local_loss is None:  # (per-device pace: no samples here in this step)
                 local_loss = torch.zeros(1, device=self.device)
             stats = local_loss if self.strategy.stats_on_device else local_loss.cpu()
-            if self.world_size > 1:  # the planner splits shares by compute time: queued kernels are compute, not
-                self.kind.synchronize(index)  # the exchange's (costs nothing: the exchange waits for them anyway)
+            if self.world_size > 1 or slowdown > 1.0:  # the planner splits shares by compute time: queued kernels
+                self.kind.synchronize(index)  # are compute, not the exchange's (free: the exchange waits for them)
+            if slowdown > 1.0:  # EMULATION of a slower device, off by default: this step's own compute is
+                time.sleep((slowdown - 1.0) * (time.perf_counter() - t0))  # stretched, whatever the machine's load
             outcome = self.strategy.step(self.task, stats, num_samples / step_total)
             ledger.step_done(step, outcome, time.perf_counter() - t0, num_samples, local_loss)
         weight = plan.shares[self.rank] / sum(plan.shares)  # for buffer averaging: this rank's part of the round
