@@ -121,17 +121,23 @@ def simulate(
     return sim.models[0].state_dict()
 
 
+PIECE_MB = "0.0003814697265625"  # 400 bytes: the mlp's 1,285 weights travel in 13 pieces of 100 values
+
+
 @pytest.mark.parametrize(
-    "overlap,pace,outer",
+    "overlap,pace,outer,bucket_mb",
     [
-        (False, "balanced", (OUTER_LR, MU)),
-        (False, "balanced", (1.0, 0.0)),  # the defaults: plain averaging, no momentum buffer at all
-        (True, "balanced", (OUTER_LR, MU)),
-        (True, "per-device", (OUTER_LR, MU)),
+        (False, "balanced", (OUTER_LR, MU), None),
+        (False, "balanced", (1.0, 0.0), None),  # the defaults: plain averaging, no momentum buffer at all
+        (False, "balanced", (1.0, 0.0), PIECE_MB),  # in pieces across the parameters' edges
+        (True, "balanced", (OUTER_LR, MU), None),
+        (True, "per-device", (OUTER_LR, MU), None),
     ],
-    ids=["plain", "plain-averaging", "overlapped", "overlapped-per-device-pace"],
+    ids=["plain", "plain-averaging", "plain-averaging-in-pieces", "overlapped", "overlapped-per-device-pace"],
 )
-def test_local_sgd_matches_a_one_process_simulation_of_its_math(overlap, pace, outer, tmp_path):
+def test_local_sgd_matches_a_one_process_simulation_of_its_math(overlap, pace, outer, bucket_mb, tmp_path, monkeypatch):
+    if bucket_mb:
+        monkeypatch.setenv("MIXTRAIN_BUCKET_MB", bucket_mb)
     x, y = data("mlp", NUM_SAMPLES)
     strategy = StrategyConfig(
         name="local-sgd", local_steps=H, outer_lr=outer[0], outer_momentum=outer[1], overlap=overlap, pace=pace
@@ -142,6 +148,8 @@ def test_local_sgd_matches_a_one_process_simulation_of_its_math(overlap, pace, o
     # every window of H steps is exchanged once, with or without overlap: a round sends ROUND / H deltas
     sent = {w["sent_bytes"] for r in result.history for w in r["workers"]}
     assert len(sent) == 1, sent
+    if bucket_mb:  # every piece went: the same bytes as one collective
+        assert sent == {ROUND // H * (1285 + 2 * H) * 4}, sent
     # per-device pace: each worker's inner batch is 64 / 2 = 32 samples; in a window of H=2 steps worker 0 (40
     # a step) steps on 32, 32 and, at the exchange, the 16 left; worker 1 (24 a step) on 32 and the 16 left
     inner = GLOBAL_BATCH // 2 if pace == "per-device" else None
@@ -166,14 +174,18 @@ def test_overlapped_rounds_hold_several_exchanges_and_the_last_blocks(tmp_path):
     assert len(run_records(result.run_dir, "round")) == len(steps)
 
 
-def test_a_worker_killed_mid_exchange_under_overlap_is_survived(tmp_path, monkeypatch):
-    # worker 1 of 3 SIGKILLs itself at its 8th step, with an exchange in flight: the survivors fail in the
-    # wait for it, go back to the common point (the in-flight window and the one after are redone), re-form
-    # and go on; every step is done once, and the two survivors end equal
+@pytest.mark.parametrize("overlap", [True, False], ids=["overlapped", "plain-averaging-in-pieces"])
+def test_a_worker_killed_mid_exchange_is_survived(overlap, tmp_path, monkeypatch):
+    # worker 1 of 3 SIGKILLs itself at its 8th step, with an exchange in flight (overlapped), or just before
+    # one that travels in pieces: the survivors fail in the wait for it, go back to the common point (the
+    # in-flight window and the one after are redone), re-form and go on; every step is done once, and the two
+    # survivors end equal
     monkeypatch.setenv("MIXTRAIN_COLLECTIVE_TIMEOUT_S", "5")
+    if not overlap:
+        monkeypatch.setenv("MIXTRAIN_BUCKET_MB", PIECE_MB)
     x, y = data("mlp", NUM_SAMPLES)
     task = functools.partial(faulty_task, "mlp", "sgd0", "kill", 1, 8, str(tmp_path / "fired"))
-    strategy = StrategyConfig(name="local-sgd", local_steps=H, overlap=True)
+    strategy = StrategyConfig(name="local-sgd", local_steps=H, overlap=overlap)
     result = Trainer(
         task,
         (x, y),

@@ -36,6 +36,7 @@ added (local SGD makes no exactness promise; the common point is exact).
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -89,17 +90,25 @@ class LocalSGDStrategy(SyncStrategy):
         # copy of the weights less on every worker
         if self.config.outer_momentum and self.momentum.numel() != self.anchor.numel():
             self.momentum = torch.zeros_like(self.anchor)
-        size = self.anchor.numel() + 2 * self.config.local_steps
-        self._work = torch.zeros(size)  # the exchange's buffer (overlap: two, one in flight)
         self.overlap = self.config.overlap and dist.get_world_size() > 1
+        bits = QUANTIZED_BITS.get(self.config.compress)
+        self.wire = torch.float32 if bits else (wire_dtype(self.config.compress) or torch.float32)
+        self.feedback = ErrorFeedback(bits) if bits else None  # int8/int4 deltas: an all-gather, not a sum
+        self.chunked = not (self.overlap or bits or self.config.outer_momentum) and all(
+            p.dtype == torch.float32 and p.is_contiguous() for p in self.params
+        )
+        """Plain averaging exchanges in pieces of one gradient bucket (MIXTRAIN_BUCKET_MB) through one buffer
+        of that size, writing the new common point into the weights as it goes (_exchange_chunked): a buffer
+        as large as the model less. Overlap, outer momentum and int8/int4 need the whole delta at once."""
+        self.piece = max(1, ctx.bucket_bytes // 4)  # fp32 values per piece
+        n, stats = self.anchor.numel(), 2 * self.config.local_steps
+        size = (min(n, self.piece) if self.chunked else n) + stats
+        self._work = torch.zeros(size)  # the exchange's buffer (overlap: two, one in flight)
         self._spare = torch.zeros(size) if self.overlap else torch.zeros(0)
         self.base = self.anchor.clone() if self.overlap else self.anchor
         """Where this worker's own progress is measured from (overlap: A minus its progress in flight)."""
         self._inflight: _InFlight | None = None
         self.loss_scale = LossScale(enabled=ctx.loss_scaling)
-        bits = QUANTIZED_BITS.get(self.config.compress)
-        self.wire = torch.float32 if bits else (wire_dtype(self.config.compress) or torch.float32)
-        self.feedback = ErrorFeedback(bits) if bits else None  # int8/int4 deltas: an all-gather, not a sum
         self._pending: list[torch.Tensor] = []  # per step since the last exchange: [loss term, non-finite]
         self._weights: list[float] = []
         self._committed: dict[str, Any] = {}  # scheduler and loss scale at the last exchange
@@ -197,15 +206,69 @@ class LocalSGDStrategy(SyncStrategy):
         """Average the weighted deltas and the pending per-step statistics in one collective, then
         apply the outer step to the common point. Everything happens in one reused fp32 buffer: no
         temporary as large as the model besides a narrower wire copy when compressing."""
-        n, k = self.anchor.numel(), len(self._pending)
-        buf = self._work[: n + 2 * k]
-        buf[:n].mul_(self._pack(buf))
-        work, wire, sent = self._launch(buf, n, async_op=False)
-        done = self._land(buf, n, k, wire, work)
-        self._to_common_point()
+        if self.chunked:
+            done, sent = self._exchange_chunked()
+        else:
+            n, k = self.anchor.numel(), len(self._pending)
+            buf = self._work[: n + 2 * k]
+            buf[:n].mul_(self._pack(buf))
+            work, wire, sent = self._launch(buf, n, async_op=False)
+            done = self._land(buf, n, k, wire, work)
+            self._to_common_point()
         self._pending, self._weights = [], []
         self._committed = small_state(task, self.loss_scale)
         return done, sent
+
+    def _exchange_chunked(self) -> tuple[list[StepResult], int]:
+        """The same exchange (plain averaging: no outer momentum) in pieces of the flat weights, in order,
+        through the one small buffer: the statistics travel with the first piece; each piece's average moves
+        that part of the WEIGHTS to the new common point, and the common point itself (the anchor) takes the
+        weights only once every piece has landed. A peer lost part-way leaves the anchor as it was, and
+        recover() puts the weights back to it, as with one collective. Every rank sees the same sums, so a
+        non-finite one stops every rank at the same piece, and nobody applies the exchange."""
+        n, k = self.anchor.numel(), len(self._pending)
+        share = sum(self._weights) / len(self._weights)
+        applied, sent, stats = True, 0, torch.zeros(k, 2)
+        for start in range(0, max(n, 1), self.piece):
+            stop, head = min(n, start + self.piece), 2 * k if start == 0 else 0
+            buf = self._work[: head + stop - start]
+            if head:
+                buf[:head].copy_(torch.stack(self._pending).reshape(-1))
+            delta = buf[head:].copy_(self.anchor[start:stop])
+            for weights, at in self._pieces(start, stop):
+                delta[at : at + weights.numel()].sub_(weights.to("cpu"))
+            delta.mul_(share)
+            _, wire, nbytes = self._launch(buf, buf.numel(), async_op=False)
+            sent += nbytes
+            if wire is not buf:
+                buf.copy_(wire)
+            if head:
+                stats = buf[:head].view(k, 2).clone()
+            if not (bool(torch.isfinite(delta.sum())) or bool(torch.isfinite(delta).all())):
+                applied = False
+                break
+            torch.sub(self.anchor[start:stop], delta, alpha=self.config.outer_lr, out=delta)  # in place: no temporary
+            with torch.no_grad():
+                for weights, at in self._pieces(start, stop):
+                    weights.copy_(delta[at : at + weights.numel()])
+        if applied:
+            for weights, at in self._pieces(0, n):
+                self.anchor[at : at + weights.numel()].copy_(weights.to("cpu"))
+        else:
+            self._to_common_point()
+        return [StepResult(applied and float(s[-1]) == 0.0, s[:-1]) for s in stats], sent
+
+    def _pieces(self, start: int, stop: int) -> Iterator[tuple[torch.Tensor, int]]:
+        """The parts of the weights at flat positions [start, stop): (a view of that part, where it begins
+        relative to `start`)."""
+        offset = 0
+        for p in self.params:
+            lo, hi = max(start, offset), min(stop, offset + p.numel())
+            if lo < hi:
+                yield p.detach().view(-1)[lo - offset : hi - offset], lo - start
+            offset += p.numel()
+            if offset >= stop:
+                return
 
     def _exchange_overlapped(self, task: Task) -> tuple[list[StepResult], int]:
         """Send this window's delta in the background; apply the previous window's average (waiting for it
@@ -318,9 +381,16 @@ class LocalSGDStrategy(SyncStrategy):
             mine = torch.zeros(self.exchange_bytes(task), dtype=torch.uint8, device=replicas.comm_device())
             everyone = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
             return median_seconds(lambda: dist.all_gather(everyone, mine), repeats, collective=True)
-        buf = torch.zeros(self.anchor.numel() + 2 * self.config.local_steps, dtype=self.wire)
-        buf = buf.to(replicas.comm_device())
-        return median_seconds(lambda: dist.all_reduce(buf, op=dist.ReduceOp.SUM), repeats, collective=True)
+        n = self.anchor.numel()
+        pieces = -(-n // self.piece) if self.chunked else 1  # the same collectives as an exchange
+        size = (min(n, self.piece) if self.chunked else n) + 2 * self.config.local_steps
+        buf = torch.zeros(size, dtype=self.wire, device=replicas.comm_device())
+
+        def exchange() -> None:
+            for _ in range(pieces):
+                dist.all_reduce(buf, op=dist.ReduceOp.SUM)
+
+        return median_seconds(exchange, repeats, collective=True)
 
     def exchange_bytes(self, task: Task) -> int:
         stats = 2 * self.config.local_steps  # a loss term and a non-finite flag per step
