@@ -22,7 +22,7 @@ demo: install
 	$(BIN)/mixtrain train digits --workers 2
 
 test: install-dev
-	$(BIN)/python -m pytest -q tests
+	$(BIN)/python -m pytest -q -n 2 --dist loadgroup tests
 
 lint: install-dev
 	$(BIN)/ruff check src tests benchmarks gpu

@@ -9,13 +9,13 @@ REPO = Path(__file__).resolve().parent.parent
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """With `pytest -n 2 --dist loadgroup` (pytest-xdist; `make test` runs one process: in two, test_balancing
-    failed in 4 of 8 full runs, its measured-speed assertions sharing 2 cores) there is one group per process. The
-    multi-host scenarios ("netns": network namespaces on one bridge, a partition that waits out timeouts) mostly
-    wait, so they run beside the rest ("main"), which runs one test after another in the other process. The
-    tests whose assertions follow measured speed (balanced shares, the leave-out advisor: test_balancing) run
-    last, long after the multi-host ones (about 4 minutes) have ended, so no second training shares the 2 cores
-    with them."""
+    """`make test` runs `pytest -n 2 --dist loadgroup` (pytest-xdist): one group per process. The multi-host
+    scenarios ("netns": network namespaces on one bridge, a partition that waits out timeouts) mostly wait, so
+    they run beside the rest ("main"), which runs one test after another in the other process. The tests whose
+    assertions follow measured speed (balanced shares, the leave-out advisor: test_balancing) run last, long
+    after the multi-host ones (about 4 minutes) have ended. (Before emulated slowdowns stretched each step's
+    own measured compute, test_balancing failed in 4 of 8 such runs: a slowdown calibrated by one start-up
+    timing per worker followed the load of that moment.)"""
     for item in items:
         group = "netns" if "multihost" in item.path.parts else "main"
         item.add_marker(pytest.mark.xdist_group(group))
