@@ -68,9 +68,9 @@ HEAD_LISTENS = {
     ("node", "ray::DashboardA"): 1,  # its HTTP server
     ("127.0.0.1", "ray::DashboardA"): 1,
     ("node", "ray::RuntimeEnv"): 1,
-    ("*", "python3"): 1,  # the dashboard process's own Prometheus page, 44227 (no switch in Ray 2.60)
+    ("*", "python"): 1,  # the dashboard process's own Prometheus page, 44227 (no switch in Ray 2.60)
 }
-WORKER_LISTENS = {k: n for k, n in HEAD_LISTENS.items() if k[1] not in ("gcs_server", "python3")}
+WORKER_LISTENS = {k: n for k, n in HEAD_LISTENS.items() if k[1] not in ("gcs_server", "python")}
 
 
 def _listening(host: netns.Host) -> list[dict]:
@@ -86,7 +86,8 @@ def _listening(host: netns.Host) -> list[dict]:
             {
                 "ip": "*" if ip in ("*", "0.0.0.0", "::") else ip,
                 "port": int(port),
-                "process": owner.group(1) if owner else "?",
+                # the interpreter's name follows how the venv was made (python3, python3.11): one name for all
+                "process": re.sub(r"^python[\d.]*$", "python", owner.group(1)) if owner else "?",
             }
         )
     return sockets
@@ -200,7 +201,7 @@ def test_cluster_up_join_train_across_two_hosts_and_refuse_a_client_without_toke
             assert _shape(head_sockets, head.ip) == HEAD_LISTENS, head_sockets
             assert _shape(other_sockets, other.ip) == WORKER_LISTENS, other_sockets
             assert {s["port"] for s in head_sockets} & {10001, 44217, 8265} == set()
-            assert [s["port"] for s in head_sockets if s["process"] == "python3"] == [44227]
+            assert [s["port"] for s in head_sockets if s["process"] == "python"] == [44227]
             answers = _probe_from(intruder, [(head, head_sockets), (other, other_sockets)], homes["intruder"])
             assert len(answers) == 12  # every socket not on loopback: 7 on the head, 5 on the other host
             _only_metrics_page_answers_without_a_token(answers)

@@ -11,6 +11,20 @@ from mixtrain.devices import DeviceInfo
 
 
 @dataclass(frozen=True, kw_only=True)
+class WorkerSetup:
+    """What a worker process starts with, and a kept one starts the next fit with (TrainWorker.reuse)."""
+
+    rank: int
+    world_size: int
+    num_threads: int
+    seed: int
+    device_request: str = "cpu"
+    precision_request: str = "fp32"
+    log_to: tuple[str, str] | None = None
+    """(the run's log folder, the driver's node id); see worker_log."""
+
+
+@dataclass(frozen=True, kw_only=True)
 class WorkerInfo:
     """Who one worker is: node, process, device and precision."""
 

@@ -32,6 +32,7 @@ from mixtrain.core.messages import (
     RoundPlan,
     WorkerInfo,
     WorkerReport,
+    WorkerSetup,
 )
 from mixtrain.core.worker_data import StepSegments, WorkerData, paced_segments
 from mixtrain.data.sampling import Arrays
@@ -95,51 +96,37 @@ class TrainWorker:
     """One replica of the model on one device. Every method is called by the driver for all
     ranks at once (SPMD); between calls the worker holds its state."""
 
-    def __init__(
-        self,
-        rank: int,
-        world_size: int,
-        num_threads: int,
-        seed: int,
-        device_request: str = "cpu",
-        precision_request: str = "fp32",
-        log_to: tuple[str, str] | None = None,
-    ) -> None:
-        """`log_to`: (the run's log folder, the driver's node id); see worker_log."""
+    def __init__(self, setup: WorkerSetup) -> None:
         self._modules_at_start = set(sys.modules)  # what a kept worker keeps loaded (warm_workers)
         self._torch_settings = warm_workers.torch_settings()  # and the process-wide torch settings it goes back to
         self._module_stats: dict[str, tuple[int, int] | None] = {}  # the user's modules as the last task was built
-        self._setup(rank, world_size, num_threads, seed, device_request, precision_request, log_to)
+        self._setup(setup)
 
-    def _setup(
-        self,
-        rank: int,
-        world_size: int,
-        num_threads: int,
-        seed: int,
-        device_request: str,
-        precision_request: str,
-        log_to: tuple[str, str] | None,
-    ) -> None:
+    def _setup(self, setup: WorkerSetup) -> None:
         self.log_file: Path | None = None
         self._log_elsewhere = False  # written outside the run folder (another node): the driver copies it back
+        rank, log_to = setup.rank, setup.log_to
         if log_to is not None:
-            name = f"worker-{rank}-{device_request.replace(':', '')}-pid{os.getpid()}.log"
+            name = f"worker-{rank}-{setup.device_request.replace(':', '')}-pid{os.getpid()}.log"
             self.log_file = worker_log.log_path(log_to[0], log_to[1], _node_id(), name)
             self._log_elsewhere = self.log_file.parent != Path(log_to[0])
             worker_log.redirect_output(self.log_file)
             worker_log.log.info(
-                "worker %d of %d on %s, asking for %s", rank, world_size, socket.gethostname(), device_request
+                "worker %d of %d on %s, asking for %s",
+                rank,
+                setup.world_size,
+                socket.gethostname(),
+                setup.device_request,
             )
         else:
             worker_log.restore_output()
-        torch.set_num_threads(num_threads)
+        torch.set_num_threads(setup.num_threads)
         self.rank = rank
-        self.world_size = world_size
-        self.seed = seed
+        self.world_size = setup.world_size
+        self.seed = setup.seed
         self.host = _node_ip()
-        self.device_request = device_request
-        self.precision_request = precision_request
+        self.device_request = setup.device_request
+        self.precision_request = setup.precision_request
         self.kind: devices.DeviceKind = devices.get("cpu")
         self.device = torch.device("cpu")
         self.precision = "fp32"
@@ -150,23 +137,14 @@ class TrainWorker:
         self._rendezvous: process_group.Rendezvous | None = None
         self._loaded: dict | None = None  # a checkpoint's loss scale and strategy state, until join() applies them
 
-    def reuse(
-        self,
-        rank: int,
-        world_size: int,
-        num_threads: int,
-        seed: int,
-        device_request: str,
-        precision_request: str,
-        log_to: tuple[str, str] | None,
-    ) -> None:
-        """A kept worker (warm_workers) starts over for the next fit, as a new actor with these arguments would:
-        nothing of the last fit's task, data, group, user modules or torch defaults stays."""
+    def reuse(self, setup: WorkerSetup) -> None:
+        """A kept worker (warm_workers) starts over for the next fit, as a new actor with `setup` would: nothing
+        of the last fit's task, data, group, user modules or torch defaults stays."""
         self.shutdown()
         warm_workers.forget_edited_modules(self._modules_at_start, self._module_stats)
         warm_workers.restore_torch_settings(self._torch_settings)
         warm_workers.reset_peak_rss()
-        self._setup(rank, world_size, num_threads, seed, device_request, precision_request, log_to)
+        self._setup(setup)
 
     @property
     def task(self) -> Task:

@@ -23,6 +23,7 @@ from mixtrain.cluster import connect, placement
 from mixtrain.comm import state_transfer
 from mixtrain.config import ScalingConfig
 from mixtrain.core import warm_workers
+from mixtrain.core.messages import WorkerSetup
 from mixtrain.core.worker import TrainWorker
 
 
@@ -127,10 +128,9 @@ class WorkerGroup:
         """Take a kept set of workers: each resets itself for this run. False (and the set freed) when one
         does not answer: new workers start instead."""
         self.pg, self.actors, self._fits = idle.pg, idle.actors, idle.fits + 1
-        n = len(self.specs)
-        args = [(s.rank, n, s.threads, self.seed, s.device, s.precision, self._log_to()) for s in self.specs]
+        setups = [(self._setup(spec, spec.rank, len(self.specs)),) for spec in self.specs]
         try:
-            self.call_each("reuse", args, timeout_s=env_float(RENUMBER_TIMEOUT_S))
+            self.call_each("reuse", setups, timeout_s=env_float(RENUMBER_TIMEOUT_S))
         except (WorkerError, ray.exceptions.RayError):  # a dead worker, or handles of a Ray that is gone
             warm_workers.free(idle)
             self.pg, self.actors = None, []
@@ -164,7 +164,18 @@ class WorkerGroup:
             num_gpus=spec.bundle.get("GPU", 0.0),
             runtime_env={"env_vars": env} if env else None,
             scheduling_strategy=PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=spec.rank),
-        ).remote(rank, world_size, spec.threads, self.seed, spec.device, spec.precision, self._log_to())
+        ).remote(self._setup(spec, rank, world_size))
+
+    def _setup(self, spec: placement.WorkerSpec, rank: int, world_size: int) -> WorkerSetup:
+        return WorkerSetup(
+            rank=rank,
+            world_size=world_size,
+            num_threads=spec.threads,
+            seed=self.seed,
+            device_request=spec.device,
+            precision_request=spec.precision,
+            log_to=self._log_to(),
+        )
 
     def _log_to(self) -> tuple[str, str] | None:
         if self.log_dir is None:
