@@ -18,8 +18,8 @@ mx:local-sgd,mx:allreduce+bf16,mx:ps+bf16,mx:ps-async+bf16,mx:local-sgd+bf16
 Emulation rule, the same in every runner: a slow rank sleeps (factor - 1) x the plain compute
 time of its samples where no collective overlaps the sleep (DDP and Ray Train: before each step,
 on a timing of its fixed slice calibrated once at start, since their exchange runs inside the
-backward pass; mixtrain: after each step's compute and before its exchange, on that step's own
-measured compute).
+backward pass; mixtrain: after each step's forward and backward and before its exchange, on
+their measured time, which includes the all-reduces its backward starts).
 
 Every runner is its own subprocess, started the way a user would start it, so "first step"
 is the wall time from the command starting to the first training step. Workloads use

@@ -413,20 +413,25 @@ class TrainWorker:
             if inner is None:
                 self.strategy.zero_grad(self.task)
             local_loss: torch.Tensor | None = None
+            compute_s = 0.0  # the model's forward and backward (reading its samples included): what EMULATION stretches
             for seg, fraction in segments:
+                t1 = time.perf_counter()
                 term = forward_backward(
                     self.task, self.strategy, self.device, self.precision, batches, seg, step_total, inner
                 )
+                compute_s += time.perf_counter() - t1
                 local_loss = term if local_loss is None else local_loss + term
                 if fraction:
                     self.strategy.inner_step(self.task, fraction)
             if local_loss is None:  # (per-device pace: no samples here in this step)
                 local_loss = torch.zeros(1, device=self.device)
             stats = local_loss if self.strategy.stats_on_device else local_loss.cpu()
+            t1 = time.perf_counter()
             if self.world_size > 1 or slowdown > 1.0:  # the planner splits shares by compute time: queued kernels
                 self.kind.synchronize(index)  # are compute, not the exchange's (free: the exchange waits for them)
-            if slowdown > 1.0:  # EMULATION of a slower device, off by default: this step's own compute is
-                time.sleep((slowdown - 1.0) * (time.perf_counter() - t0))  # stretched, whatever the machine's load
+            if slowdown > 1.0:  # EMULATION of a slower device, off by default: this step's own forward and backward
+                compute_s += time.perf_counter() - t1  # (a GPU's queued kernels too) stretched, whatever the load
+                time.sleep((slowdown - 1.0) * compute_s)
             outcome = self.strategy.step(self.task, stats, num_samples / step_total)
             ledger.step_done(step, outcome, time.perf_counter() - t0, num_samples, local_loss)
         weight = plan.shares[self.rank] / sum(plan.shares)  # for buffer averaging: this rank's part of the round
