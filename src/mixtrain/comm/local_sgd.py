@@ -62,6 +62,11 @@ from mixtrain.devices.precision import LossScale
 from mixtrain.task import Task
 
 
+def _finite(delta: torch.Tensor) -> bool:
+    """No NaN or Inf in `delta`, by its sum first (no temporary as large as it unless the sum is not finite)."""
+    return bool(torch.isfinite(delta.sum())) or bool(torch.isfinite(delta).all())
+
+
 @dataclass
 class _InFlight:
     """An exchange running in the background (overlap): its collective, its buffer, and what it commits."""
@@ -194,11 +199,7 @@ class LocalSGDStrategy(SyncStrategy):
         """Write this worker's progress since its base (base - params) and the pending per-step statistics
         into `buf`; return this rank's part of the samples since the last exchange (the delta's weight)."""
         n = self.base.numel()
-        delta = buf[:n].copy_(self.base)
-        offset = 0
-        for p in self.params:  # one parameter at a time: no temporary as large as the model
-            delta[offset : offset + p.numel()].sub_(p.detach().reshape(-1).to("cpu", torch.float32))
-            offset += p.numel()
+        self._subtract_weights(buf[:n].copy_(self.base), 0, n)
         buf[n:].copy_(torch.stack(self._pending).reshape(-1))
         return sum(self._weights) / len(self._weights)
 
@@ -235,8 +236,7 @@ class LocalSGDStrategy(SyncStrategy):
             if head:
                 buf[:head].copy_(torch.stack(self._pending).reshape(-1))
             delta = buf[head:].copy_(self.anchor[start:stop])
-            for weights, at in self._pieces(start, stop):
-                delta[at : at + weights.numel()].sub_(weights.to("cpu"))
+            self._subtract_weights(delta, start, stop)
             delta.mul_(share)
             _, wire, nbytes = self._launch(buf, buf.numel(), async_op=False)
             sent += nbytes
@@ -244,7 +244,7 @@ class LocalSGDStrategy(SyncStrategy):
                 buf.copy_(wire)
             if head:
                 stats = buf[:head].view(k, 2).clone()
-            if not (bool(torch.isfinite(delta.sum())) or bool(torch.isfinite(delta).all())):
+            if not _finite(delta):
                 applied = False
                 break
             torch.sub(self.anchor[start:stop], delta, alpha=self.config.outer_lr, out=delta)  # in place: no temporary
@@ -258,14 +258,20 @@ class LocalSGDStrategy(SyncStrategy):
             self._to_common_point()
         return [StepResult(applied and float(s[-1]) == 0.0, s[:-1]) for s in stats], sent
 
+    def _subtract_weights(self, delta: torch.Tensor, start: int, stop: int) -> None:
+        """delta -= the weights at flat positions [start, stop), one parameter at a time (no temporary as large
+        as the model)."""
+        for weights, at in self._pieces(start, stop):
+            delta[at : at + weights.numel()].sub_(weights.to("cpu", torch.float32))
+
     def _pieces(self, start: int, stop: int) -> Iterator[tuple[torch.Tensor, int]]:
-        """The parts of the weights at flat positions [start, stop): (a view of that part, where it begins
-        relative to `start`)."""
+        """The parts of the weights at flat positions [start, stop): (that part, where it begins relative to
+        `start`). A view of the parameter when it is contiguous (always, where `chunked` writes into it)."""
         offset = 0
         for p in self.params:
             lo, hi = max(start, offset), min(stop, offset + p.numel())
             if lo < hi:
-                yield p.detach().view(-1)[lo - offset : hi - offset], lo - start
+                yield p.detach().reshape(-1)[lo - offset : hi - offset], lo - start
             offset += p.numel()
             if offset >= stop:
                 return
@@ -322,7 +328,7 @@ class LocalSGDStrategy(SyncStrategy):
             buf.copy_(wire)
         delta = buf[:n]
         stats = buf[n:].view(k, 2).clone()
-        applied = bool(torch.isfinite(delta.sum())) or bool(torch.isfinite(delta).all())  # the sum: no big temporary
+        applied = _finite(delta)
         if applied:  # SGD with Nesterov momentum on the pseudo-gradient, as torch.optim.SGD computes it
             mu = self.config.outer_momentum
             if mu:
@@ -381,10 +387,8 @@ class LocalSGDStrategy(SyncStrategy):
             mine = torch.zeros(self.exchange_bytes(task), dtype=torch.uint8, device=replicas.comm_device())
             everyone = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
             return median_seconds(lambda: dist.all_gather(everyone, mine), repeats, collective=True)
-        n = self.anchor.numel()
-        pieces = -(-n // self.piece) if self.chunked else 1  # the same collectives as an exchange
-        size = (min(n, self.piece) if self.chunked else n) + 2 * self.config.local_steps
-        buf = torch.zeros(size, dtype=self.wire, device=replicas.comm_device())
+        pieces = -(-self.anchor.numel() // self.piece) if self.chunked else 1  # the same collectives as an exchange
+        buf = torch.zeros(self._work.numel(), dtype=self.wire, device=replicas.comm_device())
 
         def exchange() -> None:
             for _ in range(pieces):
