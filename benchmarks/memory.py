@@ -28,8 +28,10 @@ builds the model (the workers and the parameter-server shards); before the worke
 every recorder for a last reading and waits for it (a WorkerGroup subclass whose shutdown does that first), so
 the final state_dict is counted too. Result.workers maps pids to ranks; the driver's own peak is reported beside.
 VmHWM counts every resident page: torch's shared library text and the pages of Ray's object store that the
-process touched. The thread also keeps VmRSS over time; matched with the run's rounds and checkpoints
-(metrics.jsonl), they give the second table: where each mixtrain process's memory goes, phase by phase.
+process touched; each record's split_at_max_rss (raw results) splits the highest VmRSS sampled into RssAnon,
+RssFile and RssShmem (the object store's pages). The thread also keeps VmRSS over time; matched with the run's
+rounds and checkpoints (metrics.jsonl), they give the second table: where each mixtrain process's memory goes,
+phase by phase.
 
 Fits under a cap: every DDP rank and mixtrain worker moves itself into its own cgroup v1 memory group, a child of
 this process's (/proc/self/cgroup), first thing (DDP: before importing torch; mixtrain: in the task factory).
@@ -166,6 +168,7 @@ class PeakRecorder(threading.Thread):
             "timeline": [],  # (time, VmHWM) whenever it grew
             "rss": [],  # (time, VmRSS) whenever it moved by RSS_STEP_MB, and every RSS_EVERY_S
             "final": False,
+            "split_at_max_rss": {},  # RssAnon / RssFile / RssShmem when VmRSS was at its most
         }
 
     def run(self) -> None:
@@ -185,6 +188,8 @@ class PeakRecorder(threading.Thread):
             last = self.record["rss"][-1] if self.record["rss"] else (0.0, 0.0)
             if abs(rss - last[1]) >= RSS_STEP_MB or now - last[0] >= RSS_EVERY_S:
                 self.record["rss"].append((now, rss))
+            if rss >= self.record["split_at_max_rss"].get("VmRSS", 0.0):
+                self.record["split_at_max_rss"] = {f: status_mb(f) for f in ("VmRSS", "RssAnon", "RssFile", "RssShmem")}
             grew = peak > self.record["peak_mb"]
             if grew:
                 self.record["timeline"].append((now, peak))

@@ -27,6 +27,8 @@ def ray_session():
     """One local Ray for the whole test session: starting Ray costs seconds."""
     import ray
 
+    from mixtrain.cluster import connect
+
     # Ray workers inherit the environment: make tests.models importable there.
     os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
@@ -38,7 +40,14 @@ def ray_session():
     # nearly every test also trains on reused workers; tests/ray/test_warm_workers.py tests reuse itself
     os.environ.setdefault("MIXTRAIN_KEEP_WORKERS", "1")
     # address="local": this session's own Ray, even where another cluster runs on the machine
-    ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False, logging_level="ERROR")
+    ray.init(
+        address="local",
+        num_cpus=4,
+        include_dashboard=False,
+        log_to_driver=False,
+        logging_level="ERROR",
+        _system_config=connect.SYSTEM_CONFIG,  # the Ray mixtrain starts itself
+    )
     yield
     ray.shutdown()
 

@@ -71,3 +71,8 @@ def transfer_s(num_bytes: float) -> float:
     """Deadline for moving `num_bytes` between processes (a state, a checkpoint, the link measurement): the
     collective timeout plus the time the slowest allowed link needs, so a big model on Wi-Fi is not cut off."""
     return env_float(COLLECTIVE_TIMEOUT_S) + num_bytes / (env_float(MIN_LINK_MBPS) * 1e6)
+
+
+HOST_MMAP_THRESHOLD_MB = ("MIXTRAIN_HOST_MMAP_THRESHOLD_MB", 16.0)
+"""Host blocks at least this large get their own mapping in a worker process, returned to the system when freed
+(glibc's mmap threshold; 0 keeps glibc's own rising threshold). See devices/host_allocator.py."""

@@ -9,7 +9,7 @@ import torch
 
 from mixtrain import ScalingConfig
 from mixtrain.comm import state_transfer
-from mixtrain.core.worker_group import WorkerGroup, WorkerTimeout
+from mixtrain.core.worker_group import STREAM_AHEAD, WorkerGroup, WorkerTimeout, open_stream
 
 pytestmark = pytest.mark.usefixtures("ray_session")
 
@@ -50,3 +50,37 @@ def test_a_sender_that_goes_silent_is_a_timeout_naming_it():
     with pytest.raises(WorkerTimeout) as err:
         group_of(SlowSender.remote(0.0, silent_s=5.0)).receive(0, "training_state", stall_s=1.0)
     assert err.value.ranks == [0] and "sent nothing of training_state for 1 s" in str(err.value)
+
+
+@ray.remote(num_cpus=0, max_concurrency=2)  # a second thread answers `sent` while the stream waits
+class CountingSender:
+    """Streams a 32 MB state (512 pieces) and counts the pieces it has produced."""
+
+    def __init__(self) -> None:
+        self.produced = 0
+
+    def stream(self, what: str):
+        for piece in state_transfer.stream({"w": torch.ones(2**23)}):
+            self.produced += 1
+            yield piece
+
+    def sent(self) -> int:
+        return self.produced
+
+
+def test_a_sender_runs_only_a_few_pieces_ahead_of_the_reader():
+    # Unbounded, a worker would produce the whole state at once and hold what the driver has not read yet
+    sender = CountingSender.remote()
+    gen = open_stream(sender, "training_state")
+    deadline = time.monotonic() + 30
+    while ray.get(sender.sent.remote()) < STREAM_AHEAD and time.monotonic() < deadline:
+        time.sleep(0.05)
+    time.sleep(0.5)  # room to run further ahead, were it unbounded
+    ahead = ray.get(sender.sent.remote())
+    assert STREAM_AHEAD <= ahead <= STREAM_AHEAD + 2, ahead  # of 513 pieces (the skeleton first)
+
+    def pieces():
+        for ref in gen:
+            yield ray.get(ref)
+
+    assert torch.equal(state_transfer.unpack(state_transfer.receive(pieces()))["w"], torch.ones(2**23))

@@ -162,6 +162,9 @@ def test_every_node_starts_without_the_parts_mixtrain_does_not_use(monkeypatch):
     assert env["RAY_START_HOOK"] == "mixtrain.cluster.ray_hook.harden"
     assert "RAY_START_HOOK" not in headnode.node_env(None, head=False)  # a worker node starts no client server
     assert env["RAY_enable_metrics_collection"] == "false" and env["GLOO_SOCKET_IFNAME"] == "eth7"
+    # objects nobody holds are freed within 10 ms, as in the embedded Ray (the parameter servers' traffic)
+    assert env["RAY_free_objects_period_milliseconds"] == "10"
+    assert headnode.node_env(None, head=False)["RAY_free_objects_period_milliseconds"] == "10"
     assert "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER" not in env
     assert exposure.ray_start_args(head=True) == [
         "--include-dashboard=false",

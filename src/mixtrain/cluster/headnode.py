@@ -32,7 +32,7 @@ from mixtrain.cluster.auth import (
     token_path,
     use_cluster_token,
 )
-from mixtrain.cluster.connect import check_reachable, device_resources
+from mixtrain.cluster.connect import check_reachable, device_resources, system_env
 from mixtrain.cluster.state import (
     ClusterError,
     NodeState,
@@ -206,7 +206,7 @@ def _refuse_if_running() -> None:
 
 def node_env(interface: str | None, *, head: bool) -> dict[str, str]:
     """Environment of this node's Ray processes (and so of the workers on it)."""
-    env = {**exposure.ray_start_env(head=head), **platform_env()}
+    env = {**exposure.ray_start_env(head=head), **platform_env(), **system_env()}
     if interface:
         env.update(GLOO_SOCKET_IFNAME=interface, NCCL_SOCKET_IFNAME=interface)
     return env

@@ -12,8 +12,8 @@ Within the bound every gradient is applied at full weight; a gradient that arriv
 update was applied (possible only from a group that was re-formed meanwhile) is rejected by the
 shard. S = 0 is the synchronous parameter server.
 
-The optimizer state lives on the shards only: a worker holds weights and gradients, and a
-checkpoint (or a replacement) gathers the state from the shards. At a round end every worker
+The optimizer state lives on the shards only: a worker holds weights and gradients, and the driver
+gathers the state from the shards for a checkpoint (or a replacement). At a round end every worker
 drains its pushes, so every replica holds the same weights. The shards are loaded from rank 0
 when the workers hold newer state (the first formation, a resume); a group re-formed later
 starts from the shards' weights. At each round start rank 0 has the shards keep a restore
@@ -34,7 +34,7 @@ import torch.distributed as dist
 
 from mixtrain.comm import process_group, replicas
 from mixtrain.comm.compress import decode, encode, wire_dtype
-from mixtrain.comm.ps_server import optimizer_index, partition, state_from_numpy, state_to_numpy, trainable
+from mixtrain.comm.ps_server import optimizer_index, partition, state_to_numpy, trainable
 from mixtrain.comm.strategy import (
     JoinContext,
     RoundSync,
@@ -122,10 +122,9 @@ class ParameterServerStrategy(SyncStrategy):
         self.pending.clear()
 
     def optimizer_state(self, task: Task) -> dict[str, Any]:
-        sd = task.optimizer.state_dict()  # param_groups (the local scheduler keeps lr in step); no state here
-        for state in self._get([s.optimizer_state.remote() for s in self.servers]):
-            sd["state"].update(state_from_numpy(state))
-        return sd
+        """param_groups only (the local scheduler keeps lr in step): the state itself lives on the shards, and
+        the driver takes it from there (ps_server.gather_optimizer_state), never through this worker."""
+        return task.optimizer.state_dict()
 
     def step(self, task: Task, local_stats: torch.Tensor, weight: float) -> StepOutcome:
         t0 = time.perf_counter()

@@ -30,6 +30,8 @@ import torch
 from mixtrain._constants import COLLECTIVE_TIMEOUT_S, PS_START_TIMEOUT_S, env_float
 from mixtrain.comm import replicas
 from mixtrain.comm.compress import decode
+from mixtrain.comm.state_transfer import Packed
+from mixtrain.devices import host_allocator
 from mixtrain.task import Task, build_task
 
 SHARD_BYTES = 16 * 2**20
@@ -79,6 +81,25 @@ def state_from_numpy(state: dict[int, dict[str, Any]]) -> dict[int, dict[str, An
     }
 
 
+def gather_optimizer_state(servers: list[Any], timeout_s: float) -> dict[int, dict[str, Any]]:
+    """Every shard's optimizer state, merged by the optimizer's parameter numbers and packed (state_transfer),
+    for the driver: read in place from the object store, so no worker holds the state on its way."""
+    import ray
+
+    try:
+        parts = ray.get([s.optimizer_state.remote() for s in servers], timeout=timeout_s)
+    except (ray.exceptions.GetTimeoutError, ray.exceptions.RayActorError) as exc:
+        raise RuntimeError(
+            f"a parameter server did not hand over its optimizer state within {timeout_s:g} s ({type(exc).__name__}): "
+            "the state lives only there, so this checkpoint cannot be written; the last one is intact, resume from it"
+        ) from exc
+    merged: dict[int, dict[str, Any]] = {}
+    for part in parts:
+        for i, entry in part.items():
+            merged[int(i)] = {k: Packed(v, str(v.dtype)) if isinstance(v, np.ndarray) else v for k, v in entry.items()}
+    return merged
+
+
 @dataclass
 class _Step:
     grads: dict[int, tuple[torch.Tensor, float, bool, np.ndarray]] = field(default_factory=dict)
@@ -90,6 +111,7 @@ class ParameterServer:
     """One shard. All methods are coroutines: pushes for the same step wait together on one event."""
 
     def __init__(self, factory: Callable[[], Task], index: int, shards: int, seed: int, compress: str) -> None:
+        host_allocator.release_large_blocks()
         torch.set_num_threads(1)
         torch.manual_seed(seed)
         self.task = build_task(factory)

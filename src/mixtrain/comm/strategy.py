@@ -176,8 +176,8 @@ class SyncStrategy(ABC):
 
     def optimizer_state(self, task: Task) -> dict[str, Any]:
         """The optimizer state_dict as one process stepping every parameter would hold it (for checkpoints
-        and replacements; a strategy that keeps the state elsewhere gathers it here). Under a sharded
-        optimizer, this rank's entries only (`shards_optimizer`): the driver merges every rank's."""
+        and replacements). Under a sharded optimizer, this rank's entries only (`shards_optimizer`), and with
+        parameter servers none (they hold it): the driver merges those in."""
         return task.optimizer.state_dict()
 
     def load_optimizer_state(self, task: Task, state: dict[str, Any]) -> None:

@@ -20,6 +20,7 @@ from mixtrain._constants import (
     transfer_s,
 )
 from mixtrain.cluster.placement import WorkerSpec
+from mixtrain.comm import ps_server
 from mixtrain.config import ScalingConfig, StrategyConfig
 from mixtrain.core import preflight
 from mixtrain.core.messages import BuildReport, ProbeResult, WorkerInfo
@@ -119,6 +120,8 @@ class GroupOps:
         the optimizer state is merged in, so the result loads into any number of workers. `stall_s`: how long
         a worker may send nothing before it counts as lost (the whole takes as long as the link needs)."""
         state = self.group.receive(0, "training_state", stall_s=stall_s)
+        if self.group.servers:  # the parameter servers hold the optimizer state: straight from them
+            state["optimizer"]["state"].update(ps_server.gather_optimizer_state(self.group.servers, stall_s))
         if self.shards_optimizer:
             for rank in range(1, self.group.num_workers):
                 state["optimizer"]["state"].update(self.group.receive(rank, "optimizer_part", stall_s=stall_s))

@@ -37,7 +37,7 @@ from mixtrain.core.messages import (
 from mixtrain.core.worker_data import StepSegments, WorkerData, paced_segments
 from mixtrain.data.sampling import Arrays
 from mixtrain.data.sources import EVAL_EPOCH, Loader, to_device
-from mixtrain.devices import precision
+from mixtrain.devices import host_allocator, precision
 from mixtrain.observe import worker_log
 from mixtrain.task import Task, build_task
 
@@ -97,6 +97,7 @@ class TrainWorker:
     ranks at once (SPMD); between calls the worker holds its state."""
 
     def __init__(self, setup: WorkerSetup) -> None:
+        host_allocator.release_large_blocks()
         self._modules_at_start = set(sys.modules)  # what a kept worker keeps loaded (warm_workers)
         self._torch_settings = warm_workers.torch_settings()  # and the process-wide torch settings it goes back to
         self._module_stats: dict[str, tuple[int, int] | None] = {}  # the user's modules as the last task was built

@@ -1,0 +1,39 @@
+"""The host allocator of a worker process: blocks of 16 MB and more go back to the system when freed.
+
+glibc's malloc serves a freed large block's size from its heap from then on (its mmap threshold rises
+with every large free, up to 32 MB), and a heap keeps what it once held. A worker allocates buffers of
+16-32 MB now and then (a state broadcast's pieces, gradient buckets of 25 MB, a parameter server's
+answers), and held 150-200 MB it no longer used: on a 12.6M-parameter AdamW MLP its peak was 730-920 MB
+against 615-650 MB with a fixed threshold of 16 MB (torchrun DDP: 660; 600 with the same setting).
+
+Blocks at least this large then cost a page fault per 4 KB page each time they are allocated. A step that
+reuses its buffers (every strategy's exchange does) pays that only for activations of 16 MB and more. At
+4 MB, a small CNN's activations made its steps 2x slower; at 16 MB, the benchmark's CNN and MLP ran as fast
+as with glibc's own threshold (`benchmarks/compare.py`, 2026-11-25). MIXTRAIN_HOST_MMAP_THRESHOLD_MB sets
+it; 0 keeps glibc's rising threshold.
+
+Linux with glibc only: macOS's allocator returns large blocks on its own; elsewhere this does nothing.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import os
+import platform
+
+from mixtrain._constants import HOST_MMAP_THRESHOLD_MB, env_float
+
+M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter (malloc.h)
+
+
+def release_large_blocks() -> bool:
+    """Set this process's mmap threshold (MIXTRAIN_HOST_MMAP_THRESHOLD_MB, 16; 0 leaves glibc's default).
+    True when set."""
+    if os.environ.get(HOST_MMAP_THRESHOLD_MB[0], "").strip() == "0":
+        return False
+    threshold_mb = env_float(HOST_MMAP_THRESHOLD_MB)
+    if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
+        return False
+    libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+    return bool(libc.mallopt(M_MMAP_THRESHOLD, int(threshold_mb * 2**20)))

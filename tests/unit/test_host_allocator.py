@@ -1,0 +1,54 @@
+"""A worker's host allocator hands blocks of 16 MB and more back to the system when they are freed (glibc)."""
+
+import json
+import os
+import platform
+import subprocess
+import sys
+
+import pytest
+
+from mixtrain._constants import HOST_MMAP_THRESHOLD_MB
+
+pytestmark = pytest.mark.skipif(
+    platform.system() != "Linux" or platform.libc_ver()[0] != "glibc", reason="glibc's mallopt only"
+)
+
+# A transient 24 MB buffer, as a worker allocates now and then (a bucket, a broadcast's piece), allocated and
+# freed twice: the resident anonymous memory left afterwards, in a fresh process.
+PROBE = """
+import json, torch
+from mixtrain.devices import host_allocator
+
+def anon_mb():
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) / 1024 for line in f if line.startswith("RssAnon:"))
+
+was_set = host_allocator.release_large_blocks()
+before = anon_mb()
+for _ in range(2):
+    block = torch.empty(6 * 2**20).fill_(1.0)  # 24 MB, every page touched
+    del block
+print(json.dumps({"set": was_set, "kept_mb": anon_mb() - before}))
+"""
+
+
+def kept_after_free(threshold: str) -> dict:
+    env = {**os.environ, HOST_MMAP_THRESHOLD_MB[0]: threshold}
+    out = subprocess.run([sys.executable, "-c", PROBE], env=env, capture_output=True, text=True, check=True)
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def test_a_freed_large_block_goes_back_to_the_system_in_a_worker():
+    mine = kept_after_free("16")
+    assert mine["set"] and mine["kept_mb"] < 4, mine
+    # glibc's own rising threshold keeps the second block in its heap: what workers held before
+    glibc = kept_after_free("0")
+    assert not glibc["set"] and glibc["kept_mb"] > 20, glibc
+
+
+def test_a_bad_threshold_is_refused_naming_the_variable():
+    env = {**os.environ, HOST_MMAP_THRESHOLD_MB[0]: "lots"}
+    code = "from mixtrain.devices import host_allocator; host_allocator.release_large_blocks()"
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    assert out.returncode != 0 and "MIXTRAIN_HOST_MMAP_THRESHOLD_MB='lots' is not a number" in out.stderr
