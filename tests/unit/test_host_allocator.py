@@ -47,8 +47,12 @@ def test_a_freed_large_block_goes_back_to_the_system_in_a_worker():
     assert not glibc["set"] and glibc["kept_mb"] > 20, glibc
 
 
-def test_a_bad_threshold_is_refused_naming_the_variable():
-    env = {**os.environ, HOST_MMAP_THRESHOLD_MB[0]: "lots"}
-    code = "from mixtrain.devices import host_allocator; host_allocator.release_large_blocks()"
-    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
-    assert out.returncode != 0 and "MIXTRAIN_HOST_MMAP_THRESHOLD_MB='lots' is not a number" in out.stderr
+def test_zero_turns_it_off_and_a_bad_threshold_is_refused_naming_the_variable(monkeypatch):
+    from mixtrain.devices import host_allocator
+
+    monkeypatch.setenv(HOST_MMAP_THRESHOLD_MB[0], "0.0")
+    assert host_allocator.release_large_blocks() is False
+    for raw, says in [("lots", "is not a number"), ("64", "is above glibc's limit of 32 MB")]:
+        monkeypatch.setenv(HOST_MMAP_THRESHOLD_MB[0], raw)
+        with pytest.raises(ValueError, match=f"MIXTRAIN_HOST_MMAP_THRESHOLD_MB='{raw}' {says}"):
+            host_allocator.release_large_blocks()

@@ -13,10 +13,10 @@ update was applied (possible only from a group that was re-formed meanwhile) is 
 shard. S = 0 is the synchronous parameter server.
 
 The optimizer state lives on the shards only: a worker holds weights and gradients, and the driver
-gathers the state from the shards for a checkpoint (or a replacement). At a round end every worker
-drains its pushes, so every replica holds the same weights. The shards are loaded from rank 0
-when the workers hold newer state (the first formation, a resume); a group re-formed later
-starts from the shards' weights. At each round start rank 0 has the shards keep a restore
+takes the state from the shards for a checkpoint; a replacement starts from the shards as every
+worker does. At a round end every worker drains its pushes, so every replica holds the same weights.
+The shards are loaded from rank 0 when the workers hold newer state (the first formation, a resume);
+a group re-formed later starts from the shards' weights. At each round start rank 0 has the shards keep a restore
 point; when a worker is lost mid-round the survivors put the shards back to it and the round
 is redone (a shard cannot tell a committed update from one a dead worker half-pushed).
 """

@@ -121,7 +121,8 @@ class GroupOps:
         a worker may send nothing before it counts as lost (the whole takes as long as the link needs)."""
         state = self.group.receive(0, "training_state", stall_s=stall_s)
         if self.group.servers:  # the parameter servers hold the optimizer state: straight from them
-            state["optimizer"]["state"].update(ps_server.gather_optimizer_state(self.group.servers, stall_s))
+            gathered = ps_server.gather_optimizer_state(self.group.servers, self.state_transfer_s())
+            state["optimizer"]["state"].update(gathered)
         if self.shards_optimizer:
             for rank in range(1, self.group.num_workers):
                 state["optimizer"]["state"].update(self.group.receive(rank, "optimizer_part", stall_s=stall_s))

@@ -475,9 +475,9 @@ class TrainWorker:
 
     # ---- checkpoints, resume and recovery ---------------------------------------------------
     def training_state(self) -> dict:
-        """Everything a step changes, packed for the object store (state_transfer): weights, optimizer
-        (gathered where the strategy keeps it elsewhere), scheduler, the job-wide loss scale and the
-        strategy's own state. For checkpoints, replacements and survivors that fell behind."""
+        """Everything a step changes, packed for the object store (state_transfer): weights, optimizer (this
+        rank's part where the strategy keeps it elsewhere: the driver merges the rest), scheduler, the job-wide
+        loss scale and the strategy's own state. For checkpoints, replacements and survivors that fell behind."""
         t = self.task
         state = {
             "model": t.model.state_dict(),

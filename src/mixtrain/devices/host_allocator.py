@@ -18,22 +18,30 @@ Linux with glibc only: macOS's allocator returns large blocks on its own; elsewh
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import os
 import platform
 
 from mixtrain._constants import HOST_MMAP_THRESHOLD_MB, env_float
 
 M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter (malloc.h)
+MAX_MB = 32  # glibc refuses a larger threshold (HEAP_MAX_SIZE / 2 on 64-bit)
 
 
 def release_large_blocks() -> bool:
     """Set this process's mmap threshold (MIXTRAIN_HOST_MMAP_THRESHOLD_MB, 16; 0 leaves glibc's default).
-    True when set."""
-    if os.environ.get(HOST_MMAP_THRESHOLD_MB[0], "").strip() == "0":
-        return False
+    True when set. Read by each worker process, from the environment it starts with."""
+    name, default = HOST_MMAP_THRESHOLD_MB
+    raw = os.environ.get(name, "").strip()
+    try:
+        if raw and float(raw) == 0:
+            return False
+    except ValueError:
+        pass  # env_float names the variable and the fix
     threshold_mb = env_float(HOST_MMAP_THRESHOLD_MB)
+    if threshold_mb > MAX_MB:
+        raise ValueError(
+            f"{name}={raw!r} is above glibc's limit of {MAX_MB} MB; set it to 0-{MAX_MB} (default {default:g})"
+        )
     if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
         return False
-    libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-    return bool(libc.mallopt(M_MMAP_THRESHOLD, int(threshold_mb * 2**20)))
+    return bool(ctypes.CDLL(None).mallopt(M_MMAP_THRESHOLD, int(threshold_mb * 2**20)))
