@@ -50,8 +50,9 @@ PS_START_TIMEOUT_S = ("MIXTRAIN_PS_START_TIMEOUT_S", 120.0)
 """How long the parameter-server actors may take to build their part of the model and answer."""
 
 
-def env_float(pair: tuple[str, float]) -> float:
-    """The value of an env-var/default pair, with a clear error for a bad value."""
+def env_float(pair: tuple[str, float], zero_allowed: bool = False) -> float:
+    """The value of an env-var/default pair, with a clear error for a bad value. `zero_allowed`: 0 is a value
+    too (a setting that 0 turns off)."""
     name, default = pair
     raw = os.environ.get(name)
     if raw is None or raw == "":
@@ -62,8 +63,9 @@ def env_float(pair: tuple[str, float]) -> float:
         raise ValueError(f"{name}={raw!r} is not a number; set it to a positive number (default {default})") from None
     # float() takes "nan" and "inf": a NaN timeout compares false with everything (a deadline that never
     # passes, a threshold never crossed) and an infinite one waits forever, so both are refused here.
-    if not math.isfinite(value) or value <= 0:
-        raise ValueError(f"{name}={raw!r} must be a positive, finite number (default {default})")
+    if not math.isfinite(value) or value < 0 or (value == 0 and not zero_allowed):
+        least = "0 or a positive" if zero_allowed else "a positive"
+        raise ValueError(f"{name}={raw!r} must be {least}, finite number (default {default})")
     return value
 
 

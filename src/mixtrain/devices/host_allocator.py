@@ -30,18 +30,13 @@ MAX_MB = 32  # glibc refuses a larger threshold (HEAP_MAX_SIZE / 2 on 64-bit)
 def release_large_blocks() -> bool:
     """Set this process's mmap threshold (MIXTRAIN_HOST_MMAP_THRESHOLD_MB, 16; 0 leaves glibc's default).
     True when set. Read by each worker process, from the environment it starts with."""
-    name, default = HOST_MMAP_THRESHOLD_MB
-    raw = os.environ.get(name, "").strip()
-    try:
-        if raw and float(raw) == 0:
-            return False
-    except ValueError:
-        pass  # env_float names the variable and the fix
-    threshold_mb = env_float(HOST_MMAP_THRESHOLD_MB)
+    threshold_mb = env_float(HOST_MMAP_THRESHOLD_MB, zero_allowed=True)
     if threshold_mb > MAX_MB:
+        name, default = HOST_MMAP_THRESHOLD_MB
         raise ValueError(
-            f"{name}={raw!r} is above glibc's limit of {MAX_MB} MB; set it to 0-{MAX_MB} (default {default:g})"
+            f"{name}={os.environ[name]!r} is above glibc's limit of {MAX_MB} MB; set it to 0-{MAX_MB} "
+            f"(default {default:g})"
         )
-    if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
+    if threshold_mb == 0 or platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
         return False
     return bool(ctypes.CDLL(None).mallopt(M_MMAP_THRESHOLD, int(threshold_mb * 2**20)))
