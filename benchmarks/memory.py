@@ -85,6 +85,7 @@ FIT_RUNNERS = ("ddp", "mx:allreduce", f"mx:allreduce{SHARD}")
 SAMPLE_S = 0.05
 RSS_STEP_MB = 4.0
 RSS_EVERY_S = 0.5
+SPLIT = ("RssAnon", "RssFile", "RssShmem")  # the parts of VmRSS kept at its highest
 FLUSH = "flush"  # a file in the record folder: every recorder takes its last reading
 RECORDER_THREAD = "peak-rss-recorder"
 FIT_TIMEOUT_S = 300
@@ -143,13 +144,23 @@ def train_steps(model, optimizer, x, y, lo: int, size: int, recorder: PeakRecord
 
 
 # ---- measured from inside each process ----------------------------------------------------------
-def status_mb(field: str) -> float:
-    """A field of this process's own /proc/self/status (VmHWM, VmRSS, RssAnon), in MB."""
+def status_fields(*fields: str) -> dict[str, float]:
+    """Fields of this process's own /proc/self/status (VmHWM, VmRSS, RssAnon, ...), in MB, from one reading."""
+    found: dict[str, float] = {}
     with open("/proc/self/status") as f:
         for line in f:
-            if line.startswith(f"{field}:"):
-                return int(line.split()[1]) / 1024
-    raise KeyError(field)
+            name = line.split(":", 1)[0]
+            if name in fields:
+                found[name] = int(line.split()[1]) / 1024
+    missing = [f for f in fields if f not in found]
+    if missing:
+        raise KeyError(missing[0])
+    return found
+
+
+def status_mb(field: str) -> float:
+    """One field of this process's own /proc/self/status, in MB."""
+    return status_fields(field)[field]
 
 
 class PeakRecorder(threading.Thread):
@@ -184,12 +195,13 @@ class PeakRecorder(threading.Thread):
 
     def sample(self, final: bool = False) -> None:
         with self.lock:
-            peak, rss, now = status_mb("VmHWM"), status_mb("VmRSS"), time.time()
+            now, status = time.time(), status_fields("VmHWM", "VmRSS", *SPLIT)
+            peak, rss = status["VmHWM"], status["VmRSS"]
             last = self.record["rss"][-1] if self.record["rss"] else (0.0, 0.0)
             if abs(rss - last[1]) >= RSS_STEP_MB or now - last[0] >= RSS_EVERY_S:
                 self.record["rss"].append((now, rss))
             if rss >= self.record["split_at_max_rss"].get("VmRSS", 0.0):
-                self.record["split_at_max_rss"] = {f: status_mb(f) for f in ("VmRSS", "RssAnon", "RssFile", "RssShmem")}
+                self.record["split_at_max_rss"] = {f: status[f] for f in ("VmRSS", *SPLIT)}
             grew = peak > self.record["peak_mb"]
             if grew:
                 self.record["timeline"].append((now, peak))
