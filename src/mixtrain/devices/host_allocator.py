@@ -4,7 +4,8 @@ glibc's malloc serves a freed large block's size from its heap from then on (its
 with every large free, up to 32 MB), and a heap keeps what it once held. A worker allocates buffers of
 16-32 MB now and then (a state broadcast's pieces, gradient buckets of 25 MB, a parameter server's
 answers), and held 150-200 MB it no longer used: on a 12.6M-parameter AdamW MLP its peak was 730-920 MB
-against 615-650 MB with a fixed threshold of 16 MB (torchrun DDP: 660; 600 with the same setting).
+against 648-692 MB with a fixed threshold of 16 MB and a trim threshold of 32 (torchrun DDP: 654-682;
+600 with a fixed 4 MB threshold).
 
 Blocks at least this large then cost a page fault per 4 KB page each time they are allocated. A step that
 reuses its buffers (every strategy's exchange does) pays that only for activations of 16 MB and more. At
@@ -23,7 +24,7 @@ import platform
 
 from mixtrain._constants import HOST_MMAP_THRESHOLD_MB, env_float
 
-M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter (malloc.h)
+M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3  # glibc's mallopt parameters (malloc.h)
 MAX_MB = 32  # glibc refuses a larger threshold (HEAP_MAX_SIZE / 2 on 64-bit)
 
 
@@ -39,4 +40,8 @@ def release_large_blocks() -> bool:
         )
     if threshold_mb == 0 or platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
         return False
-    return bool(ctypes.CDLL(None).mallopt(M_MMAP_THRESHOLD, int(threshold_mb * 2**20)))
+    libc, threshold = ctypes.CDLL(None), int(threshold_mb * 2**20)
+    # A fixed mmap threshold also stops glibc raising its trim threshold (128 KB) with it: the heap's free top
+    # would go back to the system at nearly every free and fault in again at the next step. Twice the mmap
+    # threshold, as glibc's own rule sets it.
+    return bool(libc.mallopt(M_MMAP_THRESHOLD, threshold)) and bool(libc.mallopt(M_TRIM_THRESHOLD, 2 * threshold))
