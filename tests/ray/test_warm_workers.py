@@ -16,6 +16,7 @@ import torch
 import mixtrain
 from mixtrain import RunConfig, ScalingConfig, Trainer
 from mixtrain.core import warm_workers
+from tests.conftest import run_records
 from tests.models import data, factory, from_module, raising_factory
 from tests.ray.test_exactness import GLOBAL_BATCH, NUM_SAMPLES, SEED, assert_same_weights, reference
 
@@ -137,3 +138,31 @@ def test_kept_workers_serve_at_most_the_configured_number_of_fits(tmp_path, monk
     monkeypatch.setenv("MIXTRAIN_KEEP_WORKERS_MAX_FITS", "2")
     pids = [_pids(_fit(tmp_path, name)) for name in ("one", "two", "three")]
     assert pids[1] == pids[0] and not set(pids[2]) & set(pids[0]), pids  # served 2 fits, then new ones
+
+
+def test_a_worker_left_out_mid_run_and_confirmed_is_kept_with_the_others(tmp_path, monkeypatch):
+    """Worker 1 turns 100x slower from round 2 (as in test_balancing): the measured pair is slower than worker 0
+    alone, so it is left out at a round boundary, parked, and let go once the wall clock confirms the call. Let
+    go means out of the run, not out of the pool: the next fit takes the same two processes."""
+    from tests.ray.test_balancing import _paced_task
+
+    mixtrain.release_workers()
+    monkeypatch.setenv("MIXTRAIN_EXCLUDE_GAIN", "100")  # never left out at start: only the measured check acts
+    x, y = data("mlp", NUM_SAMPLES)
+    scaling = ScalingConfig(num_workers=2, cpus_per_worker=0.5, keep_workers=True, emulate_slowdown={1: (100.0, 2)})
+    results = []
+    for name in ("first", "second"):
+        run_dir = tmp_path / name
+        trainer = Trainer(
+            _paced_task(run_dir, 0.001),
+            (x, y),
+            global_batch=GLOBAL_BATCH,
+            scaling=scaling,
+            run=RunConfig(run_dir=str(run_dir), seed=SEED, steps_per_round=2, progress=False),
+        )
+        results.append(result := trainer.fit(epochs=1))
+        [gone], [confirmed] = run_records(run_dir, "left_out"), run_records(run_dir, "leave_out_confirmed")
+        assert gone["worker"]["rank"] == 1 and gone["after_round"] < confirmed["after_round"], (gone, confirmed)
+        assert warm_workers.kept() == 2
+        assert_same_weights(result.state_dict, reference("mlp", "sgd", x, y))
+    assert _pids(results[1]) == _pids(results[0])

@@ -289,8 +289,15 @@ class Controller:
         if isinstance(decision, Readmit):
             self._readmit(decision.reason)
         elif self._leave_out_check.done:  # confirmed by the wall clock: free the parked worker's device
+            check, parked = self._leave_out_check, self._parked
+            assert parked is not None
             self._leave_out_check, self._parked = None, None
             self.ops.release_parked()
+            reason = f"without it the job ran {check.rate:,.0f} samples/s, with it {check.pair_rate:,.0f}"
+            self.log.write(
+                "leave_out_confirmed", {"after_round": len(self.history), "worker": parked.info, "reason": reason}
+            )
+            self.view.log(f"leaving out {parked.info.short()} confirmed: {reason}")
 
     def _readmit(self, reason: str) -> None:
         """The worker left out mid-run rejoins with the current state; nobody is left out for a while."""

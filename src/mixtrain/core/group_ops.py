@@ -185,10 +185,8 @@ class GroupOps:
         return self.group.call("info", timeout_s=wait_s, ranks=[self.group.num_workers - 1])[0]
 
     def release_parked(self) -> None:
-        """Stop the parked workers (the job is confirmed faster without them)."""
-        for _, actor in self.group.parked:
-            ray.kill(actor)
-        self.group.parked = []
+        """The parked workers leave for good (the job is confirmed faster without them)."""
+        self.group.release_parked()
 
     def start_replacements(self) -> None:
         """Start replacements for lost workers now (they build while training goes on; `admit` takes them in

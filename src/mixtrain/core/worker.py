@@ -102,6 +102,11 @@ class TrainWorker:
         self._torch_settings = warm_workers.torch_settings()  # and the process-wide torch settings it goes back to
         self._module_stats: dict[str, tuple[int, int] | None] = {}  # the user's modules as the last task was built
         self._setup(setup)
+        # What the imports made (torch, Ray: about 200,000 objects) lives as long as the process: out of the
+        # collector's sight, a full collection (shutdown's, or Python's own now and then mid-round) walks only
+        # what the runs made. It took 0.15-0.27 s per shutdown, and 4.6 s on a loaded machine, past the wait a
+        # kept worker is given to answer.
+        gc.freeze()
 
     def _setup(self, setup: WorkerSetup) -> None:
         self.log_file: Path | None = None

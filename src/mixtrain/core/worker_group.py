@@ -215,6 +215,17 @@ class WorkerGroup:
         self.parked.append((self.specs.pop(rank), self.actors.pop(rank)))
         self._renumber()
 
+    def release_parked(self) -> None:
+        """The parked workers leave for good (the job is confirmed faster without them): stopped, or with `keep`
+        moved to the spares, their memory freed now, to be kept for the next fit with the others."""
+        for spec, actor in self.parked:
+            if self.keep:
+                self.spare.append((spec, actor))
+                actor.shutdown.remote()
+            else:
+                ray.kill(actor)
+        self.parked = []
+
     def unpark(self) -> None:
         """The last parked worker comes back as the last rank (outside any group; form it next)."""
         spec, actor = self.parked.pop()

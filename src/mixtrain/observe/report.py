@@ -60,7 +60,7 @@ def write_report(run_dir: str | Path, out: str | Path | None = None) -> Report:
     size = (int(config.get("num_samples", 0)), int(config.get("global_batch", 1)))
     rounds = [r for r in records if r["kind"] == "round"]
     evals = [r for r in records if r["kind"] == "eval"]
-    events = [r for r in records if r["kind"] in ("failure", "left_out", "rejoined")]
+    events = [r for r in records if r["kind"] in ("failure", "left_out", "rejoined", "readmitted")]
     t0 = rounds[0]["time"] - rounds[0]["wall_s"]
     report = Report(files=[], summary="")
     _plot_loss(folder / "loss.png", rounds, evals, size, report)
@@ -138,7 +138,9 @@ def _plot_throughput(path: Path, rounds: list[dict], events: list[dict], t0: flo
     ax.plot(*_segments([(r, r["samples_per_s"]) for r in rounds], t0), "k", lw=1.2, label="job total")
     ax.set_ylim(0, max(r["samples_per_s"] for r in rounds) * 1.15)
     for e in events:
-        what = {"failure": "worker lost", "left_out": "left out", "rejoined": "rejoined"}[e["kind"]]
+        what = {"failure": "worker lost", "left_out": "left out", "rejoined": "rejoined", "readmitted": "taken back"}[
+            e["kind"]
+        ]
         ax.axvline(e["time"] - t0, color="tab:red", ls=":", lw=1)
         ax.annotate(what, (e["time"] - t0, ax.get_ylim()[1]), rotation=90, va="top", ha="right", fontsize=8)
     ax.set(
@@ -248,4 +250,8 @@ def _event_line(r: dict[str, Any]) -> str:
         return f"  failure {r['failures']} at epoch {r['epoch'] + 1}, step {r['step']}: lost {lost}"
     if r["kind"] == "rejoined":
         return f"  {r['worker']['device_name']} on {r['worker']['host']} rejoined at step {r['step']}"
+    if r["kind"] == "readmitted":
+        return f"  took back {r['worker']['device_name']} on {r['worker']['host']}: {r['reason']}"
+    if r["kind"] == "leave_out_confirmed":
+        return f"  leaving out {r['worker']['device_name']} on {r['worker']['host']} confirmed: {r['reason']}"
     return ""

@@ -155,6 +155,8 @@ class LeaveOutCheck:
         self.pair_rate = pair_rate
         self._rounds: list[float] = []
         self.done = False
+        self.rate = 0.0
+        """The job's samples/s without the worker over the rounds that decided (set once `done`)."""
 
     def observe(self, measured_rate: float) -> Decision:
         if self.done:
@@ -165,12 +167,12 @@ class LeaveOutCheck:
             return Noop()
         rate = sum(recent[-EXCLUDE_ROUNDS:]) / EXCLUDE_ROUNDS
         if rate < self.pair_rate * (1.0 - READMIT_MARGIN):
-            self.done = True
+            self.done, self.rate = True, rate
             return Readmit(
                 f"without it the job ran {rate:,.0f} samples/s, with it {self.pair_rate:,.0f}: taking it back"
             )
         if rate >= self.pair_rate:
-            self.done = True  # confirmed by the wall clock
+            self.done, self.rate = True, rate  # confirmed by the wall clock
         return Noop()
 
 
