@@ -1,8 +1,8 @@
 """Parameter-server strategies, the workers' side: `ps` (synchronous) and `ps-async` (bounded staleness).
 
 Per step a worker sends each shard its slice of the sample-weighted gradient (at the wire
-precision) through Ray's object store as numpy buffers, and gets back the shard's weights
-after the update. Only trainable parameters travel; buffers (BatchNorm statistics) stay on the
+precision) through Ray's object store as numpy buffers, and gets back a reference to the shard's
+weights after the update: one object per update that every worker reads, not a copy per worker. Only trainable parameters travel; buffers (BatchNorm statistics) stay on the
 workers and are averaged at round ends as with all-reduce.
 
 Staleness rule (documented in the README): the gradient of update t may be computed on weights
@@ -172,8 +172,8 @@ class ParameterServerStrategy(SyncStrategy):
                 task.scheduler.step()  # the local copy follows the shards' (for checkpoints)
             done.append(StepResult(applied, torch.from_numpy(np.asarray(answers[0][1]).copy())))
             self.grad_norm = answers[0][4]  # the global norm before clipping (None: the task does not clip)
-        if latest is not None:
-            for group, (_, _, _, weights, _) in zip(self.slices, latest):
+        if latest is not None:  # each shard's weights after the newest update: one object its pushes share
+            for group, weights in zip(self.slices, self._get([answer[3] for answer in latest])):
                 replicas.unflatten_into(decode(weights, "none"), group)
         return done
 
@@ -186,7 +186,9 @@ class ParameterServerStrategy(SyncStrategy):
 
     def measure_comm(self, task: Task, repeats: int) -> float:
         wires = [encode(self._flat(group), self.config.compress) for group in self.slices]
-        return median_seconds(lambda: self._get([s.echo.remote(w) for s, w in zip(self.servers, wires)]), repeats)
+        return median_seconds(
+            lambda: self._get(self._get([s.echo.remote(w) for s, w in zip(self.servers, wires)])), repeats
+        )
 
     def exchange_bytes(self, task: Task) -> int:
         itemsize = (wire_dtype(self.config.compress) or torch.float32).itemsize

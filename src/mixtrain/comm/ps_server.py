@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
+import ray
 import torch
 
 from mixtrain._constants import COLLECTIVE_TIMEOUT_S, PS_START_TIMEOUT_S, env_float
@@ -84,8 +85,6 @@ def state_from_numpy(state: dict[int, dict[str, Any]]) -> dict[int, dict[str, An
 def gather_optimizer_state(servers: list[Any], timeout_s: float) -> dict[int, dict[str, Any]]:
     """Every shard's optimizer state, merged by the optimizer's parameter numbers and packed (state_transfer),
     for the driver: read in place from the object store, so no worker holds the state on its way."""
-    import ray
-
     try:
         parts = ray.get([s.optimizer_state.remote() for s in servers], timeout=timeout_s)
     except (ray.exceptions.GetTimeoutError, ray.exceptions.RayActorError) as exc:
@@ -228,7 +227,9 @@ class ParameterServer:
                 if self.task.scheduler is not None:
                     self.task.scheduler.step()
             self.version += 1
-            entry.result = (applied, stats, self.version, self._weights(), norm)
+            # One object with the new weights for every waiting push (they hold a reference, not a copy each):
+            # the store holds the slice once a step, not once per worker, and the shard serialises it once.
+            entry.result = (applied, stats, self.version, ray.put(self._weights()), norm)
             entry.done.set()
             del self.steps[self.version - 1]
 
@@ -265,10 +266,10 @@ class ParameterServer:
         state = self.task.optimizer.state_dict()["state"]
         return state_to_numpy({i: state[i] for i in self.opt_ids if i in state})
 
-    async def echo(self, grad: np.ndarray) -> np.ndarray:
-        """A push's traffic without an update (the planner's measurement)."""
+    async def echo(self, grad: np.ndarray) -> Any:
+        """A push's traffic without an update (the planner's measurement): the weights come back as a push's do."""
         decode(grad, self.compress)
-        return self._weights()
+        return ray.put(self._weights())
 
     async def ready(self) -> int:
         return self.numel
@@ -277,7 +278,6 @@ class ParameterServer:
 def start(factory: Callable[[], Task], shards: int, seed: int, compress: str, node_id: str | None) -> list[Any]:
     """The shard actors, on `node_id` (default: the driver's node, normally the head). They reserve no
     CPU, so they never keep a worker from its bundle; each runs torch on one thread."""
-    import ray
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
     node = node_id or ray.get_runtime_context().get_node_id()
