@@ -2,8 +2,9 @@
 
 Per step a worker sends each shard its slice of the sample-weighted gradient (at the wire
 precision) through Ray's object store as numpy buffers, and gets back a reference to the shard's
-weights after the update: one object per update that every worker reads, not a copy per worker. Only trainable parameters travel; buffers (BatchNorm statistics) stay on the
-workers and are averaged at round ends as with all-reduce.
+weights after the update: one object per update that every worker reads, not a copy per worker.
+Only trainable parameters travel; buffers (BatchNorm statistics) stay on the workers and are
+averaged at round ends as with all-reduce.
 
 Staleness rule (documented in the README): the gradient of update t may be computed on weights
 at most S updates old (version >= t - S). A worker waits before a step only when it would break
