@@ -154,14 +154,15 @@ def test_a_compute_loss_that_returns_no_scalar_fails_fast_naming_the_field(tmp_p
 @pytest.mark.parametrize("strategy,opt", [("ps", "adamw"), ("ps-async", "sgd")])
 def test_parameter_servers_clip_by_the_global_norm_across_shards_exactly(strategy, opt, tmp_path):
     """Two shards each hold half the parameters; clipping needs the norm over both (ps-async with its
-    default staleness 0 bound is the synchronous schedule)."""
+    default staleness 0 bound is the synchronous schedule). Workers 0 and 2 run micro-batches, which add up in
+    the gradients' flat buffer before each push."""
     x, y = data("mlp", N)
     max_norm = 0.05
     trainer = Trainer(
         functools.partial(clipped_task, opt, max_norm),
         (x, y),
         global_batch=B,
-        scaling=ScalingConfig(num_workers=3, shares=[30, 20, 14]),
+        scaling=ScalingConfig(num_workers=3, shares=[30, 20, 14], max_micro_batch=[8, 64, 5]),
         run=RunConfig(run_dir=str(tmp_path), seed=SEED, steps_per_round=5, progress=False),
         strategy=StrategyConfig(name=strategy, ps_shards=2, staleness=0),
     )

@@ -24,6 +24,25 @@ from mixtrain import devices
 FIRST_BUCKET_BYTES = 1 << 20
 
 
+def grad_views(params: list[torch.nn.Parameter], flat: torch.Tensor) -> list[torch.Tensor]:
+    """Views of `flat`, back to back, shaped as `params`: where their gradients live (bind_grad_views)."""
+    views, offset = [], 0
+    for p in params:
+        views.append(flat[offset : offset + p.numel()].view_as(p))
+        offset += p.numel()
+    return views
+
+
+def bind_grad_views(params: list[torch.nn.Parameter], views: list[torch.Tensor]) -> None:
+    """Point every .grad at its view, so backward accumulates into the flat buffer; keeps the value of a .grad
+    that user code replaced."""
+    for p, view in zip(params, views):
+        if p.grad is None or p.grad.data_ptr() != view.data_ptr():
+            if p.grad is not None:
+                view.copy_(p.grad)
+            p.grad = view
+
+
 @dataclass
 class _Bucket:
     params: list[torch.nn.Parameter]
@@ -35,17 +54,9 @@ class _Bucket:
     views: list[torch.Tensor] = field(default_factory=list)
 
     def bind_grads(self) -> None:
-        """Point every .grad at its view; keeps the value of a .grad that user code replaced."""
         if not self.views:
-            offset = 0
-            for p in self.params:
-                self.views.append(self.flat[offset : offset + p.numel()].view_as(p))
-                offset += p.numel()
-        for p, view in zip(self.params, self.views):
-            if p.grad is None or p.grad.data_ptr() != view.data_ptr():
-                if p.grad is not None:
-                    view.copy_(p.grad)
-                p.grad = view
+            self.views = grad_views(self.params, self.flat)
+        bind_grad_views(self.params, self.views)
 
     def launch(self) -> None:
         self.bind_grads()

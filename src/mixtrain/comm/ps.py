@@ -34,6 +34,7 @@ import torch
 import torch.distributed as dist
 
 from mixtrain.comm import process_group, replicas
+from mixtrain.comm.buckets import bind_grad_views, grad_views
 from mixtrain.comm.compress import decode, encode, wire_dtype
 from mixtrain.comm.ps_server import optimizer_index, partition, state_to_numpy, trainable
 from mixtrain.comm.strategy import (
@@ -48,6 +49,16 @@ from mixtrain.comm.strategy import (
 )
 from mixtrain.devices.precision import LossScale
 from mixtrain.task import Task
+
+
+def _grad_buffer(group: list[torch.nn.Parameter]) -> tuple[torch.Tensor, list[torch.Tensor]] | None:
+    """For a group of fp32 CPU parameters: one flat buffer their gradients are views into (as DDP's
+    gradient_as_bucket_view), which a push sends as it is: no copy of the gradients per step, and no new ones
+    allocated by every backward. None for parameters elsewhere (a GPU's): copied to the host each step."""
+    if not group or any(p.device.type != "cpu" or p.dtype != torch.float32 for p in group):
+        return None
+    flat = torch.zeros(sum(p.numel() for p in group))
+    return flat, grad_views(group, flat)
 
 
 class ParameterServerStrategy(SyncStrategy):
@@ -65,6 +76,7 @@ class ParameterServerStrategy(SyncStrategy):
         self.grad_norm: float | None = None
         params = trainable(task.model)
         self.slices = [[params[i] for i in ix] for ix in partition([p.numel() for p in params], len(self.servers))]
+        self.grad_buffers = [_grad_buffer(group) for group in self.slices]
         index_of = optimizer_index(task.optimizer)
         self.opt_ids = [[index_of[id(p)] for p in group] for group in self.slices]
         self.next_step = 0  # the update this worker's next gradient is for
@@ -108,7 +120,25 @@ class ParameterServerStrategy(SyncStrategy):
         return replicas.flat_on_host(tensors, torch.float32)
 
     def zero_grad(self, task: Task) -> None:
-        task.model.zero_grad(set_to_none=True)
+        for group, buffer in zip(self.slices, self.grad_buffers):
+            if buffer is None:
+                for p in group:
+                    p.grad = None
+            else:
+                flat, views = buffer
+                bind_grad_views(group, views)
+                flat.zero_()
+
+    def _grads(
+        self, group: list[torch.nn.Parameter], buffer: tuple[torch.Tensor, list[torch.Tensor]] | None
+    ) -> torch.Tensor:
+        """The group's gradient as one fp32 CPU buffer: its own flat buffer where it has one (a .grad that user
+        code replaced is copied in first), else a copy."""
+        if buffer is None:
+            return self._flat(group, grads=True)
+        flat, views = buffer
+        bind_grad_views(group, views)
+        return flat
 
     def begin_round(self, task: Task) -> None:
         # Rank 0's mark reaches each shard before rank 0's first push of the round, and no update of the
@@ -129,7 +159,7 @@ class ParameterServerStrategy(SyncStrategy):
 
     def step(self, task: Task, local_stats: torch.Tensor, weight: float) -> StepOutcome:
         t0 = time.perf_counter()
-        grads = [self._flat(group, grads=True) for group in self.slices]
+        grads = [self._grads(group, buffer) for group, buffer in zip(self.slices, self.grad_buffers)]
         finite = all(bool(torch.isfinite(g).all()) for g in grads) and bool(torch.isfinite(local_stats).all())
         stats = local_stats.float().numpy()
         scale = self.loss_scale.scale
