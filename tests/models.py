@@ -208,3 +208,24 @@ def medium_task() -> Task:
     """An MLP of 66k parameters (260 KB) with SGD momentum: a checkpoint is about half a megabyte."""
     model = nn.Sequential(nn.Linear(20, 256), nn.Tanh(), nn.Linear(256, 236), nn.Tanh(), nn.Linear(236, 5))
     return Task(model=model, optimizer=optimizer("sgd", model.parameters()), loss_fn=nn.functional.cross_entropy)
+
+
+def wide_mlp_task(cores: tuple[int, ...] | None = None) -> Task:
+    """The speed benchmark's MLP shape (784-512-512-10, SGD with momentum), with tanh: enough compute per sample
+    that a core's share shows. Not ReLU: a pre-activation next to 0 flips with the rounding of a split batch,
+    and that discrete change grows to 1e-4 relative in 120 steps in one process alone (a batch of 128 split
+    62/66 for 30 steps, then whole); with tanh the worst of 65 such splits stays under 3e-7.
+
+    `cores`: the worker's thread runs on these CPUs only (os.sched_setaffinity), so a test can put a busy
+    program beside it whatever the machine's size."""
+    import os
+
+    if cores is not None:
+        os.sched_setaffinity(0, set(cores))
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(784, 512), nn.Tanh(), nn.Linear(512, 512), nn.Tanh(), nn.Linear(512, 10))
+    return Task(
+        model=model,
+        optimizer=torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9),
+        loss_fn=nn.functional.cross_entropy,
+    )

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+import time
 from types import SimpleNamespace
 
 import pytest
@@ -158,3 +162,51 @@ def test_finite_checks_cover_at_most_the_devices_reduction_limit(monkeypatch):
     assert not devices.all_finite([torch.ones(3), t])
     assert sizes and max(sizes) <= 10
     assert not devices.all_finite([torch.tensor([1.0, float("inf")])]) and devices.all_finite([torch.zeros(0)])
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/thread-self/schedstat"), reason="Linux schedstat")
+def test_the_cpu_share_counts_waiting_for_a_core_but_not_sleeping():
+    """A thread pinned to a core two busy processes also hold gets about a third of it; asleep it waits for
+    nothing. Real processes, real scheduler."""
+    from mixtrain.devices.cpu import CpuShare
+
+    def spin(seconds: float) -> None:
+        end = time.perf_counter() + seconds
+        while time.perf_counter() < end:
+            pass
+
+    from mixtrain.devices.cpu import run_and_wait_ns
+
+    ran, waited = run_and_wait_ns() or (0, 0)
+    time.sleep(0.3)
+    after = run_and_wait_ns()
+    assert after is not None and after[1] - waited < 0.1e9 and after[0] - ran < 0.1e9  # asleep: neither counts
+    before = os.sched_getaffinity(0)
+    core = min(before)
+    hogs = [
+        subprocess.Popen([sys.executable, "-c", f"import os; os.sched_setaffinity(0, {{{core}}})\nwhile True: pass"])
+        for _ in range(2)
+    ]
+    try:
+        os.sched_setaffinity(0, {core})
+        time.sleep(0.3)  # the busy processes are running
+        busy = CpuShare()
+        busy.start()
+        spin(1.0)
+        busy.stop()
+    finally:
+        os.sched_setaffinity(0, before)
+        for hog in hogs:
+            hog.kill()
+            hog.wait()
+    assert busy.share is not None and busy.share < 0.6, busy.share
+
+
+def test_the_cpu_share_is_none_where_the_os_does_not_tell(monkeypatch):
+    from mixtrain.devices import cpu
+
+    monkeypatch.setattr(cpu, "run_and_wait_ns", lambda: None)
+    share = cpu.CpuShare()
+    share.start()
+    share.stop()
+    assert share.share is None

@@ -172,6 +172,31 @@ def test_a_measured_pair_slower_than_the_fast_worker_alone_leaves_the_slow_one_o
     assert not any(isinstance(r.decide(**figures, comm_s=0.0, measured_rate=8900.0), LeaveOut) for _ in range(3))
 
 
+def test_a_pair_on_a_busy_machine_leaves_one_out_when_alone_it_would_have_the_cores_the_other_held():
+    # Two equal CPU workers share a machine a third program keeps busy: each computes 8,000 samples/s on half a
+    # core, and the pair runs 8,100 together (waiting on each other). By their speeds in the pair, one alone
+    # (8,000) is no faster; with the cores the other held it would compute about 16,000, so one is left out
+    # (the wall clock then checks the call). The same pair on an idle machine (whole cores) keeps both.
+    figures = dict(speeds=[8000.0, 8000.0], step_compute_s=[0.008, 0.008], shares=[64, 64], memory_caps=None)
+    r = rebalancer()
+    for _ in range(2):
+        assert not isinstance(r.decide(**figures, comm_s=0.0, measured_rate=8100.0), LeaveOut)
+    r = rebalancer()
+    decisions = [r.decide(**figures, comm_s=0.0, measured_rate=8100.0, alone_speeds=[16000.0, 15000.0]) for _ in "ab"]
+    assert not isinstance(decisions[0], LeaveOut)
+    assert isinstance(decisions[1], LeaveOut) and decisions[1].rank == 1, decisions
+    assert "busy machine" in decisions[1].reason and "16,000" in decisions[1].reason
+    r = rebalancer()  # an extrapolated speed must clear the wider margin: 17% over the pair is not enough
+    assert not any(
+        isinstance(r.decide(**figures, comm_s=0.0, measured_rate=8100.0, alone_speeds=[9500.0, 9400.0]), LeaveOut)
+        for _ in range(3)
+    )
+    r = rebalancer()
+    idle = [8400.0, 8400.0]  # 95% of a core each
+    assert not any(isinstance(r.decide(**figures, comm_s=0.0, measured_rate=14000.0, alone_speeds=idle), LeaveOut)
+                   for _ in range(3))  # fmt: skip
+
+
 def test_after_a_readmission_nobody_is_left_out_for_the_cooldown():
     r = rebalancer()
     r.hold_rounds = COOLDOWN_ROUNDS

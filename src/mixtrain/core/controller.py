@@ -237,6 +237,16 @@ class Controller:
         self.comm_s = max(w["comm_s"] for w in record["workers"]) / record["num_steps"]
         self.roster.speeds = smooth_speeds(self.roster.speeds, new)
 
+    def _alone_speeds(self, record: dict[str, Any]) -> list[float] | None:
+        """Where every worker is a CPU worker on one machine: each one's speed on whole cores, its measured speed
+        over the CPU share its forward and backward got (a busy machine gives each less than a core; the one
+        left alone gets those the other held). None otherwise: leaving a worker out frees nothing for the rest.
+        An estimate; the wall clock checks any call made on it (LeaveOutCheck)."""
+        shares = [w.get("cpu_share") for w in record["workers"]]
+        if len({w.host for w in self.roster.workers}) != 1 or not all(shares) or self.roster.speeds is None:
+            return None
+        return [speed / share for speed, share in zip(self.roster.speeds, shares)]
+
     def _rebalance(self, record: dict[str, Any]) -> None:
         r = self.roster
         assert r.speeds is not None
@@ -247,6 +257,7 @@ class Controller:
             memory_caps=r.memory_caps,
             comm_s=self.comm_s,
             measured_rate=record["samples_per_s"],
+            alone_speeds=self._alone_speeds(record),
         )
         if isinstance(decision, LeaveOut):
             self._leave_out(decision.rank, decision.reason)

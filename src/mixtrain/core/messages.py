@@ -159,6 +159,10 @@ class WorkerReport:
     """Per applied step, when the task clips: the gradient's norm before clipping."""
     sent_bytes: int = 0
     """Gradient or delta bytes this worker sent (wire size; buffers and drift checks not counted)."""
+    cpu_share: float | None = None
+    """CPU workers: the share of a core the forward and backward passes got while they could run (1.0: a core
+    whenever they could run; 0.5: a busy machine gave them half; devices.cpu.CpuShare). None on accelerators
+    and where the OS does not tell (Linux only)."""
     memory_bytes: int | None = None
     """Memory this worker held on its device (CUDA: the round's peak; CPU: the process's peak resident set)."""
     state_bytes: dict[str, int] = field(default_factory=dict)

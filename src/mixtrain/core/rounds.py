@@ -29,6 +29,7 @@ def worker_times(reports: list[WorkerReport]) -> list[dict[str, Any]]:
                 "samples": r.samples,
                 "sent_bytes": r.sent_bytes,
                 "max_staleness": max(r.staleness, default=0),
+                "cpu_share": r.cpu_share,
                 "memory_bytes": r.memory_bytes,
                 "state_bytes": r.state_bytes,
             }

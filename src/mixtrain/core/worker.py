@@ -38,6 +38,7 @@ from mixtrain.core.worker_data import StepSegments, WorkerData, paced_segments
 from mixtrain.data.sampling import Arrays
 from mixtrain.data.sources import EVAL_EPOCH, Loader, to_device
 from mixtrain.devices import host_allocator, precision
+from mixtrain.devices.cpu import CpuShare
 from mixtrain.observe import worker_log
 from mixtrain.task import Task, build_task
 
@@ -413,6 +414,7 @@ class TrainWorker:
         self.task.model.train()
         if inner is not None:  # per-device pace: gradients add up across steps until an inner batch is full
             self.strategy.zero_grad(self.task)
+        cpu = CpuShare()  # the CPU share the forward and backward passes got (a busy machine: under a core)
         for step, step_total, segments in steps:
             num_samples = sum(len(c) for seg, _ in segments for c in seg)
             t0 = time.perf_counter()
@@ -422,9 +424,11 @@ class TrainWorker:
             compute_s = 0.0  # the model's forward and backward (reading its samples included): what EMULATION stretches
             for seg, fraction in segments:
                 t1 = time.perf_counter()
+                cpu.start()
                 term = forward_backward(
                     self.task, self.strategy, self.device, self.precision, batches, seg, step_total, inner
                 )
+                cpu.stop()
                 compute_s += time.perf_counter() - t1
                 local_loss = term if local_loss is None else local_loss + term
                 if fraction:
@@ -440,6 +444,8 @@ class TrainWorker:
                 time.sleep((slowdown - 1.0) * compute_s)
             outcome = self.strategy.step(self.task, stats, num_samples / step_total)
             ledger.step_done(step, outcome, time.perf_counter() - t0, num_samples, local_loss)
+        if self.kind.kind == "cpu":
+            ledger.report.cpu_share = cpu.share
         weight = plan.shares[self.rank] / sum(plan.shares)  # for buffer averaging: this rank's part of the round
         sync = self.strategy.end_round(self.task, weight, plan.drift_tolerance)
         return ledger.close(plan, sync, self.kind.memory_in_use(index), self._state_bytes())

@@ -33,6 +33,41 @@ def _peak_rss() -> int | None:
     return None
 
 
+def run_and_wait_ns() -> tuple[int, int] | None:
+    """This thread's nanoseconds on a CPU and waiting, runnable, for one (Linux schedstat); None elsewhere. Only
+    waiting for a core counts: a thread asleep or blocked on I/O adds to neither."""
+    try:
+        with open("/proc/thread-self/schedstat", encoding="ascii") as f:
+            on_cpu, waiting, _ = f.read().split()
+        return int(on_cpu), int(waiting)
+    except (OSError, ValueError):
+        return None
+
+
+class CpuShare:
+    """The CPU share a thread gets over the windows it measures: time on a core over time on one or waiting for
+    one. 1.0: a core whenever it could run; 0.5: a busy machine gave it half. None where Linux's schedstat is
+    missing (macOS, Windows)."""
+
+    def __init__(self) -> None:
+        self._ran = self._waited = 0
+        self._start: tuple[int, int] | None = None
+
+    def start(self) -> None:
+        self._start = run_and_wait_ns()
+
+    def stop(self) -> None:
+        end = run_and_wait_ns()
+        if self._start is not None and end is not None:
+            self._ran += end[0] - self._start[0]
+            self._waited += end[1] - self._start[1]
+
+    @property
+    def share(self) -> float | None:
+        total = self._ran + self._waited
+        return self._ran / total if total > 0 else None
+
+
 class CpuDevice(DeviceKind):
     kind = "cpu"
     probes_memory = False

@@ -27,6 +27,11 @@ MEASURED_MARGIN = 0.10
 """Two workers are left to one when the faster one's compute speed alone beats the pair's measured samples/s
 by this fraction: the model missed costs (a loaded machine, communication hidden in compute), the wall
 clock did not."""
+BUSY_MARGIN = 0.25
+"""As MEASURED_MARGIN, where the faster one's speed alone is extrapolated from the CPU share it got on a busy
+machine (`alone_speeds`): a core's speed does not grow in step with its share (a busy sibling hyperthread, shared
+caches), so the estimate must clear a wider margin. 2026-11-25, a CNN beside a busy loop on a 2-core machine:
+300 samples/s on 46% of a core extrapolates to 650; alone it ran 500 (the wall clock took it back)."""
 READMIT_MARGIN = 0.05
 """A worker left out mid-run comes back when the job without it runs this fraction slower than with it."""
 COOLDOWN_ROUNDS = 30
@@ -110,10 +115,13 @@ class Rebalancer:
         memory_caps: Sequence[int | None] | None,
         comm_s: float,
         measured_rate: float | None = None,
+        alone_speeds: Sequence[float] | None = None,
     ) -> Decision:
-        """`measured_rate`: the job's samples/s over the last round, by the wall clock."""
+        """`measured_rate`: the job's samples/s over the last round, by the wall clock. `alone_speeds`: what each
+        worker would compute with the others gone, where that differs from `speeds` (workers that share a busy
+        machine: one left alone gets the cores the other held)."""
         plan = make_plan(speeds, self.global_batch, memory_caps=memory_caps, comm_s=comm_s, min_gain=self.min_gain)
-        found = self._exclusion(plan, speeds, measured_rate)
+        found = self._exclusion(plan, speeds, measured_rate, alone_speeds)
         self.hold_rounds = max(0, self.hold_rounds - 1)
         if found is not None:
             rank, reason = found
@@ -128,7 +136,13 @@ class Rebalancer:
             return Noop()
         return Adopt(plan)
 
-    def _exclusion(self, plan: Plan, speeds: Sequence[float], measured_rate: float | None) -> tuple[int, str] | None:
+    def _exclusion(
+        self,
+        plan: Plan,
+        speeds: Sequence[float],
+        measured_rate: float | None,
+        alone_speeds: Sequence[float] | None = None,
+    ) -> tuple[int, str] | None:
         """The worker to leave out and why, by the model or by the measured pair; None to keep everyone."""
         if not self.leave_out_slow or self.hold_rounds > 0:
             return None
@@ -137,11 +151,21 @@ class Rebalancer:
         if measured_rate is None or len(speeds) != 2:
             return None
         fast = max(range(2), key=lambda i: (speeds[i], -i))
-        if speeds[fast] < measured_rate * (1.0 + MEASURED_MARGIN):
+        alone, why = speeds[fast], f"communication and waiting cost more than worker {1 - fast} adds"
+        if alone < measured_rate * (1.0 + MEASURED_MARGIN) and alone_speeds is not None:
+            fast = max(range(2), key=lambda i: (alone_speeds[i], -i))
+            alone = alone_speeds[fast]
+            if alone < measured_rate * (1.0 + BUSY_MARGIN):
+                return None
+            why = (
+                f"the two share a busy machine: worker {fast} computes {speeds[fast]:,.0f} samples/s on "
+                f"{speeds[fast] / alone:.0%} of a core; the cores worker {1 - fast} holds would be its own"
+            )
+        elif alone < measured_rate * (1.0 + MEASURED_MARGIN):
             return None
         return 1 - fast, (
             f"measured: the two workers ran {measured_rate:,.0f} samples/s together, while worker {fast} alone "
-            f"computes {speeds[fast]:,.0f} (communication and waiting cost more than worker {1 - fast} adds)"
+            f"would compute {alone:,.0f} ({why})"
         )
 
 
