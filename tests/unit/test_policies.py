@@ -186,6 +186,7 @@ def test_a_pair_on_a_busy_machine_leaves_one_out_when_alone_it_would_have_the_co
     assert not isinstance(decisions[0], LeaveOut)
     assert isinstance(decisions[1], LeaveOut) and decisions[1].rank == 1, decisions
     assert "busy machine" in decisions[1].reason and "16,000" in decisions[1].reason
+    assert "50% of that time waiting for a core" in decisions[1].reason
     r = rebalancer()  # an extrapolated speed must clear the wider margin: 17% over the pair is not enough
     assert not any(
         isinstance(r.decide(**figures, comm_s=0.0, measured_rate=8100.0, alone_speeds=[9500.0, 9400.0]), LeaveOut)

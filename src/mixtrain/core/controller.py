@@ -238,14 +238,21 @@ class Controller:
         self.roster.speeds = smooth_speeds(self.roster.speeds, new)
 
     def _alone_speeds(self, record: dict[str, Any]) -> list[float] | None:
-        """Where every worker is a CPU worker on one machine: each one's speed on whole cores, its measured speed
-        over the CPU share its forward and backward got (a busy machine gives each less than a core; the one
-        left alone gets those the other held). None otherwise: leaving a worker out frees nothing for the rest.
-        An estimate; the wall clock checks any call made on it (LeaveOutCheck)."""
-        shares = [w.get("cpu_share") for w in record["workers"]]
-        if len({w.host for w in self.roster.workers}) != 1 or not all(shares) or self.roster.speeds is None:
+        """Where every worker is a CPU worker on one machine: each one's speed with a core whenever it can run,
+        its compute time less what its forward and backward spent waiting for a core (a busy machine makes each
+        wait; the one left alone gets the cores the other held). Time asleep or reading files is not waiting for
+        a core, so it is not taken off. None otherwise: leaving a worker out frees nothing for the rest. An
+        estimate; the wall clock checks any call made on it (LeaveOutCheck)."""
+        workers = record["workers"]
+        speeds = self.roster.speeds
+        if len({w.host for w in self.roster.workers}) != 1 or speeds is None:
             return None
-        return [speed / share for speed, share in zip(self.roster.speeds, shares)]
+        if any(w.get("cpu_share") is None or w["compute_s"] <= 0 for w in workers):
+            return None
+        return [
+            speed * w["compute_s"] / max(w["compute_s"] - w["cpu_wait_s"], 1e-3 * w["compute_s"])
+            for speed, w in zip(speeds, workers)
+        ]
 
     def _rebalance(self, record: dict[str, Any]) -> None:
         r = self.roster

@@ -163,6 +163,9 @@ class WorkerReport:
     """CPU workers: the share of a core the forward and backward passes got while they could run (1.0: a core
     whenever they could run; 0.5: a busy machine gave them half; devices.cpu.CpuShare). None on accelerators
     and where the OS does not tell (Linux only)."""
+    cpu_wait_s: float = 0.0
+    """With cpu_share: the seconds of the round's forward and backward passes spent runnable but waiting for a
+    core, which a core of their own would have saved."""
     memory_bytes: int | None = None
     """Memory this worker held on its device (CUDA: the round's peak; CPU: the process's peak resident set)."""
     state_bytes: dict[str, int] = field(default_factory=dict)

@@ -30,6 +30,7 @@ def worker_times(reports: list[WorkerReport]) -> list[dict[str, Any]]:
                 "sent_bytes": r.sent_bytes,
                 "max_staleness": max(r.staleness, default=0),
                 "cpu_share": r.cpu_share,
+                "cpu_wait_s": r.cpu_wait_s,
                 "memory_bytes": r.memory_bytes,
                 "state_bytes": r.state_bytes,
             }

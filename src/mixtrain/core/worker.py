@@ -414,7 +414,7 @@ class TrainWorker:
         self.task.model.train()
         if inner is not None:  # per-device pace: gradients add up across steps until an inner batch is full
             self.strategy.zero_grad(self.task)
-        cpu = CpuShare()  # the CPU share the forward and backward passes got (a busy machine: under a core)
+        cpu = CpuShare(enabled=self.kind.kind == "cpu")  # the share of a core forward and backward got
         for step, step_total, segments in steps:
             num_samples = sum(len(c) for seg, _ in segments for c in seg)
             t0 = time.perf_counter()
@@ -444,8 +444,9 @@ class TrainWorker:
                 time.sleep((slowdown - 1.0) * compute_s)
             outcome = self.strategy.step(self.task, stats, num_samples / step_total)
             ledger.step_done(step, outcome, time.perf_counter() - t0, num_samples, local_loss)
-        if self.kind.kind == "cpu":
-            ledger.report.cpu_share = cpu.share
+        measured = cpu.close()
+        if measured is not None:
+            ledger.report.cpu_share, ledger.report.cpu_wait_s = measured
         weight = plan.shares[self.rank] / sum(plan.shares)  # for buffer averaging: this rank's part of the round
         sync = self.strategy.end_round(self.task, weight, plan.drift_tolerance)
         return ledger.close(plan, sync, self.kind.memory_in_use(index), self._state_bytes())

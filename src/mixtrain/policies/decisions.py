@@ -28,10 +28,11 @@ MEASURED_MARGIN = 0.10
 by this fraction: the model missed costs (a loaded machine, communication hidden in compute), the wall
 clock did not."""
 BUSY_MARGIN = 0.25
-"""As MEASURED_MARGIN, where the faster one's speed alone is extrapolated from the CPU share it got on a busy
-machine (`alone_speeds`): a core's speed does not grow in step with its share (a busy sibling hyperthread, shared
-caches), so the estimate must clear a wider margin. 2026-11-25, a CNN beside a busy loop on a 2-core machine:
-300 samples/s on 46% of a core extrapolates to 650; alone it ran 500 (the wall clock took it back)."""
+"""As MEASURED_MARGIN, where the faster one's speed alone is estimated from the time it waited for a core on a
+busy machine (`alone_speeds`): a core's speed does not grow in step with the time it is given (a busy sibling
+hyperthread, shared caches), so the estimate must clear a wider margin. 2026-11-25, a CNN beside a busy loop on
+a 2-core machine: 300 samples/s on 46% of a core extrapolates to 650; alone it ran 500 (the wall clock took it
+back)."""
 READMIT_MARGIN = 0.05
 """A worker left out mid-run comes back when the job without it runs this fraction slower than with it."""
 COOLDOWN_ROUNDS = 30
@@ -158,8 +159,9 @@ class Rebalancer:
             if alone < measured_rate * (1.0 + BUSY_MARGIN):
                 return None
             why = (
-                f"the two share a busy machine: worker {fast} computes {speeds[fast]:,.0f} samples/s on "
-                f"{speeds[fast] / alone:.0%} of a core; the cores worker {1 - fast} holds would be its own"
+                f"the two share a busy machine: worker {fast} computes {speeds[fast]:,.0f} samples/s, "
+                f"{1 - speeds[fast] / alone:.0%} of that time waiting for a core; the cores worker {1 - fast} "
+                "holds would be its own"
             )
         elif alone < measured_rate * (1.0 + MEASURED_MARGIN):
             return None
