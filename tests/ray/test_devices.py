@@ -65,3 +65,19 @@ def test_a_worker_asking_for_a_gpu_on_a_cpu_node_fails_preflight_with_the_table(
     text = str(err.value)
     assert "worker 1 on" in text and "asked for a cuda device but torch on its node reports none" in text
     assert "MISSING cuda" in text and "nothing was trained" in text
+
+
+def test_workers_run_at_the_priority_of_the_command_that_started_them():
+    # Ray's default puts workers at nice 15: beside any ordinary process on the same core they got 3% of it
+    import os
+
+    import ray
+
+    from mixtrain.cluster.connect import system_env
+
+    @ray.remote
+    def niceness() -> int:
+        return os.nice(0)
+
+    assert ray.get(niceness.remote()) == os.nice(0) == 0
+    assert system_env()["RAY_worker_niceness"] == "0"  # `mixtrain cluster up/join` start Ray with it too

@@ -18,11 +18,17 @@ import ray
 
 from mixtrain._constants import CONNECT_TIMEOUT_S, env_float
 
-SYSTEM_CONFIG: dict[str, Any] = {"free_objects_period_milliseconds": 10}
-"""Ray settings of the Ray mixtrain starts (embedded here; `cluster up/join` as RAY_<name> variables). Ray frees
-objects nobody holds in batches, once a second by default: the parameter servers' gradients and answers (tens
-of MB a step) then pile up in the object store, and every page of it a worker touched counts in the worker's
-resident memory (a 12.6M-parameter ps worker: 1.0 GB of shared pages; 0.2 GB freed every 10 ms)."""
+SYSTEM_CONFIG: dict[str, Any] = {"free_objects_period_milliseconds": 10, "worker_niceness": 0}
+"""Ray settings of the Ray mixtrain starts (embedded here; `cluster up/join` as RAY_<name> variables).
+
+free_objects_period_milliseconds: Ray frees objects nobody holds in batches, once a second by default: the
+parameter servers' gradients and answers (tens of MB a step) then pile up in the object store, and every page of
+it a worker touched counts in the worker's resident memory (a 12.6M-parameter ps worker: 1.0 GB of shared
+pages; 0.2 GB freed every 10 ms).
+
+worker_niceness: Ray runs its workers at nice 15 by default, where any process at the usual nice 0 on the same
+core takes 28 times their CPU time (weights 1024 to 36): a training worker beside a busy loop got 3% of a core
+(2026-11-25) where torchrun's ranks, at nice 0, get half. Training is the job here, not a background task."""
 
 
 def system_env() -> dict[str, str]:
