@@ -208,7 +208,14 @@ def run_raytrain(workload: str) -> dict:
             if ctx.get_world_rank() == 0:
                 Path(config["out"]).write_text(json.dumps(out))
 
-        ray.init(num_cpus=NUM_WORKERS + 1, include_dashboard=False, log_to_driver=False, logging_level="ERROR")
+        # workers at nice 0 as mixtrain's and torchrun's: at Ray's default 15 a loaded machine starves them
+        ray.init(
+            num_cpus=NUM_WORKERS + 1,
+            include_dashboard=False,
+            log_to_driver=False,
+            logging_level="ERROR",
+            _system_config={"worker_niceness": 0},
+        )
         TorchTrainer(
             loop,
             train_loop_config={"out": str(out_file)},
