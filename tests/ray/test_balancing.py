@@ -41,7 +41,7 @@ def test_micro_batches_with_accumulation_match_single_process(tmp_path):
     assert_same_weights(result.state_dict, reference("mlp", "sgd", x, y))
 
 
-def test_a_three_times_slower_worker_settles_near_a_quarter(tmp_path):
+def test_a_three_times_slower_worker_gets_the_share_that_balances_compute(tmp_path):
     from benchmarks.compare import make_data
 
     x, y = make_data("cnn")  # the benchmark CNN: compute-heavy enough that per-step fixed costs do not dominate
@@ -55,10 +55,18 @@ def test_a_three_times_slower_worker_settles_near_a_quarter(tmp_path):
     result = trainer.fit(epochs=1)
     shares = [r["shares"] for r in result.history]
     print("shares per round:", shares)
-    # the start-up probe already sees the slow worker, so even the first round is well below the half of an
-    # equal split; the measured rounds then settle near a quarter. The probe is one short timing per worker,
-    # which load can move either way: [52, 12] and [41, 23] were seen in a first round, never in a last one
-    assert 0.14 <= shares[0][1] / 64 <= 0.40 and 0.14 <= shares[-1][1] / 64 <= 0.34, shares
+    # the start-up probe already sees the slow worker, so even the first round is below the half of an equal
+    # split. The probe is one short timing per worker, which load moves either way: [52, 12], [41, 23] and,
+    # beside a busy loop, [38, 26] were seen in a first round
+    assert 4 <= shares[0][1] < 32, shares
+    # The measured rounds then balance the two workers' compute per round, which with an equal split would
+    # differ 3x. That is near a quarter only where per-step fixed costs are small: the emulation stretches them
+    # 3x too, so the balanced share is 16 - k / 2t samples for a fixed cost of k per step and t per sample. Idle:
+    # 13-14 of 64; beside another busy process 9-10 (a CI run once ended at [56, 8], below the quarter test's
+    # 0.14 bound), with compute 0.21 s against 0.22 s, as balanced as idle
+    ratios = sorted(max(c) / min(c) for c in ([w["compute_s"] for w in r["workers"]] for r in result.history[2:]))
+    assert ratios[len(ratios) // 2] <= 1.6, (shares, ratios)
+    assert 4 / 64 <= shares[-1][1] / 64 <= 0.34, shares
 
 
 def test_a_slowdown_switched_on_mid_run_is_rebalanced_within_two_rounds(tmp_path):

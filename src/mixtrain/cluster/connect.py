@@ -26,9 +26,10 @@ parameter servers' gradients and answers (tens of MB a step) then pile up in the
 it a worker touched counts in the worker's resident memory (a 12.6M-parameter ps worker: 1.0 GB of shared
 pages; 0.2 GB freed every 10 ms).
 
-worker_niceness: Ray runs its workers at nice 15 by default, where any process at the usual nice 0 on the same
-core takes 28 times their CPU time (weights 1024 to 36): a training worker beside a busy loop got 3% of a core
-(2026-11-25) where torchrun's ranks, at nice 0, get half. Training is the job here, not a background task."""
+worker_niceness: Ray runs its workers 15 nice steps below the process that started it by default, where any
+process at the usual nice 0 on the same core takes 28 times their CPU time (weights 1024 to 36): a training
+worker beside a busy loop got 3% of a core (2026-11-25) where torchrun's ranks get half. 0: the command's own
+priority (`nice -n 10 mixtrain ...` still gives 10). Training is the job here, not a background task."""
 
 
 def system_env() -> dict[str, str]:
