@@ -168,18 +168,20 @@ def test_finite_checks_cover_at_most_the_devices_reduction_limit(monkeypatch):
 def test_the_cpu_share_counts_waiting_for_a_core_but_not_sleeping():
     """A thread pinned to a core two busy processes also hold gets about a third of it; asleep it waits for
     nothing. Real processes, real scheduler."""
-    from mixtrain.devices.cpu import CpuShare
+    from mixtrain.devices.cpu import SCHEDSTAT, CpuShare, run_and_wait_ns
 
     def spin(seconds: float) -> None:
         end = time.perf_counter() + seconds
         while time.perf_counter() < end:
             pass
 
-    from mixtrain.devices.cpu import run_and_wait_ns
-
-    ran, waited = run_and_wait_ns() or (0, 0)
-    time.sleep(0.3)
-    after = run_and_wait_ns()
+    fd = os.open(SCHEDSTAT, os.O_RDONLY)
+    try:
+        ran, waited = run_and_wait_ns(fd) or (0, 0)
+        time.sleep(0.3)
+        after = run_and_wait_ns(fd)
+    finally:
+        os.close(fd)
     assert after is not None and after[1] - waited < 0.1e9 and after[0] - ran < 0.1e9  # asleep: neither counts
     before = os.sched_getaffinity(0)
     core = min(before)

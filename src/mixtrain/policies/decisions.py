@@ -153,7 +153,9 @@ class Rebalancer:
             return None
         fast = max(range(2), key=lambda i: (speeds[i], -i))
         alone, why = speeds[fast], f"communication and waiting cost more than worker {1 - fast} adds"
-        if alone < measured_rate * (1.0 + MEASURED_MARGIN) and alone_speeds is not None:
+        if alone < measured_rate * (1.0 + MEASURED_MARGIN):  # its speed in the pair says keep both
+            if alone_speeds is None:
+                return None
             fast = max(range(2), key=lambda i: (alone_speeds[i], -i))
             alone = alone_speeds[fast]
             if alone < measured_rate * (1.0 + BUSY_MARGIN):
@@ -163,8 +165,6 @@ class Rebalancer:
                 f"{1 - speeds[fast] / alone:.0%} of that time waiting for a core; the cores worker {1 - fast} "
                 "holds would be its own"
             )
-        elif alone < measured_rate * (1.0 + MEASURED_MARGIN):
-            return None
         return 1 - fast, (
             f"measured: the two workers ran {measured_rate:,.0f} samples/s together, while worker {fast} alone "
             f"would compute {alone:,.0f} ({why})"
