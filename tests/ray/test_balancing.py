@@ -86,7 +86,10 @@ def test_a_slowdown_switched_on_mid_run_is_rebalanced_within_two_rounds(tmp_path
     # can read one of two equal workers 1.6x slower ([25, 25, 27, 29, 29] in a CI run), so the median counts
     equal = sorted(shares[:5])
     assert equal[2] >= 24 and equal[0] >= 16, shares
-    assert shares[5] <= 0.7 * equal[2] and shares[-1] <= 22, shares  # round 4 measured slow -> round 5 re-planned
+    # Round 4 is measured slow, so round 5 is re-planned; the fast worker's speed is smoothed over rounds, so
+    # the slow share may land only near its mark at first ([.., 30, 19, 17, 15] in a CI run beside another
+    # suite process, where 18 is 0.7 of the median): within two rounds it is there
+    assert min(shares[5:7]) <= 0.7 * equal[2] and shares[-1] <= 22, shares
 
 
 def _cnn_task():
