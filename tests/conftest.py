@@ -39,15 +39,8 @@ def ray_session():
     # new worker process costs about 2 s of CPU to start, and the suite runs hundreds of fits on 2 cores. So
     # nearly every test also trains on reused workers; tests/ray/test_warm_workers.py tests reuse itself
     os.environ.setdefault("MIXTRAIN_KEEP_WORKERS", "1")
-    # address="local": this session's own Ray, even where another cluster runs on the machine
-    ray.init(
-        address="local",
-        num_cpus=4,
-        include_dashboard=False,
-        log_to_driver=False,
-        logging_level="ERROR",
-        _system_config=connect.SYSTEM_CONFIG,  # the Ray mixtrain starts itself
-    )
+    # this session's own Ray, even where another cluster runs on the machine, as mixtrain starts one
+    connect.start_embedded(num_cpus=4, log_to_driver=False, logging_level="ERROR")
     yield
     ray.shutdown()
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import errno
+import inspect
 import logging
 import math
 import os
@@ -32,6 +33,14 @@ worker beside a busy loop got 3% of a core (2026-11-25) where torchrun's ranks g
 priority (`nice -n 10 mixtrain ...` still gives 10). Training is the job here, not a background task."""
 
 
+LEAN_HEAD: dict[str, Any] = {"no_monitor": True, "include_log_monitor": False}
+"""Ray processes an embedded Ray goes without (what `ray start --no-monitor --include-log-monitor=False` sets,
+which `ray.init` does not pass on): the autoscaler's monitor (one machine has nothing to scale) and the log
+monitor (with log_to_driver off nobody reads what it forwards, yet it polls every worker's log files: about 4%
+of a core all through a long test session). Their start-up took 2.0 s of CPU from the other processes on a
+2-core machine, and the first step came 1.3 s later (2026-11-25)."""
+
+
 def system_env() -> dict[str, str]:
     """SYSTEM_CONFIG as the environment variables a `ray start` reads."""
     return {f"RAY_{name}": str(value) for name, value in SYSTEM_CONFIG.items()}
@@ -55,15 +64,42 @@ def ensure_ray(address: str | None, num_cpus_needed: float) -> None:
         logging.getLogger("mixtrain").warning(
             "the workers reserve %.1f CPUs but this machine has %d: they will share cores", num_cpus_needed, cpus
         )
-    with _signals_ignored(signal.SIGINT):  # Ctrl-C in the terminal must reach the driver only, not Ray's own processes
+    start_embedded(num_cpus=max(cpus, math.ceil(num_cpus_needed)), resources=device_resources(), **quiet)
+
+
+def start_embedded(**init_args: Any) -> None:
+    """A new local Ray for this process (`ray.init` keywords in `init_args`), with mixtrain's settings and
+    without the processes of LEAN_HEAD."""
+    # Ctrl-C in the terminal must reach the driver only, not Ray's own processes
+    with _signals_ignored(signal.SIGINT), _lean_head():
         ray.init(
             address="local",  # a new embedded Ray, even where a `ray start` cluster runs on this machine
-            num_cpus=max(cpus, math.ceil(num_cpus_needed)),
-            resources=device_resources(),
             include_dashboard=False,
             _system_config=SYSTEM_CONFIG,
-            **quiet,
+            **init_args,
         )
+
+
+@contextmanager
+def _lean_head() -> Iterator[None]:
+    """LEAN_HEAD for the node parameters `ray.init` builds in this block. Those are internal to Ray: where
+    they lack these fields (another Ray release), Ray starts as it would by itself."""
+    from ray._private import parameter
+
+    base = parameter.RayParams
+    if not set(LEAN_HEAD) <= set(inspect.signature(base.__init__).parameters):
+        yield
+        return
+
+    class LeanParams(base):  # type: ignore[misc, valid-type]
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, **{**LEAN_HEAD, **kwargs})
+
+    parameter.RayParams = LeanParams  # type: ignore[misc]
+    try:
+        yield
+    finally:
+        parameter.RayParams = base  # type: ignore[misc]
 
 
 def stop_ray_uninterrupted() -> None:
