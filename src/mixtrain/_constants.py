@@ -77,4 +77,5 @@ def transfer_s(num_bytes: float) -> float:
 
 HOST_MMAP_THRESHOLD_MB = ("MIXTRAIN_HOST_MMAP_THRESHOLD_MB", 16.0)
 """Host blocks at least this large get their own mapping in a worker process, returned to the system when freed
-(glibc's mmap threshold; 0 keeps glibc's own rising threshold). See devices/host_allocator.py."""
+(glibc's mmap threshold; 32 MB during a forward pass, for its activations; 0 keeps glibc's own rising threshold).
+See devices/host_allocator.py."""

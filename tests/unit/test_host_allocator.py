@@ -56,3 +56,35 @@ def test_zero_turns_it_off_and_a_bad_threshold_is_refused_naming_the_variable(mo
         monkeypatch.setenv(HOST_MMAP_THRESHOLD_MB[0], raw)
         with pytest.raises(ValueError, match=f"MIXTRAIN_HOST_MMAP_THRESHOLD_MB='{raw}' {says}"):
             host_allocator.release_large_blocks()
+
+
+# A step's activations: a 24 MB block allocated and freed under activations() stays in the heap for the next
+# step (no page faults again); after it, two such blocks at once: one reuses the forward's, the other is mapped
+# and goes back when freed (with the threshold left at 32 MB it would stay in the heap too).
+ACTIVATIONS_PROBE = """
+import json, torch
+from mixtrain.devices import host_allocator
+
+def anon_mb():
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) / 1024 for line in f if line.startswith("RssAnon:"))
+
+assert host_allocator.release_large_blocks()
+before = anon_mb()
+with host_allocator.activations():
+    block = torch.empty(6 * 2**20).fill_(1.0)
+del block
+kept_after_forward = anon_mb() - before
+a, b = torch.empty(6 * 2**20).fill_(1.0), torch.empty(6 * 2**20).fill_(1.0)
+del a, b
+print(json.dumps({"kept_after_forward": kept_after_forward, "kept_after_two": anon_mb() - before}))
+"""
+
+
+def test_activations_stay_in_the_heap_for_the_next_step_and_the_threshold_comes_back():
+    env = {**os.environ, HOST_MMAP_THRESHOLD_MB[0]: "16"}
+    out = subprocess.run([sys.executable, "-c", ACTIVATIONS_PROBE], env=env, capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    assert got["kept_after_forward"] > 20, got  # the forward's block: in the heap, ready for the next step
+    assert got["kept_after_two"] < 40, got  # the second block went back: 16 MB again outside the forward

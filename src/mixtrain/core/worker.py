@@ -79,7 +79,7 @@ def forward_backward(
     total: torch.Tensor | None = None
     for n, chunk in enumerate(chunks):
         batch = to_device(next(batches), device)
-        with precision.autocast(device, prec):
+        with precision.autocast(device, prec), host_allocator.activations():
             loss = task.batch_loss(task.model, batch).float()
         weight = len(chunk) / step_total
         if n == len(chunks) - 1:

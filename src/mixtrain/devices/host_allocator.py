@@ -1,4 +1,5 @@
-"""The host allocator of a worker process: blocks of 16 MB and more go back to the system when freed.
+"""The host allocator of a worker process: blocks of 16 MB and more go back to the system when freed, but
+for a step's activations.
 
 glibc's malloc serves a freed large block's size from its heap from then on (its mmap threshold rises
 with every large free, up to 32 MB), and a heap keeps what it once held. A worker allocates buffers of
@@ -7,11 +8,18 @@ answers), and held 150-200 MB it no longer used: on a 12.6M-parameter AdamW MLP 
 against 648-692 MB with a fixed threshold of 16 MB and a trim threshold of 32 (torchrun DDP: 654-682;
 600 with a fixed 4 MB threshold).
 
-Blocks at least this large then cost a page fault per 4 KB page each time they are allocated. A step that
-reuses its buffers (every strategy's exchange does) pays that only for activations of 16 MB and more. At
-4 MB, a small CNN's activations made its steps 2x slower; at 16 MB, the benchmark's CNN and MLP ran as fast
-as with glibc's own threshold (`benchmarks/compare.py`, 2026-11-25). MIXTRAIN_HOST_MMAP_THRESHOLD_MB sets
-it; 0 keeps glibc's rising threshold.
+Blocks at least this large then cost a page fault per 4 KB page each time they are allocated: a step's
+activations of 16 MB and more would be mapped, faulted in and unmapped at every step. At 4 MB a small CNN's
+steps ran 2x slower; at 16 MB the benchmark's CNN on one worker of 128 samples (activations of 19 MB) ran
+at 400-420 ms a step against 273-332 with glibc's own threshold (2026-11-25). So while the model's forward
+pass runs (`activations()`), the threshold is glibc's largest, 32 MB (and the trim threshold 64 MB): the
+activations come from the heap and are reused at every step, as in a plain PyTorch process, and backward's
+temporaries of the same sizes reuse the activations' blocks as it frees them. One CNN worker then ran within
+noise of a plain process (`compare.py --runners single1,mixtrain1`: 288 against 296 ms a step). Everything
+else still goes back at 16 MB: the exchange's and the optimizer's temporaries (AdamW's are as large as each
+weight) too. Holding 32 MB through backward as well kept such blocks in the heap: a worker of the
+12.6M-parameter MLP peaked at 845 / 709 MB, against 689 / 670 with the forward only (DDP 658-679).
+MIXTRAIN_HOST_MMAP_THRESHOLD_MB sets the threshold; 0 keeps glibc's rising threshold throughout.
 
 Linux with glibc only: macOS's allocator returns large blocks on its own; elsewhere this does nothing.
 """
@@ -21,6 +29,8 @@ from __future__ import annotations
 import ctypes
 import os
 import platform
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 from mixtrain._constants import HOST_MMAP_THRESHOLD_MB, env_float
 
@@ -40,7 +50,32 @@ def release_large_blocks() -> bool:
         )
     if threshold_mb == 0 or platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
         return False
-    libc, threshold = ctypes.CDLL(None), int(threshold_mb * 2**20)
+    global _threshold_mb, _libc
+    _threshold_mb, _libc = threshold_mb, ctypes.CDLL(None)
+    return _set(threshold_mb)
+
+
+_threshold_mb = 0.0
+"""The threshold set by release_large_blocks (MB; 0: not set, glibc's own)."""
+_libc: ctypes.CDLL | None = None
+
+
+@contextmanager
+def activations() -> Iterator[None]:
+    """A forward pass: blocks up to 32 MB (the activations) stay in the heap for the next step."""
+    if not _threshold_mb:
+        yield
+        return
+    _set(MAX_MB)
+    try:
+        yield
+    finally:
+        _set(_threshold_mb)
+
+
+def _set(threshold_mb: float) -> bool:
+    libc, threshold = _libc, int(threshold_mb * 2**20)
+    assert libc is not None
     # A fixed mmap threshold also stops glibc raising its trim threshold (128 KB) with it: the heap's free top
     # would go back to the system at nearly every free and fault in again at the next step. Twice the mmap
     # threshold, as glibc's own rule sets it.
