@@ -4,6 +4,7 @@ Command lines:
     make bench                                             # everything, medians of 3
     python benchmarks/compare.py --repeats 1 --workloads cnn
     python benchmarks/compare.py --runner mixtrain --workload mlp   # one runner, prints one JSON line
+    python benchmarks/compare.py --runners single1,mixtrain1 --repeats 5   # mixtrain's own cost per step (us)
     python benchmarks/compare.py --emulate 1:3 --runners single1,ddp,mixtrain,mixtrain-all,mixtrain-equal
         # EMULATION: worker 1 computes 3x slower in DDP and mixtrain (mixtrain: default, which may leave
         # a worker out; balanced with every worker kept; fixed equal split);
@@ -226,7 +227,9 @@ def run_raytrain(workload: str) -> dict:
         return json.loads(out_file.read_text())
 
 
-def run_mixtrain(workload: str, shares: str = "auto", keep_all: bool = False, strategy: str = "allreduce") -> dict:
+def run_mixtrain(
+    workload: str, shares: str = "auto", keep_all: bool = False, strategy: str = "allreduce", workers: int = NUM_WORKERS
+) -> dict:
     import functools
 
     from mixtrain import RunConfig, ScalingConfig, StrategyConfig, Trainer
@@ -241,7 +244,7 @@ def run_mixtrain(workload: str, shares: str = "auto", keep_all: bool = False, st
             functools.partial(_mixtrain_task, workload),
             (x, y),
             global_batch=GLOBAL_BATCH,
-            scaling=ScalingConfig(num_workers=NUM_WORKERS, shares=shares, leave_out_slow=not keep_all),
+            scaling=ScalingConfig(num_workers=workers, shares=shares, leave_out_slow=not keep_all),
             run=RunConfig(run_dir=tmp, progress=False),
             strategy=StrategyConfig(name=name, compress=compress or "none", staleness=2, local_steps=8),
         ).fit(epochs=epochs)
@@ -319,6 +322,20 @@ def table(results: dict) -> str:
     return "\n".join(lines)
 
 
+def step_overhead(results: dict) -> str:
+    """mixtrain's own cost per step: one worker (no exchange) against one plain process, 1 thread each."""
+    lines = []
+    for workload, by_runner in results.items():
+        if "single1" in by_runner and "mixtrain1" in by_runner:
+            step_s = {r: GLOBAL_BATCH / statistics.median(o["samples_per_s"] for o in by_runner[r]) for r in by_runner}
+            plain, mixtrain = step_s["single1"], step_s["mixtrain1"]
+            lines.append(
+                f"{workload}: one plain process {plain * 1e3:.2f} ms per step, one mixtrain worker "
+                f"{mixtrain * 1e3:.2f} ms: {(mixtrain - plain) * 1e6:+,.0f} us per step"
+            )
+    return "\n".join(lines)
+
+
 def emulation_table(results: dict, emulate: str) -> str:
     """Against the ideal (normal worker alone + slow worker alone) and equal-split DDP."""
     from mixtrain.config import parse_slowdown
@@ -355,7 +372,8 @@ def shares_per_round(results: dict) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument(
-        "--runner", help=f"one of {', '.join(RUNNERS)}, single1, mixtrain-equal, mixtrain-all, mx:NAME[+bf16]"
+        "--runner",
+        help=f"one of {', '.join(RUNNERS)}, single1, mixtrain1, mixtrain-equal, mixtrain-all, mx:NAME[+bf16]",
     )
     parser.add_argument("--workload", choices=list(WORKLOADS))
     parser.add_argument("--out", help="(ddp-rank) where rank 0 writes its result")
@@ -384,6 +402,7 @@ def main() -> None:
             "single1": lambda w: run_single(w, threads=1),
             "mixtrain-equal": lambda w: run_mixtrain(w, shares="equal"),
             "mixtrain-all": lambda w: run_mixtrain(w, keep_all=True),
+            "mixtrain1": lambda w: run_mixtrain(w, workers=1),
         }
         print(json.dumps(runner[args.runner](args.workload)))
         return
@@ -391,6 +410,7 @@ def main() -> None:
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
     Path(args.json).write_text(json.dumps(results, indent=1))
     print(table(results))
+    print(step_overhead(results))
     if args.emulate:
         print(emulation_table(results, args.emulate))
         print(shares_per_round(results))
