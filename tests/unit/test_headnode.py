@@ -170,7 +170,9 @@ def test_every_node_starts_without_the_parts_mixtrain_does_not_use(monkeypatch):
         "--include-dashboard=false",
         "--dashboard-host=127.0.0.1",
         "--no-monitor",
+        "--include-log-monitor=false",
     ]
+    assert exposure.ray_start_args(head=False) == ["--include-log-monitor=false"]
     assert "--include-dashboard=true" in exposure.ray_start_args(head=True, dashboard=True)
 
     class Params:

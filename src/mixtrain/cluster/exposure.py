@@ -4,8 +4,8 @@ Measured on Ray 2.60 (`ss -ltnp` inside a network namespace; the multi-host test
 Ray's C++ gRPC servers (GCS, the raylet's node and object managers, each worker process) listen on every
 interface and have no option to bind one; they require the token. What mixtrain does not use is not
 started: the Ray Client server (port 10001), the autoscaler monitor and its metrics page (44217), the
-dashboard (unless `cluster up --dashboard`; then on 127.0.0.1), the agents' metrics export. What is left
-is listed in the README's security section with a firewall rule.
+dashboard (unless `cluster up --dashboard`; then on 127.0.0.1), the agents' metrics export, the log
+monitor. What is left is listed in the README's security section with a firewall rule.
 """
 
 from __future__ import annotations
@@ -19,12 +19,16 @@ HOOK = "mixtrain.cluster.ray_hook.harden"
 
 def ray_start_args(*, head: bool, dashboard: bool = False) -> list[str]:
     """`ray start` flags that turn off what mixtrain does not use."""
+    # mixtrain's drivers connect with log_to_driver off (worker logs come to the run folder its own way), so
+    # nobody reads what a log monitor forwards; it polls every worker's log files on each node all the same
+    no_log_monitor = "--include-log-monitor=false"
     if not head:
-        return []
+        return [no_log_monitor]
     return [
         f"--include-dashboard={'true' if dashboard else 'false'}",
         "--dashboard-host=127.0.0.1",  # Ray's default too; said here so no default can change it
         "--no-monitor",  # the autoscaler: a hand-made cluster has nothing to scale; it serves metrics on 44217
+        no_log_monitor,
     ]
 
 

@@ -306,7 +306,13 @@ def join(
     env.update(node_env(interface, head=False))
     log = home() / "ray-worker.log"
     offset = log.stat().st_size if log.exists() else 0
-    proc = _spawn(["start", f"--address={address}", *_common_args(ip, num_cpus, temp_dir)], env, log)
+    args = [
+        "start",
+        f"--address={address}",
+        *_common_args(ip, num_cpus, temp_dir),
+        *exposure.ray_start_args(head=False),
+    ]
+    proc = _spawn(args, env, log)
 
     def ready() -> bool:
         return "Ray runtime started" in log.read_text(errors="replace")[offset:]
