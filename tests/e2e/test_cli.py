@@ -324,8 +324,12 @@ def test_plan_measures_prints_the_split_and_suggests_a_strategy_without_training
     assert set(rows) == {0, 1}, proc.stdout
     fast, slow = int(rows[0][2]), int(rows[1][2])
     assert fast + slow == 64 and slow < fast, proc.stdout  # the emulated 4x slower worker gets less
-    for m in rows.values():  # shares over the cap of 8 are split into micro-batches of 8
-        assert m[3] == "8" and int(m[4]) == -(-int(m[2]) // 8) and m[7] == "8", proc.stdout
+    # Shares over the cap of 8 are split into micro-batches of 8; a share under it runs whole. (Which one the
+    # slow worker gets follows the probe's timings: on a loaded machine one read it 10x slower, share 6.)
+    for m in rows.values():
+        share, micro, acc = int(m[2]), int(m[3]), int(m[4])
+        assert micro == min(share, 8) and acc == -(-share // micro) and m[7] == "8", proc.stdout
+    assert int(rows[0][3]) == 8 and int(rows[0][4]) > 1, proc.stdout  # the fast worker's share is over the cap
     assert "predicted:" in proc.stdout and "ms communication" in proc.stdout
     # the strategy advice from the measured link
     line = next(s for s in proc.stdout.splitlines() if s.startswith("strategy: allreduce; measured: "))
