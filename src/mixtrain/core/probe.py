@@ -66,14 +66,21 @@ def time_steps(
     warmup: int = 2,
     min_s: float = 0.3,
     max_repeats: int = 50,
+    waited: Callable[[], float] = lambda: 0.0,
 ) -> float:
     """Median seconds of `run(batch)` after `warmup` untimed calls: at least `repeats` calls and, for
-    fast steps, enough of them to fill `min_s` seconds (at most `max_repeats`), so noise averages out."""
+    fast steps, enough of them to fill `min_s` seconds (at most `max_repeats`), so noise averages out.
+
+    `waited`: seconds so far this thread spent runnable but waiting for a core (devices.cpu.CpuShare), taken
+    off each call's time. The probe runs once, while other processes start (a peer importing torch, Ray's
+    own helpers, another program): what it measures is the device's speed with a core, not that moment's load
+    (a 4x slower CPU worker once read as fast as its peer). The rounds measure the load as it lasts."""
     for _ in range(warmup):
         run(batch)
     times: list[float] = []
     while len(times) < max_repeats and (len(times) < repeats or sum(times) < min_s):
-        t0 = time.perf_counter()
+        t0, w0 = time.perf_counter(), waited()
         run(batch)
-        times.append(time.perf_counter() - t0)
+        elapsed = time.perf_counter() - t0
+        times.append(max(elapsed - (waited() - w0), 0.01 * elapsed))
     return statistics.median(times)

@@ -262,7 +262,9 @@ class TrainWorker:
                 cap = None if found >= limit else max(1, int(found * MEMORY_MARGIN))
             batch = min(guess, cap) if cap else guess
             self.kind.reset_peak_memory(self.device.index or 0)
-            step_s = probe.time_steps(self._probe_step, batch)
+            core_wait = CpuShare(enabled=self.kind.kind == "cpu")  # time waiting for a core is not the device's
+            step_s = probe.time_steps(self._probe_step, batch, waited=core_wait.waited_s)
+            core_wait.close()
             peak = self.kind.memory_in_use(self.device.index or 0)
         with torch.no_grad():
             for name, b in model.named_buffers():

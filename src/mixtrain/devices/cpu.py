@@ -75,6 +75,11 @@ class CpuShare:
             self._ran += end[0] - self._start[0]
             self._waited += end[1] - self._start[1]
 
+    def waited_s(self) -> float:
+        """This thread's seconds so far runnable but waiting for a core (0.0 where that is not measured)."""
+        now = run_and_wait_ns(self._fd) if self._fd is not None else None
+        return now[1] / 1e9 if now is not None else 0.0
+
     def close(self) -> tuple[float, float] | None:
         """(the share, the seconds spent waiting for a core) over every window measured; stops measuring."""
         if self._fd is not None:
