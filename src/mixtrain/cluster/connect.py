@@ -38,7 +38,17 @@ LEAN_HEAD: dict[str, Any] = {"no_monitor": True, "include_log_monitor": False}
 which `ray.init` does not pass on): the autoscaler's monitor (one machine has nothing to scale) and the log
 monitor (with log_to_driver off nobody reads what it forwards, yet it polls every worker's log files: about 4%
 of a core all through a long test session). Their start-up took 2.0 s of CPU from the other processes on a
-2-core machine, and the first step came 1.3 s later (2026-11-25)."""
+2-core machine, and the first step came 1.3 s later (2026-11-25).
+
+Nor does it start Ray's API server (the dashboard's head process), which `ray.init` starts even with
+include_dashboard=False, to run the usage-statistics module alone (off: RAY_USAGE_STATS_ENABLED=0), and then
+waits for: 1.0-1.4 s on a 2-core machine. It serves Ray's job submission, state API and dashboard, none of which
+mixtrain's drivers use; `mixtrain cluster up --dashboard` is the way to have them."""
+
+
+REGISTER_POLL_S = 10.0
+"""How long the embedded Ray's start asks every 20 ms whether its raylet has registered (0.5-0.6 s on an idle
+2-core machine, seconds on a loaded one) before leaving the wait to Ray, which asks once a second."""
 
 
 def system_env() -> dict[str, str]:
@@ -82,12 +92,19 @@ def start_embedded(**init_args: Any) -> None:
 
 @contextmanager
 def _lean_head() -> Iterator[None]:
-    """LEAN_HEAD for the node parameters `ray.init` builds in this block. Those are internal to Ray: where
-    they lack these fields (another Ray release), Ray starts as it would by itself."""
-    from ray._private import parameter
+    """LEAN_HEAD for the node parameters `ray.init` builds in this block, no API server, and the wait for the
+    raylet to register asked every 20 ms instead of every second. Those are internal to Ray: where they are
+    missing (another Ray release), Ray starts as it would by itself."""
+    from ray._private import node, parameter, services, state
 
     base = parameter.RayParams
-    if not set(LEAN_HEAD) <= set(inspect.signature(base.__init__).parameters):
+    start_api_server = getattr(node.Node, "start_api_server", None)
+    get_node = getattr(services, "get_node", None)
+    if (
+        not set(LEAN_HEAD) <= set(inspect.signature(base.__init__).parameters)
+        or start_api_server is None
+        or get_node is None
+    ):
         yield
         return
 
@@ -95,11 +112,39 @@ def _lean_head() -> Iterator[None]:
         def __init__(self, *args: Any, **kwargs: Any) -> None:
             super().__init__(*args, **{**LEAN_HEAD, **kwargs})
 
-    parameter.RayParams = LeanParams  # type: ignore[misc]
+    def no_api_server(self: Any, *, include_dashboard: bool | None, **kwargs: Any) -> None:
+        if include_dashboard:
+            start_api_server(self, include_dashboard=include_dashboard, **kwargs)
+
+    def get_node_once_registered(gcs_address: str, node_id: str) -> Any:
+        # Ray's get_node blocks, asking the GCS once a second, until the new raylet has registered (0.5-0.6 s
+        # after it starts, on an idle 2-core machine): nearly a second lost at every start. Asked every 20 ms
+        # first, its one question finds the node. Any trouble here leaves the wait to Ray's own.
+        table = state.GlobalState()
+        try:
+            table._initialize_global_state(services._get_gcs_client_options(gcs_address))
+            deadline = time.monotonic() + REGISTER_POLL_S
+            while time.monotonic() < deadline and all(n.get("NodeID") != node_id for n in table.node_table()):
+                time.sleep(0.02)
+        except Exception:  # an optimisation only: Ray's own wait below decides
+            pass
+        finally:
+            table.disconnect()
+        return get_node(gcs_address, node_id)
+
+    patches = [
+        (parameter, "RayParams", LeanParams),
+        (node.Node, "start_api_server", no_api_server),
+        (services, "get_node", get_node_once_registered),
+    ]
+    saved = [(owner, name, getattr(owner, name)) for owner, name, _ in patches]
+    for owner, name, replacement in patches:
+        setattr(owner, name, replacement)
     try:
         yield
     finally:
-        parameter.RayParams = base  # type: ignore[misc]
+        for owner, name, original in saved:
+            setattr(owner, name, original)
 
 
 def stop_ray_uninterrupted() -> None:

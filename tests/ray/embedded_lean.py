@@ -1,0 +1,32 @@
+"""Run by tests/ray/test_embedded.py as its own process: start mixtrain's embedded Ray, list the processes its
+node started, run one task, and print them as JSON."""
+
+import json
+
+import ray
+
+from mixtrain.cluster import connect
+
+
+@ray.remote
+def _square(x: int) -> int:
+    return x * x
+
+
+def main() -> None:
+    connect.start_embedded(num_cpus=1, log_to_driver=False, logging_level="ERROR")
+    node = ray._private.worker._global_node
+    started = sorted(node.all_processes)
+    answer = ray.get(_square.remote(7), timeout=60)
+    connect.stop_ray_uninterrupted()
+    # A Ray started afterwards in this process, not through mixtrain, is Ray's own again
+    from ray._private import node as ray_node
+    from ray._private import parameter, services
+
+    restored = ray_node.Node.start_api_server.__name__ == "start_api_server"
+    restored = restored and parameter.RayParams.__name__ == "RayParams" and services.get_node.__name__ == "get_node"
+    print(json.dumps({"processes": started, "answer": answer, "restored": restored}))
+
+
+if __name__ == "__main__":
+    main()
