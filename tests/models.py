@@ -33,7 +33,13 @@ def bn_net() -> nn.Module:
     return nn.Sequential(nn.Linear(20, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Linear(16, 5))
 
 
-MODELS = {"mlp": mlp, "cnn": cnn, "bn": bn_net}
+def wide() -> nn.Module:
+    """106k parameters: each of two parameter-server slices (213 KB) travels through Ray's object store, not
+    inline in the call (Ray inlines objects up to 100 KB)."""
+    return nn.Sequential(nn.Linear(20, 4096), nn.Tanh(), nn.Linear(4096, 5))
+
+
+MODELS = {"mlp": mlp, "cnn": cnn, "bn": bn_net, "wide": wide}
 
 
 def optimizer(name: str, params: Iterable[nn.Parameter]) -> torch.optim.Optimizer:

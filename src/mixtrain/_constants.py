@@ -24,6 +24,9 @@ EXCLUDE_GAIN = ("MIXTRAIN_EXCLUDE_GAIN", 0.30)
 """Leave a worker out only when the job is predicted at least this fraction faster without it."""
 BUCKET_MB = ("MIXTRAIN_BUCKET_MB", 25.0)
 """Size of one gradient bucket (one all-reduce call)."""
+STORE_PAGES_MB = ("MIXTRAIN_STORE_PAGES_MB", 0.0)
+"""A parameter-server worker hands back the object store's pages it touched once they pass this many MB
+(comm/store_pages.py); 0: two steps' worth (twice its weights, at least 32 MB)."""
 LOST_GRACE_S = ("MIXTRAIN_LOST_GRACE_S", 15.0)
 """After a worker died, the others get the collective timeout plus this long to report before they count as lost;
 once a peer's collective timeout has fired (it waited that long already), a silent worker gets only this long."""

@@ -37,6 +37,7 @@ from mixtrain.comm import process_group, replicas
 from mixtrain.comm.buckets import bind_grad_views, grad_views
 from mixtrain.comm.compress import decode, encode, wire_dtype
 from mixtrain.comm.ps_server import optimizer_index, partition, state_to_numpy, trainable
+from mixtrain.comm.store_pages import StorePages
 from mixtrain.comm.strategy import (
     JoinContext,
     RoundSync,
@@ -83,6 +84,9 @@ class ParameterServerStrategy(SyncStrategy):
         self.version = 0  # the update count of the weights this replica holds
         self.pending: deque[tuple[int, list[Any]]] = deque()
         self._round_start: dict[str, Any] = {}
+        # each step writes this replica's gradients into the object store and reads its weights back: the
+        # pages it touched go back once they pass two steps' worth
+        self.store_pages = StorePages(ctx.store_pages_bytes or max(2 * 4 * sum(p.numel() for p in params), 2**25))
         if ctx.rank == 0 and ctx.fresh_state:
             self._load_servers(task, ctx.world_size)
         elif ctx.rank == 0:
@@ -175,6 +179,7 @@ class ParameterServerStrategy(SyncStrategy):
         self.next_step += 1
         self.grad_norm = None
         done = self._collect(task, must_have=self.next_step - self.staleness)
+        self.store_pages.release_if_over()
         return StepOutcome(
             done=done,
             comm_s=time.perf_counter() - t0,
@@ -211,6 +216,7 @@ class ParameterServerStrategy(SyncStrategy):
     def end_round(self, task: Task, weight: float, drift_tolerance: float) -> RoundSync:
         t0 = time.perf_counter()
         done = self._collect(task, must_have=self.next_step)
+        self.store_pages.release_if_over()
         replicas.average_buffers(task.model, weight)
         d, rebroadcast = replicas.resync_if_drifted(task.model, task.optimizer, drift_tolerance)
         return RoundSync(drift=d, rebroadcast=rebroadcast, comm_s=time.perf_counter() - t0, done=done)

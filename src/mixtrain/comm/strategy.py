@@ -83,6 +83,9 @@ class JoinContext:
     fresh_state: bool = True
     """The workers hold state the parameter servers do not have yet (the first formation, a resume):
     rank 0 loads the servers from it. False: the servers' state is the truth and the workers take it."""
+    store_pages_bytes: int = 0
+    """Parameter servers: the object store's pages a worker may hold before it hands them back (0: two steps'
+    worth; MIXTRAIN_STORE_PAGES_MB)."""
 
 
 def tensor_bytes(obj: Any) -> int:

@@ -16,6 +16,7 @@ from mixtrain._constants import (
     COLLECTIVE_TIMEOUT_S,
     RENDEZVOUS_TIMEOUT_S,
     SETUP_EXTRA_S,
+    STORE_PAGES_MB,
     env_float,
     transfer_s,
 )
@@ -79,6 +80,7 @@ class GroupOps:
         collective_s = env_float(COLLECTIVE_TIMEOUT_S)
         host, port = group.call("open_rendezvous", rendezvous_s, timeout_s=rendezvous_s, ranks=[0])[0]
         bucket_bytes = int(env_float(BUCKET_MB) * 2**20)
+        store_pages_bytes = int(env_float(STORE_PAGES_MB, zero_allowed=True) * 2**20)
         group.call(
             "join",
             host,
@@ -92,6 +94,7 @@ class GroupOps:
             tuple(group.servers),
             self._fresh_state,
             self._shard_weights(),
+            store_pages_bytes,
             timeout_s=rendezvous_s + collective_s + 10,
         )
         self._fresh_state = False

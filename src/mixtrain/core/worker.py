@@ -320,6 +320,7 @@ class TrainWorker:
         servers: tuple = (),
         fresh_state: bool = True,
         shard_optimizer: tuple[float, ...] | None = None,
+        store_pages_bytes: int = 0,
     ) -> None:
         store = self._rendezvous.store if self.rank == 0 and self._rendezvous is not None else None
         netif.pin_interface(self.host, backend)
@@ -353,6 +354,7 @@ class TrainWorker:
             servers=tuple(servers),
             fresh_state=fresh_state,
             shard_weights=self._shard_weights(shard_optimizer),
+            store_pages_bytes=store_pages_bytes,
         )
         self.strategy.setup(self.task, ctx)
         if loaded is not None:  # and the job-wide loss scale
