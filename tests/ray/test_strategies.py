@@ -42,7 +42,7 @@ def test_parameter_server_workers_hand_back_object_store_pages_and_the_math_stay
     result = train("wide", "adamw", [40, 24], x, y, tmp_path, strategy=StrategyConfig(name="ps", ps_shards=2))
     assert_same_weights(result.state_dict, reference("wide", "adamw", x, y))
     logs = [p.read_text() for p in sorted((result.run_dir / "logs").glob("worker-*.log"))]
-    assert len(logs) == 2 and all("object store's pages this worker touched passed" in text for text in logs)
+    assert len(logs) == 2 and all("object store's pages this process touched passed" in text for text in logs)
 
 
 def test_parameter_server_keeps_batchnorm_semantics_of_allreduce(tmp_path):

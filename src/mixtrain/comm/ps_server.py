@@ -32,6 +32,7 @@ from mixtrain._constants import COLLECTIVE_TIMEOUT_S, PS_START_TIMEOUT_S, env_fl
 from mixtrain.comm import replicas
 from mixtrain.comm.compress import decode
 from mixtrain.comm.state_transfer import Packed
+from mixtrain.comm.store_pages import StorePages
 from mixtrain.devices import host_allocator
 from mixtrain.task import Task, build_task
 
@@ -137,6 +138,15 @@ class ParameterServer:
         self._norm_ready: dict[int, asyncio.Event] = {}
         self._applying = asyncio.Lock()  # pushes arrive concurrently; updates are applied one at a time
         self._restore_point: dict[str, Any] | None = None  # this shard's state at the start of the round
+        # every update reads each rank's gradient from the object store and writes the weights into it: the
+        # pages touched go back once they pass two updates' worth (set when a group forms)
+        self.store_pages = StorePages(0)
+
+    def _form(self, world_size: int) -> None:
+        """A group of `world_size` workers formed: pushes of an older group are voided, updates count from 0."""
+        self._void_pending()
+        self.world_size, self.version = world_size, 0
+        self.store_pages.limit_bytes = max(2 * (world_size + 1) * 4 * self.numel, 2**25)
 
     def _void_pending(self) -> None:
         """Pushes still waiting belong to a group that is gone: answer them as void."""
@@ -150,8 +160,7 @@ class ParameterServer:
         self, world_size: int, weights: np.ndarray, opt_state: dict, param_groups: list, scheduler: Any
     ) -> int:
         """A group formed: start from rank 0's complete state; pushes of an older group are voided."""
-        self._void_pending()
-        self.world_size, self.version = world_size, 0
+        self._form(world_size)
         replicas.unflatten_into(decode(weights, "none"), self.params)
         sd = self.task.optimizer.state_dict()
         sd["state"] = state_from_numpy(opt_state)
@@ -164,8 +173,7 @@ class ParameterServer:
     async def reopen(self, world_size: int) -> np.ndarray:
         """A group re-formed around this shard's state (the truth between rounds): void older pushes,
         count updates from 0 again, and hand out the weights for the workers to start from."""
-        self._void_pending()
-        self.world_size, self.version = world_size, 0
+        self._form(world_size)
         return self._weights()
 
     async def mark(self) -> None:
@@ -232,6 +240,7 @@ class ParameterServer:
             entry.result = (applied, stats, self.version, ray.put(self._weights()), norm)
             entry.done.set()
             del self.steps[self.version - 1]
+            self.store_pages.release_if_over()
 
     async def _clip(self, step: int, total: torch.Tensor, max_norm: float) -> float:
         """Scale this shard's summed gradient as clip_grad_norm_ would scale the whole model's: by

@@ -72,7 +72,7 @@ class StorePages:
         self.released += 1
         if self.released == 1:
             logging.getLogger("mixtrain.worker").info(
-                "the object store's pages this worker touched passed %.1f MB (%.1f MB): handed back, as each time "
+                "the object store's pages this process touched passed %.1f MB (%.1f MB): handed back, as each time "
                 "they pass it (MIXTRAIN_STORE_PAGES_MB)",
                 self.limit_bytes / 2**20,
                 held / 2**20,
