@@ -67,6 +67,8 @@ class StorePages:
                     self._ranges = store_ranges(f.read())
         except OSError:
             return False
+        if not self._ranges:  # other shared memory (not the store's) is over the limit: nothing of ours to drop
+            return False
         for start, end in self._ranges:
             self._libc.madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start), MADV_DONTNEED)
         self.released += 1
@@ -77,4 +79,4 @@ class StorePages:
                 self.limit_bytes / 2**20,
                 held / 2**20,
             )
-        return bool(self._ranges)
+        return True
