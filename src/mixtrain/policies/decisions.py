@@ -99,13 +99,13 @@ class Rebalancer:
         self.leave_out_slow = leave_out_slow
         self.threshold = threshold
         self.min_gain = min_gain
-        self._votes, self._vote_rank = 0, -1
+        self._votes, self._vote_for = 0, ""
         self.hold_rounds = 0
         """Rounds left in which nobody is left out (after a re-admission)."""
 
     def reset(self) -> None:
         """Forget the vote (the workers were renumbered)."""
-        self._votes, self._vote_rank = 0, -1
+        self._votes, self._vote_for = 0, ""
 
     def decide(
         self,
@@ -125,9 +125,9 @@ class Rebalancer:
         found = self._exclusion(plan, speeds, measured_rate, alone_speeds)
         self.hold_rounds = max(0, self.hold_rounds - 1)
         if found is not None:
-            rank, reason = found
-            self._votes = self._votes + 1 if self._vote_rank == rank else 1
-            self._vote_rank = rank
+            rank, reason, vote = found
+            self._votes = self._votes + 1 if self._vote_for == vote else 1
+            self._vote_for = vote
             if self._votes >= EXCLUDE_ROUNDS:
                 self.reset()
                 return LeaveOut(rank, reason)
@@ -143,12 +143,15 @@ class Rebalancer:
         speeds: Sequence[float],
         measured_rate: float | None,
         alone_speeds: Sequence[float] | None = None,
-    ) -> tuple[int, str] | None:
-        """The worker to leave out and why, by the model or by the measured pair; None to keep everyone."""
+    ) -> tuple[int, str, str] | None:
+        """The worker to leave out, why, and what the rounds vote on: that worker, by the model; by the measured
+        pair, that one of the two is faster alone (two equal workers on a busy machine trade places as the
+        faster one from round to round: the last round names which goes). None to keep everyone."""
         if not self.leave_out_slow or self.hold_rounds > 0:
             return None
         if plan.excluded:
-            return next(iter(plan.excluded.items()))
+            rank, reason = next(iter(plan.excluded.items()))
+            return rank, reason, f"worker {rank}"
         if measured_rate is None or len(speeds) != 2:
             return None
         fast = max(range(2), key=lambda i: (speeds[i], -i))
@@ -165,9 +168,11 @@ class Rebalancer:
                 f"{1 - speeds[fast] / alone:.0%} of that time waiting for a core; the cores worker {1 - fast} "
                 "holds would be its own"
             )
-        return 1 - fast, (
+        return (
+            1 - fast,
             f"measured: the two workers ran {measured_rate:,.0f} samples/s together, while worker {fast} alone "
-            f"would compute {alone:,.0f} ({why})"
+            f"would compute {alone:,.0f} ({why})",
+            "one alone",
         )
 
 
