@@ -4,7 +4,8 @@ import numpy as np
 import pytest
 import ray
 
-from mixtrain.comm.store_pages import StorePages, shared_resident_bytes, store_ranges
+from mixtrain.comm.store_pages import MIN_LIMIT_BYTES, StorePages, store_ranges, two_steps
+from mixtrain.devices.cpu import status_bytes
 
 pytestmark = pytest.mark.usefixtures("ray_session")
 MB = 2**20
@@ -15,7 +16,7 @@ class Reader:
     def read_and_release(self, array: np.ndarray, limit_mb: float) -> dict:
         def held() -> int:
             with open("/proc/self/status") as f:
-                return shared_resident_bytes(f.read()) or 0
+                return status_bytes(f.read(), "RssShmem") or 0
 
         total = float(array.sum())  # touches every page of the object (read zero-copy from the store)
         before = held()
@@ -48,5 +49,6 @@ def test_the_store_mapping_and_shared_pages_are_read_from_procfs_texts():
         "7f4a54000000-7f4a55000000 r--p 00000000 08:01 1234                       /usr/lib/libc.so.6\n"
     )
     assert store_ranges(maps) == [(0x7F4894E60000, 0x7F4A54000000)]
-    assert shared_resident_bytes("VmRSS:\t  305912 kB\nRssShmem:\t  195316 kB\n") == 195316 * 1024
-    assert shared_resident_bytes("VmRSS:\t 1 kB\n") is None
+    assert status_bytes("VmRSS:\t  305912 kB\nRssShmem:\t  195316 kB\n", "RssShmem") == 195316 * 1024
+    assert status_bytes("VmRSS:\t 1 kB\n", "RssShmem") is None
+    assert two_steps(100 * MB) == 200 * MB and two_steps(1) == MIN_LIMIT_BYTES == 32 * MB

@@ -37,7 +37,7 @@ from mixtrain.comm import process_group, replicas
 from mixtrain.comm.buckets import bind_grad_views, grad_views
 from mixtrain.comm.compress import decode, encode, wire_dtype
 from mixtrain.comm.ps_server import optimizer_index, partition, state_to_numpy, trainable
-from mixtrain.comm.store_pages import StorePages
+from mixtrain.comm.store_pages import StorePages, two_steps
 from mixtrain.comm.strategy import (
     JoinContext,
     RoundSync,
@@ -86,7 +86,7 @@ class ParameterServerStrategy(SyncStrategy):
         self._round_start: dict[str, Any] = {}
         # each step writes this replica's gradients into the object store and reads its weights back: the
         # pages it touched go back once they pass two steps' worth
-        self.store_pages = StorePages(ctx.store_pages_bytes or max(2 * 4 * sum(p.numel() for p in params), 2**25))
+        self.store_pages = StorePages(ctx.store_pages_bytes or two_steps(4 * sum(p.numel() for p in params)))
         if ctx.rank == 0 and ctx.fresh_state:
             self._load_servers(task, ctx.world_size)
         elif ctx.rank == 0:

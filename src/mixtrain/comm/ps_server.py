@@ -32,7 +32,7 @@ from mixtrain._constants import COLLECTIVE_TIMEOUT_S, PS_START_TIMEOUT_S, env_fl
 from mixtrain.comm import replicas
 from mixtrain.comm.compress import decode
 from mixtrain.comm.state_transfer import Packed
-from mixtrain.comm.store_pages import StorePages
+from mixtrain.comm.store_pages import StorePages, two_steps
 from mixtrain.devices import host_allocator
 from mixtrain.task import Task, build_task
 
@@ -146,7 +146,7 @@ class ParameterServer:
         """A group of `world_size` workers formed: pushes of an older group are voided, updates count from 0."""
         self._void_pending()
         self.world_size, self.version = world_size, 0
-        self.store_pages.limit_bytes = max(2 * (world_size + 1) * 4 * self.numel, 2**25)
+        self.store_pages.limit_bytes = two_steps((world_size + 1) * 4 * self.numel)  # the gradients, the weights
 
     def _void_pending(self) -> None:
         """Pushes still waiting belong to a group that is gone: answer them as void."""

@@ -20,7 +20,16 @@ import ctypes
 import logging
 import platform
 
+from mixtrain.devices.cpu import status_bytes
+
 MADV_DONTNEED = 4  # <sys/mman.h> on Linux
+MIN_LIMIT_BYTES = 32 * 2**20
+"""The least `two_steps` sets: below it, too little to be worth the page faults of reading objects again."""
+
+
+def two_steps(bytes_per_step: int) -> int:
+    """The default limit: the store's pages of two steps (or updates) of `bytes_per_step`, at least MIN_LIMIT_BYTES."""
+    return max(2 * bytes_per_step, MIN_LIMIT_BYTES)
 
 
 def store_ranges(maps_text: str) -> list[tuple[int, int]]:
@@ -32,14 +41,6 @@ def store_ranges(maps_text: str) -> list[tuple[int, int]]:
             start, end = fields[0].split("-")
             ranges.append((int(start, 16), int(end, 16)))
     return ranges
-
-
-def shared_resident_bytes(status_text: str) -> int | None:
-    """RssShmem of a /proc/<pid>/status text: resident pages of shared memory (the object store's among them)."""
-    for line in status_text.splitlines():
-        if line.startswith("RssShmem:"):
-            return int(line.split()[1]) * 1024
-    return None
 
 
 class StorePages:
@@ -59,7 +60,7 @@ class StorePages:
             return False
         try:
             with open("/proc/self/status", encoding="ascii", errors="replace") as f:
-                held = shared_resident_bytes(f.read())
+                held = status_bytes(f.read(), "RssShmem")  # resident shared memory, the store's among it
             if held is None or held <= self.limit_bytes:
                 return False
             if not self._ranges:  # the store is mapped at the first object this process touches

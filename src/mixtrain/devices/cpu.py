@@ -21,16 +21,21 @@ def _cpu_name() -> str:
     return platform.processor() or platform.machine() or "CPU"
 
 
+def status_bytes(status_text: str, field: str) -> int | None:
+    """A field of a /proc/<pid>/status text given in kB ("VmHWM", "RssShmem", ...), in bytes; None if absent."""
+    for line in status_text.splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1]) * 1024
+    return None
+
+
 def _peak_rss() -> int | None:
     """VmHWM from /proc/self/status (not ru_maxrss, which a child inherits from its parent across exec)."""
     try:
         with open("/proc/self/status", encoding="ascii") as f:
-            for line in f:
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1]) * 1024
+            return status_bytes(f.read(), "VmHWM")
     except OSError:
-        pass
-    return None
+        return None
 
 
 SCHEDSTAT = "/proc/thread-self/schedstat"
