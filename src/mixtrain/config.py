@@ -2,17 +2,33 @@
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 
+from mixtrain import _checks as check
 from mixtrain.devices.precision import PRECISIONS
+from mixtrain.errors import InputTypeError, InputValueError
 
 _PLACEMENT_STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
 _DEVICE_KINDS = ("cpu", "gpu", "cuda", "mps")
 BACKENDS = ("auto", "gloo", "nccl")
 NUMERICS_CHECKS = ("warn", "strict", "off")
 SLOWDOWN_ENV = "MIXTRAIN_EMULATE_SLOWDOWN"
+MAX_SEED = 2**32 - 1
+"""The largest seed: NumPy's and scikit-learn's generators take at most 32 bits."""
+
+
+def _check_resources(name: str, value: object) -> None:
+    """Ray resources per worker: a mapping of resource names to amounts >= 0, or None."""
+    if value is None:
+        return
+    if not isinstance(value, Mapping):
+        raise InputTypeError(f"{name}={value!r}: give a dict of Ray resources, e.g. {{'CPU': 2, 'GPU': 0.5}}, or None")
+    for key, amount in value.items():
+        check.text(f"{name} key", key)
+        check.number(f"{name}[{key!r}]", amount, 0)
 
 
 Slowdown = dict[int, tuple[float, int]]
@@ -30,7 +46,7 @@ def parse_slowdown(text: str) -> Slowdown:
                 raise ValueError
             out[int(rank)] = (float(factor), int(start or 0))
         except ValueError:
-            raise ValueError(
+            raise InputValueError(
                 f"{SLOWDOWN_ENV} item {item!r}: use RANK:FACTOR[@ROUND][,...], e.g. 1:3 or 1:3@5"
             ) from None
     return out
@@ -58,17 +74,18 @@ class DeviceGroup:
     """This group's precision; None takes ScalingConfig.precision."""
 
     def __post_init__(self) -> None:
-        if self.device not in _DEVICE_KINDS:
-            raise ValueError(f"DeviceGroup.device={self.device!r}: use one of {', '.join(_DEVICE_KINDS)}")
-        if not isinstance(self.num_workers, int) or self.num_workers < 1:
-            raise ValueError(f"DeviceGroup.num_workers={self.num_workers!r}: must be an integer >= 1")
+        check.choice("DeviceGroup.device", self.device, _DEVICE_KINDS)
+        check.integer("DeviceGroup.num_workers", self.num_workers, 1)
         if self.precision is not None and self.precision not in PRECISIONS:
-            raise ValueError(f"DeviceGroup.precision={self.precision!r}: use one of {', '.join(PRECISIONS)} or None")
+            raise InputValueError(
+                f"DeviceGroup.precision={self.precision!r}: use one of {', '.join(PRECISIONS)} or None"
+            )
+        _check_resources("DeviceGroup.resources_per_worker", self.resources_per_worker)
+        check.text("DeviceGroup.accelerator_type", self.accelerator_type, none=True)
+        check.text("DeviceGroup.node", self.node, none=True)
         res = dict(self.resources_per_worker or {})
-        if any(not v >= 0 for v in res.values()):
-            raise ValueError(f"DeviceGroup.resources_per_worker={res}: amounts must be >= 0")
         if self.device == "cpu" and res.get("GPU", 0) > 0:
-            raise ValueError(
+            raise InputValueError(
                 f"DeviceGroup(device='cpu').resources_per_worker={res}: a CPU worker cannot hold a GPU; "
                 "use device='gpu' (or 'cuda'/'mps')"
             )
@@ -95,13 +112,13 @@ def parse_workers(text: str) -> int | str | list[DeviceGroup]:
     for item in filter(None, (t.strip() for t in text.split(","))):
         kind, _, count = item.partition(":")
         if kind not in _DEVICE_KINDS or not (count or "1").isdigit() or int(count or "1") < 1:
-            raise ValueError(
+            raise InputValueError(
                 f"--workers {text!r}: item {item!r} is not KIND[:COUNT]; use a number, auto, or groups such as "
                 f"cuda:1,mps:1,cpu:2 (kinds: {', '.join(_DEVICE_KINDS)})"
             )
         groups.append(DeviceGroup(device=kind, num_workers=int(count or "1")))
     if not groups:
-        raise ValueError(f"--workers {text!r}: use a number, auto, or groups such as cuda:1,mps:1,cpu:2")
+        raise InputValueError(f"--workers {text!r}: use a number, auto, or groups such as cuda:1,mps:1,cpu:2")
     return groups
 
 
@@ -165,81 +182,92 @@ class ScalingConfig:
     def __post_init__(self) -> None:
         self._check_groups()
         if self.keep_workers not in (None, True, False):
-            raise ValueError(f"ScalingConfig.keep_workers={self.keep_workers!r}: use True, False or None")
+            raise InputValueError(f"ScalingConfig.keep_workers={self.keep_workers!r}: use True, False or None")
         for name, value, allowed in (
             ("backend", self.backend, BACKENDS),
             ("numerics_check", self.numerics_check, NUMERICS_CHECKS),
             ("precision", self.precision, PRECISIONS),
         ):
-            if value not in allowed:
-                raise ValueError(f"ScalingConfig.{name}={value!r}: use one of {', '.join(allowed)}")
-        if not isinstance(self.num_workers, int) or self.num_workers < 1:
-            raise ValueError(f"ScalingConfig.num_workers={self.num_workers!r}: must be an integer >= 1")
-        if self.numerics_tolerance is not None and not self.numerics_tolerance > 0:
-            raise ValueError(f"ScalingConfig.numerics_tolerance={self.numerics_tolerance!r}: must be > 0 or None")
+            check.choice(f"ScalingConfig.{name}", value, allowed)
+        check.integer("ScalingConfig.num_workers", self.num_workers, 1)
+        check.number("ScalingConfig.numerics_tolerance", self.numerics_tolerance, 0, above=True, none=True)
+        check.number("ScalingConfig.cpus_per_worker", self.cpus_per_worker, 0, above=True)
+        check.boolean("ScalingConfig.use_gpu", self.use_gpu)
+        check.boolean("ScalingConfig.leave_out_slow", self.leave_out_slow)
+        _check_resources("ScalingConfig.resources_per_worker", self.resources_per_worker)
+        for name in ("accelerator_type", "network_interface", "address"):
+            check.text(f"ScalingConfig.{name}", getattr(self, name), none=True)
+        check.integer("ScalingConfig.threads_per_worker", self.threads_per_worker, 1, none=True)
+        check.choice("ScalingConfig.placement_strategy", self.placement_strategy, _PLACEMENT_STRATEGIES)
+        if self.emulate_slowdown is not None and not isinstance(self.emulate_slowdown, Mapping):
+            raise InputTypeError(
+                f"ScalingConfig.emulate_slowdown={self.emulate_slowdown!r}: give {{rank: factor}} "
+                "(e.g. {1: 3.0}) or None"
+            )
         if self.is_auto:
             return  # the worker count comes from the cluster; resolved() checks the rest
-        if not self.cpus_per_worker > 0:
-            raise ValueError(
-                f"ScalingConfig.cpus_per_worker={self.cpus_per_worker!r}: must be > 0 "
-                "(fractions such as 0.5 are allowed)"
-            )
-        if self.threads_per_worker is not None and self.threads_per_worker < 1:
-            raise ValueError(f"ScalingConfig.threads_per_worker={self.threads_per_worker!r}: must be >= 1 or None")
-        if self.placement_strategy not in _PLACEMENT_STRATEGIES:
-            raise ValueError(
-                f"ScalingConfig.placement_strategy={self.placement_strategy!r}: "
-                f"use one of {', '.join(_PLACEMENT_STRATEGIES)}"
-            )
         self._check_shares()
         self._check_per_worker()
 
     def _check_groups(self) -> None:
         """groups: 'auto' or DeviceGroups, whose sizes give num_workers."""
         if isinstance(self.groups, str) and self.groups != "auto":
-            raise ValueError(f"ScalingConfig.groups={self.groups!r}: use 'auto' or a list of DeviceGroup")
+            raise InputValueError(f"ScalingConfig.groups={self.groups!r}: use 'auto' or a list of DeviceGroup")
         if self.groups is not None and not isinstance(self.groups, str):
+            if not isinstance(self.groups, (list, tuple)):
+                raise InputTypeError(f"ScalingConfig.groups={self.groups!r}: give a list of mixtrain.DeviceGroup")
             groups = list(self.groups)
             if not groups or not all(isinstance(g, DeviceGroup) for g in groups):
-                raise ValueError(f"ScalingConfig.groups={groups!r}: give a non-empty list of mixtrain.DeviceGroup")
+                raise InputValueError(f"ScalingConfig.groups={groups!r}: give a non-empty list of mixtrain.DeviceGroup")
             object.__setattr__(self, "num_workers", sum(g.num_workers for g in groups))
 
     def _check_shares(self) -> None:
         """shares: 'auto', 'equal' or one integer >= 1 per worker."""
         if isinstance(self.shares, str):
             if self.shares not in ("auto", "equal"):
-                raise ValueError(
+                raise InputValueError(
                     f"ScalingConfig.shares={self.shares!r}: use 'auto', 'equal' or a list of integers, one per worker"
                 )
+        elif not isinstance(self.shares, (list, tuple)):
+            raise InputTypeError(
+                f"ScalingConfig.shares={self.shares!r}: use 'auto', 'equal' or a list of integers, one per worker"
+            )
         else:
             shares = list(self.shares)
             if len(shares) != self.num_workers:
-                raise ValueError(
+                raise InputValueError(
                     f"ScalingConfig.shares={shares}: has {len(shares)} entries but num_workers={self.num_workers}; "
                     "give one share per worker"
                 )
-            if any(not isinstance(s, int) or s < 1 for s in shares):
-                raise ValueError(f"ScalingConfig.shares={shares}: every share must be an integer >= 1")
+            if any(not isinstance(s, int) or isinstance(s, bool) or s < 1 for s in shares):
+                raise InputValueError(f"ScalingConfig.shares={shares}: every share must be an integer >= 1")
 
     def _check_per_worker(self) -> None:
         """max_micro_batch and the emulated slowdown: one entry per worker, in range."""
         shard = self.shard_optimizer
         if not isinstance(shard, bool) and (
-            len(list(shard)) != self.num_workers or any(not w >= 0 for w in shard) or not sum(shard) > 0
+            not isinstance(shard, (list, tuple))
+            or len(shard) != self.num_workers
+            or not all(isinstance(w, (int, float)) and not isinstance(w, bool) and math.isfinite(w) for w in shard)
+            or any(not w >= 0 for w in shard)
+            or not sum(shard) > 0
         ):
-            raise ValueError(
+            raise InputValueError(
                 f"ScalingConfig.shard_optimizer={shard!r}: use True (slices sized by free memory), False, or one "
                 f"relative size >= 0 per worker ({self.num_workers}) with a positive sum"
             )
-        if self.max_micro_batch is not None and (
-            len(self.max_micro_batch) != self.num_workers or any(c is not None and c < 1 for c in self.max_micro_batch)
+        micro = self.max_micro_batch
+        if micro is not None and (
+            not isinstance(micro, (list, tuple))
+            or len(micro) != self.num_workers
+            or any(c is not None and (not isinstance(c, int) or isinstance(c, bool) or c < 1) for c in micro)
         ):
-            raise ValueError(
-                f"ScalingConfig.max_micro_batch={list(self.max_micro_batch)}: give one value >= 1 (or None) per worker"
+            raise InputValueError(
+                f"ScalingConfig.max_micro_batch={micro!r}: give one integer >= 1 (or None) per worker"
             )
         for rank, (factor, start) in self.slowdown().items():
-            if not 0 <= rank < self.num_workers or not factor >= 1 or start < 0:
-                raise ValueError(
+            if not 0 <= rank < self.num_workers or not 1 <= factor < math.inf or start < 0:
+                raise InputValueError(
                     f"emulated slowdown {rank}:{factor} (ScalingConfig.emulate_slowdown or MIXTRAIN_EMULATE_SLOWDOWN): "
                     f"use RANK:FACTOR with 0 <= RANK < {self.num_workers} and FACTOR >= 1, e.g. 1:3"
                 )
@@ -277,9 +305,19 @@ class ScalingConfig:
 
     def slowdown(self) -> Slowdown:
         """The emulated slowdown per rank: the API value, else MIXTRAIN_EMULATE_SLOWDOWN."""
-        if self.emulate_slowdown is not None:
-            return {r: v if isinstance(v, tuple) else (float(v), 0) for r, v in self.emulate_slowdown.items()}
-        return parse_slowdown(os.environ.get(SLOWDOWN_ENV, ""))
+        if self.emulate_slowdown is None:
+            return parse_slowdown(os.environ.get(SLOWDOWN_ENV, ""))
+        out: Slowdown = {}
+        for rank, value in self.emulate_slowdown.items():
+            factor, start = value if isinstance(value, tuple) and len(value) == 2 else (value, 0)
+            number = (int, float)
+            if not (isinstance(rank, int) and isinstance(factor, number) and isinstance(start, int)):
+                raise InputValueError(
+                    f"ScalingConfig.emulate_slowdown={dict(self.emulate_slowdown)!r}: give {{rank: factor}} or "
+                    "{rank: (factor, from_round)} with integer ranks and rounds, e.g. {1: 3.0}"
+                )
+            out[rank] = (float(factor), start)
+        return out
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -319,18 +357,23 @@ class RunConfig:
     is installed, True requires it, False writes none."""
 
     def __post_init__(self) -> None:
-        if self.steps_per_round is not None and self.steps_per_round < 1:
-            raise ValueError(f"RunConfig.steps_per_round={self.steps_per_round!r}: must be >= 1 or None (automatic)")
-        if not self.drift_tolerance >= 0:
-            raise ValueError(f"RunConfig.drift_tolerance={self.drift_tolerance!r}: must be >= 0")
-        for name, value, low in (
-            ("checkpoint_every_s", self.checkpoint_every_s, 0),
-            ("keep_checkpoints", self.keep_checkpoints, 1),
-            ("max_failures", self.max_failures, 0),
-            ("max_nonfinite_steps", self.max_nonfinite_steps, 1),
-        ):
-            if not (isinstance(value, (int, float)) and value >= low):
-                raise ValueError(f"RunConfig.{name}={value!r}: must be a number >= {low}")
+        check.text("RunConfig.name", self.name, none=True)
+        if self.name is not None and (os.sep in self.name or self.name in (".", "..")):
+            raise InputValueError(
+                f"RunConfig.name={self.name!r}: a name, not a path; give a folder as RunConfig.run_dir instead"
+            )
+        check.text("RunConfig.storage_dir", self.storage_dir)
+        check.text("RunConfig.run_dir", self.run_dir, none=True)
+        check.integer("RunConfig.seed", self.seed, 0, MAX_SEED)
+        check.integer("RunConfig.steps_per_round", self.steps_per_round, 1, none=True, hint="None: automatic")
+        check.number("RunConfig.drift_tolerance", self.drift_tolerance, 0)
+        check.number("RunConfig.checkpoint_every_s", self.checkpoint_every_s, 0, finite=False)
+        check.integer("RunConfig.keep_checkpoints", self.keep_checkpoints, 1)
+        check.integer("RunConfig.max_failures", self.max_failures, 0)
+        check.integer("RunConfig.max_nonfinite_steps", self.max_nonfinite_steps, 1)
+        check.boolean("RunConfig.progress", self.progress)
+        check.boolean("RunConfig.rejoin", self.rejoin)
+        check.boolean("RunConfig.tensorboard", self.tensorboard, none=True)
 
 
 STRATEGY_NAMES = ("allreduce", "ps", "ps-async", "local-sgd", "auto")
@@ -386,41 +429,37 @@ class StrategyConfig:
     """ps, ps-async: the Ray node id for the parameter servers; None: the driver's node (the head)."""
 
     def __post_init__(self) -> None:
-        if self.name not in STRATEGY_NAMES:
-            raise ValueError(f"strategy={self.name!r}: use one of {', '.join(STRATEGY_NAMES)}")
-        if self.compress not in COMPRESSION:
-            raise ValueError(f"StrategyConfig.compress={self.compress!r}: use one of {', '.join(COMPRESSION)}")
+        check.choice("strategy", self.name, STRATEGY_NAMES)
+        check.choice("StrategyConfig.compress", self.compress, COMPRESSION)
         if self.compress in QUANTIZED and self.name != "local-sgd":
-            raise ValueError(
+            raise InputValueError(
                 f"StrategyConfig.compress={self.compress!r} (--compress {self.compress}) works with strategy "
                 "local-sgd only (its deltas are quantized with error feedback; a gradient exchange every step is "
                 f"not), not {self.name!r}: use compress='bf16' or 'fp16' here (--compress bf16), or "
                 "strategy='local-sgd' (--strategy local-sgd)"
             )
-        if not isinstance(self.staleness, int) or self.staleness < 0:
-            raise ValueError(f"StrategyConfig.staleness={self.staleness!r}: must be an integer >= 0 (0: synchronous)")
+        check.integer("StrategyConfig.staleness", self.staleness, 0, hint="0: synchronous")
         self._check_local_sgd()
-        if self.ps_shards != "auto" and not (isinstance(self.ps_shards, int) and self.ps_shards >= 1):
-            raise ValueError(f"StrategyConfig.ps_shards={self.ps_shards!r}: use 'auto' or an integer >= 1")
+        if self.ps_shards != "auto" and not (
+            isinstance(self.ps_shards, int) and not isinstance(self.ps_shards, bool) and self.ps_shards >= 1
+        ):
+            raise InputValueError(f"StrategyConfig.ps_shards={self.ps_shards!r}: use 'auto' or an integer >= 1")
+        check.text("StrategyConfig.ps_node", self.ps_node, none=True)
 
     def _check_local_sgd(self) -> None:
-        if not isinstance(self.local_steps, int) or self.local_steps < 1:
-            raise ValueError(f"StrategyConfig.local_steps={self.local_steps!r}: must be an integer >= 1")
-        if not (isinstance(self.outer_lr, (int, float)) and self.outer_lr > 0):
-            raise ValueError(f"StrategyConfig.outer_lr={self.outer_lr!r}: must be a number > 0")
-        if not (isinstance(self.outer_momentum, (int, float)) and 0 <= self.outer_momentum < 1):
-            raise ValueError(f"StrategyConfig.outer_momentum={self.outer_momentum!r}: must be in [0, 1)")
-        if not isinstance(self.overlap, bool):
-            raise ValueError(f"StrategyConfig.overlap={self.overlap!r}: must be True or False")
+        check.integer("StrategyConfig.local_steps", self.local_steps, 1)
+        check.number("StrategyConfig.outer_lr", self.outer_lr, 0, above=True)
+        check.number("StrategyConfig.outer_momentum", self.outer_momentum, 0, below=1)
+        check.boolean("StrategyConfig.overlap", self.overlap)
         if self.overlap and self.name not in ("local-sgd", "auto"):
-            raise ValueError(
+            raise InputValueError(
                 f"StrategyConfig.overlap=True (--overlap) works with strategy local-sgd (or auto, when it picks "
                 f"local-sgd), not {self.name!r}: use strategy='local-sgd' (--strategy local-sgd --overlap)"
             )
         if self.pace not in PACES:
-            raise ValueError(f"StrategyConfig.pace={self.pace!r} (--pace): use one of {', '.join(PACES)}")
+            raise InputValueError(f"StrategyConfig.pace={self.pace!r} (--pace): use one of {', '.join(PACES)}")
         if self.pace != "balanced" and self.name not in ("local-sgd", "auto"):
-            raise ValueError(
+            raise InputValueError(
                 f"StrategyConfig.pace={self.pace!r} (--pace {self.pace}) works with strategy local-sgd (or auto, when "
                 f"it picks local-sgd), not {self.name!r}: every other strategy takes one update per global batch"
             )

@@ -126,7 +126,7 @@ def test_local_sgd_flags_reach_the_strategy():
         ('workers = "tpu:2"', "workers = 'tpu:2': "),
         ("keep_all_devices = 1", "keep_all_devices = 1: must be true or false"),
         ("epoch = 3", "unknown key 'epoch'; the keys are the long flags of the command: "),
-        ("lr = [1, 2]", "lr = [1, 2]: could not convert string to float"),
+        ("lr = [1, 2]", "lr = [1, 2]: '1,2' is not a number"),
         ("args = 3", "args must be a table"),
     ],
 )

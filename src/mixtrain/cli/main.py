@@ -24,12 +24,20 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, NoReturn
 
-from mixtrain.config import BACKENDS, COMPRESSION, NUMERICS_CHECKS, PRECISIONS, STRATEGY_NAMES
+from mixtrain.cli.saved_command import COMMAND_FILE, NOW_ONLY, REDIRECTS, read_command, redirect_error, save_command
+from mixtrain.config import BACKENDS, COMPRESSION, MAX_SEED, NUMERICS_CHECKS, PRECISIONS, STRATEGY_NAMES
+from mixtrain.errors import InputError, InputValueError
+
+BUG_REPORT = (
+    "the traceback above is not a check of your input. If it points into your own job code, fix it there; "
+    "otherwise it is a bug in mixtrain: please report it with this traceback and the output of `mixtrain env`"
+)
 
 if TYPE_CHECKING:  # the CLI imports torch and Ray only for the commands that need them
     from mixtrain.cluster.state import NodeState
@@ -75,10 +83,58 @@ _positive_int = _int_at_least(1)
 _non_negative_int = _int_at_least(0)
 
 
+def _seed(text: str) -> int:
+    value = _non_negative_int(text)
+    if value > MAX_SEED:
+        raise argparse.ArgumentTypeError(f"{text!r} must be <= {MAX_SEED} (2**32 - 1)")
+    return value
+
+
+def _number(low: float, *, above: bool = False, below: float = math.inf, finite: bool = True) -> Callable[[str], float]:
+    """A float flag in [low, below) ((low, below) when `above`), finite unless `finite=False`."""
+
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+        if math.isnan(value) or (finite and math.isinf(value)):
+            raise argparse.ArgumentTypeError(f"{text!r} must be a finite number")
+        if value < low or (above and value == low) or value >= below:
+            bound = f"> {low:g}" if above else f">= {low:g}"
+            raise argparse.ArgumentTypeError(
+                f"{text!r} must be {bound}" + (f" and < {below:g}" if below < math.inf else "")
+            )
+        return value
+
+    return parse
+
+
+_positive = _number(0, above=True)
+
+
+class _Parser(argparse.ArgumentParser):
+    """Every parser of the CLI: no abbreviated flags. argparse takes any unambiguous prefix by default, so a saved
+    `--trust` would have meant --trust-job, and a flag added later could change what an old prefix means."""
+
+    reading: str | None = None
+    """Set while a run folder's saved flags are parsed: an error there names the file instead of ending the
+    process with argparse's usage text."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs["allow_abbrev"] = False
+        super().__init__(*args, **kwargs)
+
+    def error(self, message: str) -> NoReturn:
+        if _Parser.reading is not None:
+            raise InputValueError(f"{_Parser.reading}: its flags do not parse ({message})")
+        super().error(message)
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="mixtrain", description="Train one PyTorch model on every device you own.")
+    parser = _Parser(prog="mixtrain", description="Train one PyTorch model on every device you own.")
     parser.add_argument("--version", action="version", version=f"mixtrain {_version()}")
-    sub = parser.add_subparsers(dest="command", required=True)
+    sub = parser.add_subparsers(dest="command", required=True)  # sub-parsers are _Parsers too
     train = sub.add_parser(
         "train",
         help="train a built-in example, your own job function, or a TOML config",
@@ -106,13 +162,15 @@ def build_parser() -> argparse.ArgumentParser:
     )
     train.add_argument(
         "--checkpoint-every",
-        type=float,
+        type=_number(0, finite=False),
         default=60.0,
         metavar="SECONDS",
         help="write a checkpoint after the round that ends this long after the last one (default 60; 0: every "
         "round); one is also written before each held-out evaluation and after the last epoch",
     )
-    train.add_argument("--max-failures", type=int, default=3, help="lost workers survived before stopping (default 3)")
+    train.add_argument(
+        "--max-failures", type=_non_negative_int, default=3, help="lost workers survived before stopping (default 3)"
+    )
     train.add_argument("--quiet", action="store_true", help="no live progress")
     train.add_argument(
         "--tensorboard",
@@ -168,7 +226,7 @@ def _job_flags(p: argparse.ArgumentParser) -> None:
         help="a number of CPU workers (default 2), auto (one per GPU in the cluster, CPUs on GPU-less nodes), "
         "or groups such as cuda:1,mps:1,cpu:2",
     )
-    p.add_argument("--cpus-per-worker", type=float, default=1.0, help="Ray CPUs reserved per worker (default 1)")
+    p.add_argument("--cpus-per-worker", type=_positive, default=1.0, help="Ray CPUs reserved per worker (default 1)")
     p.add_argument("--global-batch", type=_positive_int, help="samples per step over all workers")
     p.add_argument(
         "--shares",
@@ -193,8 +251,8 @@ def _job_flags(p: argparse.ArgumentParser) -> None:
         action="store_true",
         help="never leave a worker out, even when the job is predicted faster without it",
     )
-    p.add_argument("--lr", type=float, help="learning rate")
-    p.add_argument("--seed", type=int, default=0, help="seed for initialisation and sample order")
+    p.add_argument("--lr", type=_positive, help="learning rate")
+    p.add_argument("--seed", type=_seed, default=0, help="seed for initialisation and sample order")
     p.add_argument("--address", help="Ray cluster address (default: an embedded local Ray)")
     p.add_argument(
         "--precision",
@@ -235,13 +293,13 @@ def _job_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--local-steps", type=_positive_int, default=8, help="local-sgd: steps between averages (default 8)")
     p.add_argument(
         "--outer-lr",
-        type=float,
+        type=_positive,
         default=1.0,
         help="local-sgd: learning rate of the outer step on the averaged delta (default 1.0: plain averaging)",
     )
     p.add_argument(
         "--outer-momentum",
-        type=float,
+        type=_number(0, below=1),
         default=0.0,
         help="local-sgd: Nesterov momentum of the outer step (default 0; DiLoCo: --outer-lr 0.7 --outer-momentum 0.9)",
     )
@@ -312,7 +370,7 @@ def _workers(text: str) -> int | str | list:
 def _task(args: argparse.Namespace) -> tuple[str, str]:
     """(target, the flag it came from)."""
     if args.task and args.example and args.task != args.example:
-        raise ValueError(f"TASK {args.task!r} and --example {args.example!r} disagree: give one of them")
+        raise InputValueError(f"TASK {args.task!r} and --example {args.example!r} disagree: give one of them")
     if args.example:
         return args.example, "--example"
     return args.task or "digits", "TASK"
@@ -372,33 +430,56 @@ def _trainer(
     )
 
 
-COMMAND_FILE = "command.json"
-"""In the run folder: the flags a CLI run was started with, so `--resume RUN_DIR` needs no others."""
+def _resumed(raw: list[str], given: argparse.Namespace) -> tuple[argparse.Namespace, dict[str, Any]]:
+    """`train --resume RUN_DIR [flags]`: the run's saved config keys, then its saved flags, then the flags given
+    now (later ones win), with what only this command line may say taken from it alone (saved_command.py)."""
+    from mixtrain.cli.config_file import apply_values
 
-
-def _with_saved_flags(raw: list[str], resume: str) -> list[str]:
-    """`train --resume RUN_DIR [flags]`: the run's saved flags, then the ones given now (later ones win)."""
-    saved = Path(resume) / COMMAND_FILE
+    resume = given.resume
     if not Path(resume).is_dir():
-        raise ValueError(f"--resume {resume!r}: no such run folder")
-    if saved.is_file():
-        given = build_parser().parse_args(raw)
-        if given.task or given.example or given.config:
-            raise ValueError(
-                f"--resume {resume!r} continues the run's own job ({saved} holds its flags); leave out "
-                "TASK, --example and --config (other flags given now override the saved ones)"
-            )
-        argv = [a for a in json.loads(saved.read_text())["argv"] if a != "--trust-job"]  # only given now counts
-        return ["train", *argv, *raw[1:]]
-    return raw
+        raise InputValueError(f"--resume {resume!r}: no such run folder")
+    saved = read_command(resume)
+    if saved is None:  # a run started from Python or by hand: the flags given now are all there is
+        return given, {}
+    where = Path(resume) / COMMAND_FILE
+    if given.task or given.example or (given.config and given.config != saved.legacy_config):
+        raise InputValueError(
+            f"--resume {resume!r} continues the run's own job ({where} holds its flags); leave out TASK, --example "
+            "and --config (other flags given now override the saved ones)"
+        )
+    config, job_args = saved.config, saved.job_args
+    if saved.legacy_config is not None:  # a config file's path, saved before 0.3: read again only if given now
+        if given.config is None:
+            raise redirect_error(resume, "--config", saved.legacy_config)
+        from mixtrain.cli.config_file import read_config, split_config
+
+        config, job_args = split_config(read_config(given.config), given.config)
+    parser = build_parser()
+    apply_values(_subparser(parser, "train"), config, where, _other_flags(parser, "train"))
+    _Parser.reading = str(where)
+    try:
+        before = parser.parse_args(["train", *saved.argv])
+    finally:
+        _Parser.reading = None
+    args = parser.parse_args(["train", *saved.argv, *raw[1:]])
+    for dest, flag in REDIRECTS.items():
+        if getattr(before, dest) is not None and getattr(given, dest) is None:
+            raise redirect_error(resume, flag, getattr(before, dest))
+    for dest in (*REDIRECTS, *NOW_ONLY):
+        setattr(args, dest, getattr(given, dest))
+    args.config = given.config
+    return args, {"config": config, "job_args": job_args}
 
 
 def _parse(raw: list[str]) -> tuple[argparse.Namespace, list[str]]:
-    """Parse, reading a TOML config (`--config FILE` or a TASK ending in .toml) into the defaults first."""
+    """Parse, reading a TOML config (`--config FILE` or a TASK ending in .toml) into the defaults first.
+    `args.job_args` is the config's [args] table; `args.config_data` its other keys (saved in command.json)."""
     args = build_parser().parse_args(raw)
+    args.config_data = {}
     if args.command == "train" and args.resume:
-        raw = _with_saved_flags(raw, args.resume)
-        args = build_parser().parse_args(raw)
+        args, saved = _resumed(raw, args)
+        args.job_args, args.config_data = saved.get("job_args", {}), saved.get("config", {})
+        return args, raw
     if args.command not in ("train", "plan"):
         return args, raw
     config = args.config
@@ -408,41 +489,25 @@ def _parse(raw: list[str]) -> tuple[argparse.Namespace, list[str]]:
         raw = [*raw[:i], "--config", config, *raw[i + 1 :]]
     if config is None:
         return args, raw
-    from mixtrain.cli.config_file import apply_config
+    from mixtrain.cli.config_file import apply_values, read_config, split_config
 
     parser = build_parser()
-    other = "plan" if args.command == "train" else "train"
-    also_valid = {a.dest for a in _subparser(parser, other)._actions}
-    job_args = apply_config(_subparser(parser, args.command), config, also_valid)
+    data, job_args = split_config(read_config(config), config)
+    apply_values(_subparser(parser, args.command), data, config, _other_flags(parser, args.command))
     args = parser.parse_args(raw)
-    args.job_args = job_args
+    args.job_args, args.config_data = job_args, data
     return args, raw
+
+
+def _other_flags(parser: argparse.ArgumentParser, command: str) -> set[str]:
+    """The other subcommand's flags: a config file for `train` may be used to `plan`, and the reverse."""
+    other = "plan" if command == "train" else "train"
+    return {a.dest for a in _subparser(parser, other)._actions}
 
 
 def _subparser(parser: argparse.ArgumentParser, name: str) -> argparse.ArgumentParser:
     action = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
     return action.choices[name]
-
-
-def _save_flags(raw: list[str], run_dir: Path, target: str) -> None:
-    keep, skip = [], False
-    for item in raw[1:]:  # without "train", --resume and --run-dir: the folder is the run
-        if skip:
-            skip = False
-        elif item in ("--resume", "--run-dir"):
-            skip = True
-        elif not item.startswith(("--resume=", "--run-dir=")) and item != "--trust-job":
-            keep.append(item)
-    for i, item in enumerate(keep[:-1]):  # a config file found again from any folder
-        if item in ("--config", "--data-dir"):
-            keep[i + 1] = str(Path(keep[i + 1]).expanduser().resolve())
-    from mixtrain.job import module_file
-
-    run_dir.mkdir(parents=True, exist_ok=True)
-    record = {"argv": keep, "job": target, "job_file": module_file(target)}
-    from mixtrain._files import write_json
-
-    write_json(record, run_dir / COMMAND_FILE)
 
 
 def _check_resumed_job(args: argparse.Namespace) -> None:
@@ -454,14 +519,14 @@ def _check_resumed_job(args: argparse.Namespace) -> None:
     target = _task(args)[0]
     if ":" not in target or args.trust_job:
         return
-    saved = Path(args.resume) / COMMAND_FILE
-    recorded = json.loads(saved.read_text()).get("job_file") if saved.is_file() else None
+    saved = read_command(args.resume)
+    recorded = saved.job_file if saved is not None else None
     here = module_file(target)
     if recorded is None or here is None or Path(here) != Path(recorded):
-        raise ValueError(
+        raise InputValueError(
             f"--resume {args.resume!r} would import and run {target} from {here or 'nowhere (not found)'}, but the run "
             f"started with {recorded or 'no recorded file'}; resuming runs the job code the folder names. Check "
-            f"{saved} and that file, then add --trust-job to run it"
+            f"{Path(args.resume) / COMMAND_FILE} and that file, then add --trust-job to run it"
         )
 
 
@@ -473,12 +538,12 @@ def cmd_train(args: argparse.Namespace, raw: list[str]) -> int:
     if args.resume:
         _check_resumed_job(args)  # before the job's module is imported
     elif args.trust_job:
-        raise ValueError("--trust-job goes with --resume RUN_DIR")
+        raise InputValueError("--trust-job goes with --resume RUN_DIR")
     else:
         check_new_run_dir(run_dir)  # before command.json is written there
     job, trainer = _trainer(args, str(run_dir), args.steps_per_round)  # checks the flags first
     if not args.resume:
-        _save_flags(raw, run_dir, _task(args)[0])
+        save_command(raw, run_dir, _task(args)[0], args.config_data, args.job_args)
     result = trainer.fit(epochs=args.epochs or job.epochs, resume=args.resume)
     metrics = result.metrics
     summary = ", ".join(f"{k} {v:.4f}" for k, v in metrics.items() if k not in ("samples", "epoch"))
@@ -567,7 +632,9 @@ def cmd_cluster(args: argparse.Namespace) -> int:
         current = headnode.load_state()
         address = args.address or (current.address if current else None)
         if address is None:
-            raise ValueError("cluster status: no --address and this machine has no cluster; run `mixtrain cluster up`")
+            raise InputValueError(
+                "cluster status: no --address and this machine has no cluster; run `mixtrain cluster up`"
+            )
         headnode.use_cluster_token(address)
         print(headnode.format_status(headnode.status(address)))
         return 0
@@ -619,9 +686,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command == "train":
             return cmd_train(args, raw)
         return commands[args.command](args)
-    except (ValueError, TypeError) as exc:  # bad input: nothing started
+    except InputError as exc:  # bad input, found before anything started: one line
         print(f"mixtrain: error: {exc}", file=sys.stderr)
         return 2
+    except (ValueError, TypeError):  # not a check of ours: a bug (ours or the job's), with its traceback
+        import traceback
+
+        traceback.print_exc()
+        print(f"mixtrain: internal error: {BUG_REPORT}", file=sys.stderr)
+        return 1
     except (RuntimeError, ConnectionError) as exc:  # a worker, the cluster or a timeout: a clear line, no traceback
         print(f"mixtrain: error: {exc}", file=sys.stderr)
         return 1

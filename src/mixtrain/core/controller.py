@@ -542,9 +542,12 @@ class Controller:
     def _resume_hint(self) -> str:
         if self.last_checkpoint is None:
             return "No checkpoint was written yet."
+        scaling = self.group.scaling  # where the run connects is never taken from its folder: say it again
+        where = f" --address {scaling.address}" if scaling.address else ""
+        where += f" --interface {scaling.network_interface}" if scaling.network_interface else ""
         return (
             f"The last checkpoint, {self.last_checkpoint}, is intact; continue with "
-            f"`mixtrain train --resume {self.last_checkpoint.parent.parent}` or fit(resume=...)."
+            f"`mixtrain train --resume {self.last_checkpoint.parent.parent}{where}` or fit(resume=...)."
         )
 
     def _end_epoch(self, epoch: int) -> None:

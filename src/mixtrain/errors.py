@@ -1,0 +1,21 @@
+"""The errors mixtrain raises for bad input. No torch or Ray here: the CLI and the configs use them.
+
+A bad value (a config field, a flag, a TOML key, a run folder's file, the data) raises `InputValueError` or
+`InputTypeError`: a ValueError / TypeError like any other (code that catches those keeps working), and an
+`InputError`, so the CLI can tell bad input (one line, exit status 2) from a bug (a traceback to report).
+Each message names the field, the value and the fix."""
+
+from __future__ import annotations
+
+
+class InputError(Exception):
+    """Bad input to mixtrain; the message names the field, the value and the fix."""
+
+
+class InputValueError(InputError, ValueError):
+    """A value out of range or not one of the accepted ones."""
+
+
+class InputTypeError(InputError, TypeError, ValueError):
+    """A value of the wrong type. Also a ValueError: code that catches ValueError for a bad setting (as mixtrain's
+    checks raised for every bad value before they told types apart) still catches it."""
