@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from mixtrain.errors import InputTypeError, InputValueError
 from mixtrain.task import Task
 
 if TYPE_CHECKING:
@@ -49,11 +50,11 @@ class Job:
 
     def __post_init__(self) -> None:
         if not callable(self.task_factory):
-            raise TypeError("Job.task_factory must be a callable that returns mixtrain.Task(...)")
+            raise InputTypeError("Job.task_factory must be a callable that returns mixtrain.Task(...)")
         if not isinstance(self.global_batch, int) or self.global_batch < 1:
-            raise ValueError(f"Job.global_batch={self.global_batch!r}: must be an integer >= 1")
+            raise InputValueError(f"Job.global_batch={self.global_batch!r}: must be an integer >= 1")
         if not isinstance(self.epochs, int) or self.epochs < 1:
-            raise ValueError(f"Job.epochs={self.epochs!r}: must be an integer >= 1")
+            raise InputValueError(f"Job.epochs={self.epochs!r}: must be an integer >= 1")
 
     def trainer(self, global_batch: int | None = None, **options: Any) -> Trainer:
         """A Trainer for this job; `options` are Trainer's (scaling=, run=, strategy=).
@@ -82,7 +83,7 @@ def load_job(
     `flag` names where the target came from, for error messages."""
     if ":" not in target:
         if target not in BUILTIN:
-            raise ValueError(
+            raise InputValueError(
                 f"{flag} {target!r}: choose a built-in example ({', '.join(BUILTIN)}) or give your own job "
                 "function as package.module:function"
             )
@@ -96,7 +97,7 @@ def load_job(
         given["data_dir"] = data_dir
     job = _call(fn, target, given, dict(args or {}), flag)
     if not isinstance(job, Job):
-        raise TypeError(
+        raise InputTypeError(
             f"{flag} {target!r} returned {type(job).__name__}; a job function returns "
             "mixtrain.Job(task_factory=..., train_data=..., eval_data=..., global_batch=...)"
         )
@@ -131,18 +132,18 @@ def module_file(target: str) -> str | None:
 def _import(target: str, flag: str) -> Callable[..., Any]:
     module_name, _, attr = target.partition(":")
     if not module_name or not attr:
-        raise ValueError(f"{flag} {target!r}: write package.module:function, e.g. mytrain.jobs:make_job")
+        raise InputValueError(f"{flag} {target!r}: write package.module:function, e.g. mytrain.jobs:make_job")
     _search_path()  # like `python -m`: the current folder's modules import
     try:
         module = importlib.import_module(module_name)
     except ImportError as exc:
-        raise ValueError(
+        raise InputValueError(
             f"{flag} {target!r}: cannot import {module_name!r} ({exc}); run from the folder that holds it "
             "or install its package"
         ) from None
     fn = getattr(module, attr, None)
     if not callable(fn):
-        raise ValueError(f"{flag} {target!r}: module {module_name!r} has no function {attr!r}")
+        raise InputValueError(f"{flag} {target!r}: module {module_name!r} has no function {attr!r}")
     _ship_by_value(module)
     return fn
 
@@ -166,11 +167,11 @@ def _call(fn: Callable[..., Any], target: str, given: dict[str, Any], args: dict
     takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
     for name in args:
         if name not in params and not takes_any:
-            raise ValueError(f"[args] {name} = {args[name]!r}: {target} takes no argument {name!r}")
+            raise InputValueError(f"[args] {name} = {args[name]!r}: {target} takes no argument {name!r}")
     kwargs = dict(args)
     for name, value in given.items():
         if name in params or takes_any:
             kwargs[name] = value
         elif name != "seed":  # the seed also seeds the workers; a job need not take it
-            raise ValueError(f"--{name.replace('_', '-')} {value!r}: {target} takes no {name!r} argument")
+            raise InputValueError(f"--{name.replace('_', '-')} {value!r}: {target} takes no {name!r} argument")
     return fn(**kwargs)

@@ -113,6 +113,12 @@ def _number(low: float, *, above: bool = False, below: float = math.inf, finite:
 _positive = _number(0, above=True)
 
 
+def _text(text: str) -> str:
+    if not text.strip() or "\0" in text:
+        raise argparse.ArgumentTypeError(f"{text!r} is empty")
+    return text
+
+
 class _Parser(argparse.ArgumentParser):
     """Every parser of the CLI: no abbreviated flags. argparse takes any unambiguous prefix by default, so a saved
     `--trust` would have meant --trust-job, and a flag added later could change what an old prefix means."""
@@ -253,7 +259,7 @@ def _job_flags(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--lr", type=_positive, help="learning rate")
     p.add_argument("--seed", type=_seed, default=0, help="seed for initialisation and sample order")
-    p.add_argument("--address", help="Ray cluster address (default: an embedded local Ray)")
+    p.add_argument("--address", type=_text, help="Ray cluster address (default: an embedded local Ray)")
     p.add_argument(
         "--precision",
         choices=PRECISIONS,
@@ -267,7 +273,7 @@ def _job_flags(p: argparse.ArgumentParser) -> None:
         default="warn",
         help="start-up gradient check of each device against the CPU: warn, strict (leave bad devices out), off",
     )
-    p.add_argument("--interface", help="network interface for the collectives on every node (e.g. eth0)")
+    p.add_argument("--interface", type=_text, help="network interface for the collectives on every node (e.g. eth0)")
     p.add_argument(
         "--strategy",
         choices=STRATEGY_NAMES,
@@ -324,7 +330,9 @@ def _add_cluster_parser(sub: argparse._SubParsersAction) -> None:
     verbs = cluster.add_subparsers(dest="verb", required=True)
 
     def node_flags(p: argparse.ArgumentParser) -> None:
-        p.add_argument("--interface", help="network interface other machines reach this one on (e.g. en0, eth0)")
+        p.add_argument(
+            "--interface", type=_text, help="network interface other machines reach this one on (e.g. en0, eth0)"
+        )
         p.add_argument("--node-ip", help="this node's LAN address (instead of --interface)")
         p.add_argument("--num-cpus", type=_positive_int, help="CPUs this node offers (default: all)")
         p.add_argument("--temp-dir", help="Ray's temporary folder on this node (default /tmp/ray)")

@@ -17,6 +17,7 @@ from typing import Any, TextIO
 from mixtrain._constants import CONNECT_TIMEOUT_S, env_float
 from mixtrain._files import atomic_write
 from mixtrain.cluster.state import ClusterError, home, load_state
+from mixtrain.errors import InputValueError
 
 MIN_RAY = (2, 52)
 """The first Ray with token authentication; pyproject.toml requires it too."""
@@ -44,7 +45,7 @@ def read_token_arg(token: str | None, token_file: str | None, stdin: TextIO) -> 
     """The token `cluster join` was given: --token TEXT, or --token-file PATH ('-': standard input). With
     neither: None when this machine keeps one already, else asked for without echo at a terminal."""
     if token is not None and token_file is not None:
-        raise ValueError("cluster join: give --token-file or --token, not both")
+        raise InputValueError("cluster join: give --token-file or --token, not both")
     if token is not None:
         print(
             "warning: --token puts the cluster token on the command line, where every user of this machine can "
@@ -58,7 +59,7 @@ def read_token_arg(token: str | None, token_file: str | None, stdin: TextIO) -> 
         try:
             return Path(token_file).expanduser().read_text().strip()
         except OSError as exc:
-            raise ValueError(f"--token-file {token_file!r}: {exc.strerror or exc}") from None
+            raise InputValueError(f"--token-file {token_file!r}: {exc.strerror or exc}") from None
     if token_path().exists() or not stdin.isatty():
         return None  # the one kept here; without one, auth_env says how to give it
     import getpass

@@ -17,6 +17,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from mixtrain.config import DeviceGroup, ScalingConfig
+from mixtrain.errors import InputValueError
 
 _APPLE = re.compile(r"^accelerator_type:M\d")
 NODE_ID_LABEL = "ray.io/node-id"
@@ -130,7 +131,7 @@ def _narrow(group: DeviceGroup, nodes: Sequence[NodeInfo], bundle: dict[str, flo
         return  # only this kind of GPU in the cluster: "GPU" is exact
     mine = {t for n in mine_nodes for t in n.accelerator_types}
     if len(mine) != 1:
-        raise ValueError(
+        raise InputValueError(
             f"DeviceGroup(device={group.device!r}): this cluster has both CUDA and Apple GPUs and nothing tells "
             f"them apart for this group (accelerator types {sorted(mine) or 'unknown'}). Start the nodes with "
             "`mixtrain cluster up` / `mixtrain cluster join` (they label cuda and mps), or set accelerator_type"

@@ -8,6 +8,7 @@ from typing import Any
 
 import torch
 
+from mixtrain.errors import InputTypeError
 from mixtrain.task import Task
 
 METRIC = "metric:"
@@ -40,7 +41,7 @@ def _pair(name: str, pair: Any) -> tuple[float, float]:
         total, count = pair
         return float(total), float(count)
     except (TypeError, ValueError):
-        raise TypeError(
+        raise InputTypeError(
             f"Task.metrics returned {name!r}: {pair!r}; each metric must be a (sum, count) pair, e.g. "
             "{'accuracy': ((pred == y).sum().item(), len(y))}"
         ) from None

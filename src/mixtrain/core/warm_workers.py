@@ -26,6 +26,8 @@ import ray
 import torch
 from ray.util.placement_group import remove_placement_group
 
+from mixtrain.errors import InputValueError
+
 KEEP_WORKERS_ENV = "MIXTRAIN_KEEP_WORKERS"
 """Default of ScalingConfig.keep_workers where it is left at None: "1" keeps, "0" (or unset) does not."""
 
@@ -36,7 +38,7 @@ def wanted(keep_workers: bool | None) -> bool:
         return keep_workers
     raw = os.environ.get(KEEP_WORKERS_ENV, "").strip()
     if raw not in ("", "0", "1"):
-        raise ValueError(f"{KEEP_WORKERS_ENV}={raw!r}: set it to 1 (keep workers between fits) or 0 (do not)")
+        raise InputValueError(f"{KEEP_WORKERS_ENV}={raw!r}: set it to 1 (keep workers between fits) or 0 (do not)")
     return raw == "1"
 
 

@@ -18,6 +18,7 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
+from mixtrain.errors import InputTypeError, InputValueError
 from mixtrain.policies.planner import shares_for_step
 
 Arrays = tuple[np.ndarray, ...]
@@ -59,22 +60,22 @@ def to_arrays(data: Any) -> Arrays:
             return to_arrays(tuple(tensors))
         num = len(data)  # type: ignore[arg-type]
         if num == 0:
-            raise ValueError("the dataset is empty (len 0): give it at least one sample")
+            raise InputValueError("the dataset is empty (len 0): give it at least one sample")
         items = [data[i] for i in range(num)]
         items = [item if isinstance(item, (tuple, list)) else (item,) for item in items]
         fields = [np.stack([np.asarray(item[j]) for item in items]) for j in range(len(items[0]))]
     else:
-        raise TypeError(
+        raise InputTypeError(
             f"dataset of type {type(data).__name__} is not supported: pass a torch Dataset, a TensorDataset "
             "or a tuple of tensors (inputs..., target)"
         )
     lengths = {len(f) for f in fields}
     if len(lengths) != 1:
-        raise ValueError(
+        raise InputValueError(
             f"dataset fields have different lengths {sorted(lengths)}; every field needs one row per sample"
         )
     if lengths == {0}:
-        raise ValueError("the dataset is empty (0 samples): give it at least one sample")
+        raise InputValueError("the dataset is empty (0 samples): give it at least one sample")
     return tuple(fields)
 
 

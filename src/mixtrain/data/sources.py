@@ -23,6 +23,7 @@ from torch.utils.data import default_collate as _default_collate
 
 from mixtrain import devices
 from mixtrain.data.sampling import Arrays, as_tensors, to_arrays
+from mixtrain.errors import InputTypeError, InputValueError
 
 EVAL_EPOCH = -1
 """The epoch key held-out samples are read under (their random streams, if any, never change)."""
@@ -56,13 +57,13 @@ class Loader:
 
     def __post_init__(self) -> None:
         if self.num_workers is not None and (not isinstance(self.num_workers, int) or self.num_workers < 0):
-            raise ValueError(f"Loader.num_workers={self.num_workers!r}: must be an integer >= 0 or None")
+            raise InputValueError(f"Loader.num_workers={self.num_workers!r}: must be an integer >= 0 or None")
         if self.prefetch_factor < 1:
-            raise ValueError(f"Loader.prefetch_factor={self.prefetch_factor!r}: must be >= 1")
+            raise InputValueError(f"Loader.prefetch_factor={self.prefetch_factor!r}: must be >= 1")
         if self.collate_fn is not None and not callable(self.collate_fn):
-            raise TypeError("Loader.collate_fn must be callable as collate_fn(list_of_samples) -> batch")
+            raise InputTypeError("Loader.collate_fn must be callable as collate_fn(list_of_samples) -> batch")
         if not callable(self.dataset) and not _is_map_dataset(self.dataset):
-            raise TypeError(
+            raise InputTypeError(
                 f"Loader.dataset of type {type(self.dataset).__name__}: give a map-style Dataset (with __len__ "
                 "and __getitem__) or a zero-argument function that returns one"
             )
@@ -91,7 +92,7 @@ def describe(data: Any, field: str) -> Arrays | Loader:
         return to_arrays(data)
     if callable(data) or _is_map_dataset(data):
         return Loader(dataset=data)
-    raise TypeError(
+    raise InputTypeError(
         f"{field} of type {type(data).__name__} is not supported: give a tuple of tensors (inputs..., target), "
         "a map-style torch Dataset, a mixtrain.data.Loader, or a zero-argument function that returns a Dataset"
     )
@@ -113,7 +114,7 @@ def to_device(batch: Any, device: torch.device, where: str = "the batch") -> Any
         return batch
     if callable(getattr(batch, "to", None)):
         return batch.to(device)
-    raise TypeError(
+    raise InputTypeError(
         f"{where} holds a {type(batch).__name__}, which cannot be moved to {device}: make the collate function "
         "return tensors in tuples, lists or dicts (or objects with a .to(device) method)"
     )
@@ -208,12 +209,12 @@ class DatasetSource(SampleSource):
     def __init__(self, loader: Loader, seed: int, pin_memory: bool) -> None:
         dataset = loader.dataset() if loader.built_on_workers else loader.dataset  # built here: this machine's files
         if not _is_map_dataset(dataset):
-            raise TypeError(
+            raise InputTypeError(
                 f"the data function returned {type(dataset).__name__}; it must return a map-style Dataset "
                 "(with __len__ and __getitem__)"
             )
         if len(dataset) == 0:
-            raise ValueError("the dataset is empty (len 0): give it at least one sample")
+            raise InputValueError("the dataset is empty (len 0): give it at least one sample")
         self.seeded = _Seeded(dataset, seed)
         self.collate = loader.collate_fn or _default_collate
         self.sampler = _RoundBatches()
@@ -243,7 +244,7 @@ class DatasetSource(SampleSource):
         try:
             return self.collate(samples)
         except Exception as exc:
-            raise ValueError(
+            raise InputValueError(
                 f"the collate function could not make a batch of {len(samples)} samples ({exc}). Every sample "
                 "must have the same structure (the same tuple length or dict keys, tensors of one shape per "
                 "field); give Loader(collate_fn=...) for samples that need padding"

@@ -9,6 +9,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from mixtrain.errors import InputValueError
+
 
 class TokenWindows:
     """Windows of `context` tokens from a flat binary token file (e.g. uint16, as numpy's `tofile` writes
@@ -24,13 +26,13 @@ class TokenWindows:
         self.context = int(context)
         self.dtype = np.dtype(dtype)
         if self.context < 1:
-            raise ValueError(f"TokenWindows(context={context!r}): must be >= 1")
+            raise InputValueError(f"TokenWindows(context={context!r}): must be >= 1")
         if not Path(self.path).is_file():
             raise FileNotFoundError(f"TokenWindows: no token file at {self.path}")
         num_tokens = Path(self.path).stat().st_size // self.dtype.itemsize
         self._len = (num_tokens - 1) // self.context
         if self._len < 1:
-            raise ValueError(
+            raise InputValueError(
                 f"TokenWindows: {self.path} holds {num_tokens} tokens of {self.dtype}, too few for one window of "
                 f"{self.context} (+1) tokens"
             )

@@ -15,6 +15,7 @@ from mixtrain.devices.base import DeviceInfo, DeviceKind
 from mixtrain.devices.cpu import CpuDevice
 from mixtrain.devices.cuda import CudaDevice
 from mixtrain.devices.mps import MpsDevice
+from mixtrain.errors import InputValueError
 
 KINDS: dict[str, DeviceKind] = {"cuda": CudaDevice(), "mps": MpsDevice(), "cpu": CpuDevice()}
 DETECT_ORDER = ("cuda", "mps", "cpu")
@@ -29,7 +30,7 @@ class DeviceUnavailableError(RuntimeError):
 
 def get(kind: str) -> DeviceKind:
     if kind not in KINDS:
-        raise ValueError(f"device kind {kind!r}: use one of {', '.join(KINDS)}")
+        raise InputValueError(f"device kind {kind!r}: use one of {', '.join(KINDS)}")
     return KINDS[kind]
 
 

@@ -33,6 +33,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 from mixtrain._constants import HOST_MMAP_THRESHOLD_MB, env_float
+from mixtrain.errors import InputValueError
 
 M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3  # glibc's mallopt parameters (malloc.h)
 MAX_MB = 32  # glibc refuses a larger threshold (HEAP_MAX_SIZE / 2 on 64-bit)
@@ -44,7 +45,7 @@ def release_large_blocks() -> bool:
     threshold_mb = env_float(HOST_MMAP_THRESHOLD_MB, zero_allowed=True)
     if threshold_mb > MAX_MB:
         name, default = HOST_MMAP_THRESHOLD_MB
-        raise ValueError(
+        raise InputValueError(
             f"{name}={os.environ[name]!r} is above glibc's limit of {MAX_MB} MB; set it to 0-{MAX_MB} "
             f"(default {default:g})"
         )

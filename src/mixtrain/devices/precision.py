@@ -19,6 +19,8 @@ from collections.abc import Iterator
 
 import torch
 
+from mixtrain.errors import InputValueError
+
 PRECISIONS = ("fp32", "auto", "bf16", "fp16")
 _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -26,7 +28,7 @@ _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 def choose(requested: str, kind: str, bf16: bool, fp16: bool) -> str:
     """The precision a device of `kind` runs for the user's `requested` precision."""
     if requested not in PRECISIONS:
-        raise ValueError(f"precision={requested!r}: use one of {', '.join(PRECISIONS)}")
+        raise InputValueError(f"precision={requested!r}: use one of {', '.join(PRECISIONS)}")
     from mixtrain.devices import get
 
     if requested == "fp32" or (requested == "auto" and not get(kind).auto_low_precision):

@@ -11,6 +11,8 @@ from pathlib import Path
 
 import numpy as np
 
+from mixtrain.errors import InputValueError
+
 _TYPES: dict[int, np.dtype] = {
     0x08: np.dtype(">u1"),
     0x09: np.dtype(">i1"),
@@ -29,7 +31,7 @@ def read_idx(path: str | Path) -> np.ndarray:
     with opener(path, "rb") as f:
         data = f.read()
     if len(data) < 4 or data[0] != 0 or data[1] != 0 or data[2] not in _TYPES:
-        raise ValueError(
+        raise InputValueError(
             f"{path}: not an IDX file (it starts with {data[:4].hex() or 'nothing'}, expected 0000 + type)"
         )
     dtype, ndim = _TYPES[data[2]], data[3]
@@ -37,7 +39,7 @@ def read_idx(path: str | Path) -> np.ndarray:
     shape = tuple(int(d) for d in np.frombuffer(data[4:header], dtype=">u4"))
     count = int(np.prod(shape)) if shape else 1
     if len(data) != header + count * dtype.itemsize:
-        raise ValueError(
+        raise InputValueError(
             f"{path}: the header says shape {shape} ({header + count * dtype.itemsize} bytes) but the file has "
             f"{len(data)} bytes; is it truncated?"
         )
@@ -50,7 +52,7 @@ def write_idx(path: str | Path, array: np.ndarray) -> Path:
     array = np.asarray(array)
     code = _CODES.get(array.dtype.kind + str(array.dtype.itemsize))
     if code is None:
-        raise ValueError(f"IDX has no type for {array.dtype}; use uint8, int8, int16, int32, float32 or float64")
+        raise InputValueError(f"IDX has no type for {array.dtype}; use uint8, int8, int16, int32, float32 or float64")
     body = bytes([0, 0, code, array.ndim]) + np.asarray(array.shape, dtype=">u4").tobytes()
     body += np.ascontiguousarray(array, dtype=_TYPES[code]).tobytes()
     opener = gzip.open if path.suffix == ".gz" else open

@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from mixtrain.errors import InputValueError
 from mixtrain.examples.idx import read_idx
 from mixtrain.job import Job
 from mixtrain.task import Task
@@ -57,7 +58,7 @@ def _find(folder: Path, name: str) -> Path:
     for candidate in (folder / name, folder / f"{name}.gz"):
         if candidate.is_file():
             return candidate
-    raise ValueError(
+    raise InputValueError(
         f"--data-dir {str(folder)!r}: no {name} or {name}.gz there; the folder needs the four MNIST IDX files "
         f"({', '.join(FILES.values())})"
     )
@@ -67,13 +68,13 @@ def load_mnist(data_dir: str | Path) -> tuple[tuple[torch.Tensor, torch.Tensor],
     """(train, test): images as (N, 1, 28, 28) float32 in [0, 1], labels int64."""
     folder = Path(data_dir).expanduser()
     if not folder.is_dir():
-        raise ValueError(f"--data-dir {str(data_dir)!r}: no such folder")
+        raise InputValueError(f"--data-dir {str(data_dir)!r}: no such folder")
     arrays = {key: read_idx(_find(folder, name)) for key, name in FILES.items()}
     out = []
     for part in ("train", "test"):
         images, labels = arrays[f"{part}_images"], arrays[f"{part}_labels"]
         if images.ndim != 3 or len(images) != len(labels):
-            raise ValueError(
+            raise InputValueError(
                 f"--data-dir {str(data_dir)!r}: {part} images have shape {images.shape} and labels {labels.shape}; "
                 "expected (N, 28, 28) and (N,)"
             )
@@ -84,7 +85,7 @@ def load_mnist(data_dir: str | Path) -> tuple[tuple[torch.Tensor, torch.Tensor],
 
 def example(data_dir: str | None = None, lr: float = DEFAULT_LR) -> Job:
     if data_dir is None:
-        raise ValueError(
+        raise InputValueError(
             "the mnist example needs --data-dir DIR: a folder with the four MNIST IDX files "
             f"({', '.join(FILES.values())}, plain or .gz); mixtrain downloads nothing"
         )

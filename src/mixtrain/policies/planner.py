@@ -11,6 +11,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from mixtrain.errors import InputValueError
+
 
 def largest_remainder(weights: Sequence[float], total: int) -> list[int]:
     """Integers proportional to `weights` that sum to exactly `total` (Hamilton's method).
@@ -39,14 +41,14 @@ def equal_shares(global_batch: int, num_workers: int) -> list[int]:
 def resolve_shares(shares: Sequence[int] | str | None, global_batch: int, num_workers: int) -> list[int]:
     """The starting shares: the user's fixed ones (checked against the global batch), or equal."""
     if global_batch < num_workers:
-        raise ValueError(
+        raise InputValueError(
             f"global_batch={global_batch} is smaller than num_workers={num_workers}: every worker needs at least "
             f"one sample per step; raise global_batch to >= {num_workers} or use fewer workers"
         )
     if shares is None or isinstance(shares, str):
         return equal_shares(global_batch, num_workers)
     if sum(shares) != global_batch:
-        raise ValueError(
+        raise InputValueError(
             f"ScalingConfig.shares={list(shares)} sum to {sum(shares)} but global_batch={global_batch}; "
             "make the shares add up to the global batch"
         )
@@ -87,7 +89,7 @@ def balanced_shares(samples_per_s: Sequence[float], global_batch: int) -> list[i
     """Shares proportional to measured speed, every worker keeping at least one sample."""
     num = len(samples_per_s)
     if global_batch < num:
-        raise ValueError(f"global_batch={global_batch} is smaller than the {num} workers")
+        raise InputValueError(f"global_batch={global_batch} is smaller than the {num} workers")
     speeds = [max(s, 1e-9) for s in samples_per_s]
     # one sample each first, the rest by speed, so no worker drops to 0 and stops being measured
     rest = largest_remainder(speeds, global_batch - num)
