@@ -1,18 +1,36 @@
-"""mixtrain: train one PyTorch model across every device you own, with the math of one big batch."""
+"""mixtrain: train one PyTorch model across every device you own, with the math of one big batch.
 
-from mixtrain.checkpoint import WeightsNotSaved, load_weights
-from mixtrain.config import DeviceGroup, RunConfig, ScalingConfig, StrategyConfig
-from mixtrain.core.controller import TrainingStopped
-from mixtrain.core.interrupt import TrainingInterrupted
-from mixtrain.core.warm_workers import release_workers
-from mixtrain.core.worker_group import WorkerError
-from mixtrain.job import Job
-from mixtrain.result import Result
-from mixtrain.task import Task
-from mixtrain.trainer import Trainer
+`import mixtrain` loads neither torch nor Ray: each public name is imported from its module the first time it is
+used (PEP 562), so `mixtrain --help`, a config check and a worker process pay only for what they use.
+"""
 
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+__version__ = "0.1.0"
+
+_PUBLIC = {
+    "DeviceGroup": "mixtrain.config",
+    "RunConfig": "mixtrain.config",
+    "ScalingConfig": "mixtrain.config",
+    "StrategyConfig": "mixtrain.config",
+    "InputError": "mixtrain.errors",
+    "Job": "mixtrain.job",
+    "Result": "mixtrain.result",
+    "Task": "mixtrain.task",
+    "Trainer": "mixtrain.trainer",
+    "TrainingInterrupted": "mixtrain.core.interrupt",
+    "TrainingStopped": "mixtrain.core.controller",
+    "WeightsNotSaved": "mixtrain.checkpoint",
+    "WorkerError": "mixtrain.core.worker_group",
+    "load_weights": "mixtrain.checkpoint",
+    "release_workers": "mixtrain.core.warm_workers",
+}
 __all__ = [
     "DeviceGroup",
+    "InputError",
     "Job",
     "Result",
     "RunConfig",
@@ -27,4 +45,30 @@ __all__ = [
     "load_weights",
     "release_workers",
 ]
-__version__ = "0.1.0"
+assert sorted(__all__) == sorted(_PUBLIC)
+
+if TYPE_CHECKING:  # what a type checker and an IDE see: the names, from where they live
+    from mixtrain.checkpoint import WeightsNotSaved, load_weights
+    from mixtrain.config import DeviceGroup, RunConfig, ScalingConfig, StrategyConfig
+    from mixtrain.core.controller import TrainingStopped
+    from mixtrain.core.interrupt import TrainingInterrupted
+    from mixtrain.core.warm_workers import release_workers
+    from mixtrain.core.worker_group import WorkerError
+    from mixtrain.errors import InputError
+    from mixtrain.job import Job
+    from mixtrain.result import Result
+    from mixtrain.task import Task
+    from mixtrain.trainer import Trainer
+
+
+def __getattr__(name: str) -> Any:
+    module = _PUBLIC.get(name)
+    if module is None:
+        raise AttributeError(f"module 'mixtrain' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value  # once: later lookups are plain attribute reads
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *_PUBLIC])

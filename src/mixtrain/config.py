@@ -8,9 +8,11 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 
 from mixtrain import _checks as check
-from mixtrain.devices.precision import PRECISIONS
 from mixtrain.errors import InputTypeError, InputValueError
 
+PRECISIONS = ("fp32", "auto", "bf16", "fp16")
+"""fp32 (exact), auto (bf16/fp16 autocast on GPUs, fp32 on CPUs), or one low precision everywhere
+(devices/precision.py maps a request to each device). Here, not there: the configs import no torch."""
 _PLACEMENT_STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
 _DEVICE_KINDS = ("cpu", "gpu", "cuda", "mps")
 BACKENDS = ("auto", "gloo", "nccl")

@@ -19,9 +19,10 @@ from collections.abc import Iterator
 
 import torch
 
+from mixtrain.config import PRECISIONS
 from mixtrain.errors import InputValueError
 
-PRECISIONS = ("fp32", "auto", "bf16", "fp16")
+__all__ = ["PRECISIONS", "LossScale", "autocast", "choose"]
 _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
