@@ -20,9 +20,12 @@ import sys
 import time
 import traceback
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, Literal, cast
 
 import torch
+
+if TYPE_CHECKING:
+    from mixtrain.config import Backend, DeviceKind
 
 EXACT_SAMPLES = 640
 """The exactness runs use the whole data set as the global batch: every step is the same B samples in every
@@ -82,7 +85,7 @@ def env() -> dict[str, Any]:
 
 
 def _exact_run(
-    groups: list, shares: list[int] | str, opt: str, run_dir: Path, backend: str = "auto"
+    groups: list, shares: list[int] | Literal["auto", "equal"], opt: str, run_dir: Path, backend: Backend = "auto"
 ) -> tuple[dict, list[dict]]:
     from mixtrain import RunConfig, ScalingConfig, Trainer
     from tests.models import data, factory
@@ -147,7 +150,7 @@ def exactness(devices: str, work: Path) -> dict[str, Any]:
     }
 
 
-def overhead(work: Path, devices: str = "cuda", epochs: int = OVERHEAD_EPOCHS) -> dict[str, Any]:
+def overhead(work: Path, devices: DeviceKind = "cuda", epochs: int = OVERHEAD_EPOCHS) -> dict[str, Any]:
     """One CUDA worker under mixtrain against a plain PyTorch loop: the chars example's model, data and
     global batch; both untimed for their first epoch (warm-up), then samples/s over the rest."""
     from mixtrain import DeviceGroup, RunConfig, ScalingConfig, Trainer
@@ -248,7 +251,7 @@ def nccl(work: Path) -> dict[str, Any]:
     for i, (what, groups, shares, backend, expected) in enumerate(runs):
         run_dir = work / f"nccl-{i}"
         try:
-            got, _ = _exact_run(groups, shares, "sgd", run_dir, backend=backend)
+            got, _ = _exact_run(groups, shares, "sgd", run_dir, backend=cast("Backend", backend))
         except Exception as e:
             message = " ".join(f"{type(e).__name__}: {e}".split())[:600]
             told = expected is None and "share one GPU" in message  # refused before any group formed, with the fix
@@ -272,7 +275,7 @@ LOST_TIMEOUT_S = "10"
 """MIXTRAIN_COLLECTIVE_TIMEOUT_S for the lost-worker runs: how long the survivors wait before they give up."""
 
 
-def _lost_run(what: str, groups: list, shares: list[int], lost_rank: int, backend: str, run_dir: Path) -> str:
+def _lost_run(what: str, groups: list, shares: list[int], lost_rank: int, backend: Backend, run_dir: Path) -> str:
     """One run with worker `lost_rank` stopped mid-round: (pass|fail|refused, one line of detail)."""
     import functools
 
@@ -337,7 +340,9 @@ def lost_worker(work: Path, devices: str = "cuda") -> dict[str, Any]:
         runs = _gpu_lost_runs()
     outcomes, detail = [], []
     for i, (what, groups, shares, lost, backend) in enumerate(runs):
-        outcome, line = _lost_run(what, groups, shares, lost, backend, work / f"lost-{i}").split("|", 1)
+        outcome, line = _lost_run(what, groups, shares, lost, cast("Backend", backend), work / f"lost-{i}").split(
+            "|", 1
+        )
         outcomes.append(outcome)
         detail.append(f"{line} ({outcome})")
     if devices == "cuda" and torch.cuda.device_count() < 2:

@@ -6,17 +6,23 @@ import math
 import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
+from typing import Literal, cast, get_args
 
 from mixtrain import _checks as check
 from mixtrain.errors import InputTypeError, InputValueError
 
-PRECISIONS = ("fp32", "auto", "bf16", "fp16")
+Precision = Literal["fp32", "auto", "bf16", "fp16"]
+PRECISIONS: tuple[str, ...] = get_args(Precision)
 """fp32 (exact), auto (bf16/fp16 autocast on GPUs, fp32 on CPUs), or one low precision everywhere
 (devices/precision.py maps a request to each device). Here, not there: the configs import no torch."""
-_PLACEMENT_STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
-_DEVICE_KINDS = ("cpu", "gpu", "cuda", "mps")
-BACKENDS = ("auto", "gloo", "nccl")
-NUMERICS_CHECKS = ("warn", "strict", "off")
+PlacementStrategy = Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"]
+_PLACEMENT_STRATEGIES: tuple[str, ...] = get_args(PlacementStrategy)
+DeviceKind = Literal["cpu", "gpu", "cuda", "mps"]
+_DEVICE_KINDS: tuple[str, ...] = get_args(DeviceKind)
+Backend = Literal["auto", "gloo", "nccl"]
+BACKENDS: tuple[str, ...] = get_args(Backend)
+NumericsCheck = Literal["warn", "strict", "off"]
+NUMERICS_CHECKS: tuple[str, ...] = get_args(NumericsCheck)
 SLOWDOWN_ENV = "MIXTRAIN_EMULATE_SLOWDOWN"
 MAX_SEED = 2**32 - 1
 """The largest seed: NumPy's and scikit-learn's generators take at most 32 bits."""
@@ -62,7 +68,7 @@ class DeviceGroup:
     DeviceGroup(device="cpu", num_workers=2, resources_per_worker={"CPU": 4}).
     """
 
-    device: str = "cpu"
+    device: DeviceKind = "cpu"
     """"cpu", "cuda", "mps", or "gpu" (any GPU: CUDA or Apple, resolved on the node it lands on)."""
     num_workers: int = 1
     resources_per_worker: Mapping[str, float] | None = None
@@ -72,7 +78,7 @@ class DeviceGroup:
     """Only nodes with this Ray accelerator type, e.g. "A100", "H100", "M2"."""
     node: str | None = None
     """Only this node (its Ray node id); `auto` fills it in."""
-    precision: str | None = None
+    precision: Precision | None = None
     """This group's precision; None takes ScalingConfig.precision."""
 
     def __post_init__(self) -> None:
@@ -118,7 +124,7 @@ def parse_workers(text: str) -> int | str | list[DeviceGroup]:
                 f"--workers {text!r}: item {item!r} is not KIND[:COUNT]; use a number, auto, or groups such as "
                 f"cuda:1,mps:1,cpu:2 (kinds: {', '.join(_DEVICE_KINDS)})"
             )
-        groups.append(DeviceGroup(device=kind, num_workers=int(count or "1")))
+        groups.append(DeviceGroup(device=cast(DeviceKind, kind), num_workers=int(count or "1")))
     if not groups:
         raise InputValueError(f"--workers {text!r}: use a number, auto, or groups such as cuda:1,mps:1,cpu:2")
     return groups
@@ -138,24 +144,24 @@ class ScalingConfig:
     """As in Ray Train, e.g. {"CPU": 2, "GPU": 0.5}; overrides cpus_per_worker."""
     accelerator_type: str | None = None
     """As in Ray Train: only nodes with this accelerator type (e.g. "A100", "M2")."""
-    groups: Sequence[DeviceGroup] | str | None = None
+    groups: Sequence[DeviceGroup] | Literal["auto"] | None = None
     """Mixed devices: a list of DeviceGroup, or "auto" (one worker per GPU in the cluster, one CPU worker
     per node without a GPU). None: one group from num_workers/use_gpu/resources_per_worker."""
-    precision: str = "fp32"
+    precision: Precision = "fp32"
     """"fp32" (default, exact), "auto" (bf16/fp16 autocast on GPUs, fp32 on CPUs), "bf16" or "fp16"."""
-    backend: str = "auto"
+    backend: Backend = "auto"
     """Collectives: "auto" (NCCL when every worker is CUDA, else gloo through CPU buffers), "gloo" or "nccl"."""
     network_interface: str | None = None
     """Interface the collectives use on every node (sets GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME);
     None: the interface that holds each node's Ray address."""
-    numerics_check: str = "warn"
+    numerics_check: NumericsCheck = "warn"
     """At start, each device's gradient on a small batch is compared with the CPU's: "warn" reports
     devices that disagree, "strict" also leaves them out, "off" skips the check."""
     numerics_tolerance: float | None = None
     """Relative L2 difference allowed by the numerics check; None: 1e-3 fp32, 2e-2 fp16, 6e-2 bf16."""
     threads_per_worker: int | None = None
     """torch intra-op threads per worker; None means max(1, int(cpus_per_worker))."""
-    shares: Sequence[int] | str = "auto"
+    shares: Sequence[int] | Literal["auto", "equal"] = "auto"
     """"auto": start equal, then follow measured speed; "equal": fixed equal split; or fixed samples per worker."""
     max_micro_batch: Sequence[int | None] | None = None
     """Per worker, the largest micro-batch that fits in memory; a larger share is split (gradient accumulation).
@@ -172,7 +178,7 @@ class ScalingConfig:
     state (AdamW: twice the weights) of a slice of the parameters sized by its free memory, steps only
     that slice and sends it to the others. Same math as unsharded. True sizes slices by each device's free
     memory; a list gives relative sizes per worker. Needs strategy "allreduce"."""
-    placement_strategy: str = "PACK"
+    placement_strategy: PlacementStrategy = "PACK"
     """Ray placement group strategy for the workers' bundles."""
     address: str | None = None
     """Ray cluster to connect to ("auto", "ray://...", "host:port"); None starts an embedded local Ray."""
@@ -378,14 +384,18 @@ class RunConfig:
         check.boolean("RunConfig.tensorboard", self.tensorboard, none=True)
 
 
-STRATEGY_NAMES = ("allreduce", "ps", "ps-async", "local-sgd", "auto")
+StrategyName = Literal["allreduce", "ps", "ps-async", "local-sgd", "auto"]
+STRATEGY_NAMES: tuple[str, ...] = get_args(StrategyName)
 OVERLAP_EXCHANGES_PER_ROUND = 4
 """Overlapped local SGD: rounds hold at least this many exchanges; the last of each round blocks (replicas are
 equal at every round boundary), the others run while the next H steps compute."""
-QUANTIZED = ("int8", "int4")
+
 """Compressions for local SGD's deltas only: quantized with a scale per block and error feedback."""
-COMPRESSION = ("none", "bf16", "fp16", *QUANTIZED)
-PACES = ("balanced", "per-device")
+Compression = Literal["none", "bf16", "fp16", "int8", "int4"]
+COMPRESSION: tuple[str, ...] = get_args(Compression)
+QUANTIZED: tuple[Compression, ...] = ("int8", "int4")
+Pace = Literal["balanced", "per-device"]
+PACES: tuple[str, ...] = get_args(Pace)
 """Local SGD on unequal devices: the same inner steps per worker on batches sized by speed, or the same inner
 batch per worker and steps sized by speed."""
 
@@ -400,8 +410,8 @@ class StrategyConfig:
     start-up and adopts what the figures call for: all-reduce, or local SGD with the H (and past H=64 the
     int8/int4 deltas) that keep communication under 10% of compute."""
 
-    name: str = "allreduce"
-    compress: str = "none"
+    name: StrategyName = "allreduce"
+    compress: Compression = "none"
     """What gradients (allreduce, ps) or deltas (local-sgd) travel as: none (fp32), bf16 or fp16; local-sgd
     also int8 or int4 (a scale per 256 values, error feedback: what rounding drops is sent with the next)."""
     staleness: int = 2
@@ -419,7 +429,7 @@ class StrategyConfig:
     exchange late (Streaming DiLoCo's delayed outer update): a slow link costs up to H steps of compute less
     per exchange. Rounds then hold at least OVERLAP_EXCHANGES_PER_ROUND exchanges (a round ends in a blocking
     one). With `auto`: overlap if local SGD is chosen."""
-    pace: str = "balanced"
+    pace: Pace = "balanced"
     """local-sgd with unequal devices: "balanced" (each step's samples are split by speed, so every worker takes
     the same H inner steps per window, the slower ones on smaller batches) or "per-device" (every worker's inner
     batch is the global batch over the number of workers, so a faster device, holding more of the samples,

@@ -7,20 +7,20 @@ import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import ray
 
-from mixtrain._constants import COLLECTIVE_TIMEOUT_S, env_float, transfer_s
 from mixtrain.checkpoint import MANIFEST, CheckpointMeta, CheckpointStore, save_final_weights
 from mixtrain.cluster import connect
 from mixtrain.comm.state_transfer import pack, unpack
 from mixtrain.comm.strategy import tensor_bytes
-from mixtrain.config import RunConfig, ScalingConfig, StrategyConfig
+from mixtrain.config import RunConfig, ScalingConfig, StrategyConfig, StrategyName
 from mixtrain.core.bringup import Bringup, Phases, bring_up
-from mixtrain.core.controller import Controller
+from mixtrain.core.controller import Controller, Policies
 from mixtrain.core.interrupt import GracefulStop
-from mixtrain.core.run_state import Roster, RunSettings
+from mixtrain.core.run_state import RunSettings
+from mixtrain.core.tunables import Tunables
 from mixtrain.core.worker_group import WorkerGroup
 from mixtrain.data.sources import describe
 from mixtrain.observe.progress import ProgressView, plan_table, probe_memory_line
@@ -60,7 +60,7 @@ class Trainer:
         if not isinstance(global_batch, int) or global_batch < 1:
             raise ValueError(f"global_batch={global_batch!r}: must be an integer >= 1")
         if isinstance(strategy, str):
-            strategy = StrategyConfig(name=strategy)  # checks the name
+            strategy = StrategyConfig(name=cast(StrategyName, strategy))  # checks the name
         if not isinstance(strategy, StrategyConfig):
             raise TypeError(f"strategy={strategy!r}: give a name or a mixtrain.StrategyConfig")
         scaling = scaling or ScalingConfig()
@@ -93,10 +93,11 @@ class Trainer:
         warnings: list[str] = []
         resumed = self._load_resume(resume, epochs, warnings) if resume is not None else None
         run_dir = make_run_dir(self.run, resuming=resumed is not None)
+        tunables = Tunables.from_env()  # once per fit: a variable changed mid-run changes nothing
         phases = Phases()
         connect.ensure_ray(self.scaling.address, _cpus_needed(self.scaling))
         phases.mark("Ray")
-        group = self.worker_group_cls(self.scaling, self.run.seed)
+        group = self.worker_group_cls(self.scaling, self.run.seed, tunables)
         group.log_dir = run_dir / "logs"
         with GracefulStop() as stop:
             trained = self._train(group, _Start(run_dir, _run_id(resumed), resumed, epochs, warnings, phases), stop)
@@ -106,7 +107,7 @@ class Trainer:
             run_dir=run_dir,
             model_path=model_path,
             state_dict=state,
-            history=controller.history,
+            history=[record.as_dict() for record in controller.history],
             evals=controller.evals,
             workers=[w.as_dict() for w in up.workers],
             seconds_to_first_step=controller.started_at - t_start,
@@ -121,22 +122,23 @@ class Trainer:
             log = self._open_log(start.run_dir, up, start.epochs, start.run_id)
             view = ProgressView(self.run.progress, up.num_samples * start.epochs, start.epochs)
             self._announce(view, up, start.run_dir, start.epochs, start.warnings)
-            position, shares = (0, 0), up.plan.shares
+            position = (0, 0)
             if start.resumed is not None:
-                position, shares = self._restore(group, up, start.resumed, view)
+                position = self._restore(group, up, start.resumed, view)
+            settings = self._settings(up, start.run_id)
             controller = Controller(
-                group,
                 up.ops,
-                self._settings(up, start.run_id),
-                Roster(list(up.workers), list(shares), list(up.plan.memory_caps), up.plan.speeds, up.slowdown),
+                settings,
+                group.tunables,
+                Policies.for_run(settings, group.tunables),
                 log=log,
                 view=view,
                 checkpoints=CheckpointStore(start.run_dir, self.run.keep_checkpoints),
+                stop=stop,
             )
-            controller.stop = stop
             stop.arm()
             controller.run(start.epochs, position)
-            state = group.receive(0, "state_dict", stall_s=env_float(COLLECTIVE_TIMEOUT_S))
+            state = group.receive(0, "state_dict", stall_s=group.tunables.collective_timeout_s)
             finished = True
             return controller, up, unpack(state)
         except KeyboardInterrupt:
@@ -200,8 +202,8 @@ class Trainer:
         view.log(f"strategy: {up.strategy.describe()}; measured: {up.advice}")
         for note in [*up.notes, *warnings]:
             view.log(note)
-        if up.slowdown:
-            view.log(f"EMULATION: rank -> (times slower, from round) {up.slowdown} (MIXTRAIN_EMULATE_SLOWDOWN)")
+        if slowdown := self.scaling.slowdown():
+            view.log(f"EMULATION: rank -> (times slower, from round) {slowdown} (MIXTRAIN_EMULATE_SLOWDOWN)")
 
     def _settings(self, up: Bringup, run_id: str) -> RunSettings:
         scaling = up.ops.group.scaling
@@ -236,24 +238,20 @@ class Trainer:
         finally:
             group.shutdown(finished=planned)
 
-    def _restore(
-        self, group: WorkerGroup, up: Bringup, resumed: Resumed, view: ProgressView
-    ) -> tuple[tuple[int, int], list[int]]:
+    def _restore(self, group: WorkerGroup, up: Bringup, resumed: Resumed, view: ProgressView) -> tuple[int, int]:
         """Every worker loads the checkpoint; with as many workers as before, each gets its own random
         streams back and balanced shares continue where they were, so the run continues exactly. The group
         re-forms, so the strategy starts from the loaded state (the parameter servers load it, local SGD
         takes it as its common point)."""
         state, manifest, path = resumed
         rng = state.pop("rng", None)
-        n = group.num_workers
-        same = rng is not None and len(rng) == n
+        members = group.members
+        same = rng is not None and len(rng) == len(members)
         ref = ray.put(pack(state))  # once, not once per worker; each worker reads it in place
-        group.call_each(
-            "load_training_state",
-            [(ref, rng[i] if same else None) for i in range(n)],
-            timeout_s=transfer_s(tensor_bytes(state)),  # to every node: a big model over Wi-Fi takes minutes
+        group.gather(
+            {r: m.worker.load_training_state(ref, rng[r] if same else None) for r, m in enumerate(members)},
+            group.tunables.transfer_s(tensor_bytes(state)),  # to every node: a big model over Wi-Fi takes minutes
         )
-        shares = up.plan.shares
         meta = CheckpointMeta.from_manifest(manifest)
         if meta.num_samples and meta.num_samples != up.num_samples:
             raise ValueError(
@@ -262,12 +260,12 @@ class Trainer:
                 "with the same training data, or start a new run"
             )
         if same and group.scaling.balanced and sum(meta.shares) == self.global_batch:
-            shares = list(meta.shares)
+            members.set_shares(meta.shares)  # balanced shares continue where they were
         up.ops.reform()
         start = (meta.epoch, meta.step)
         view.log(f"resumed from {path} at epoch {start[0]}, step {start[1]}")
         view.start_at(min(up.num_samples, start[1] * self.global_batch) + start[0] * up.num_samples)
-        return start, shares
+        return start
 
     def _bring_up(self, group: WorkerGroup, phases: Phases | None = None) -> Bringup:
         return bring_up(

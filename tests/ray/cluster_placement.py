@@ -13,6 +13,7 @@ from ray.cluster_utils import Cluster
 
 from mixtrain import ScalingConfig
 from mixtrain.config import parse_workers
+from mixtrain.core.worker_calls import Pending
 from mixtrain.core.worker_group import WorkerGroup
 
 
@@ -20,9 +21,10 @@ def landed(scaling: ScalingConfig, names: dict[str, str]) -> list[dict]:
     group = WorkerGroup(scaling, seed=0)
     try:
         group.start()
-        infos = group.call("info", timeout_s=60)
-        gpus = group.call("gpu_ids", timeout_s=60)
-        return [{"device": s.device, "node": names[i.node_id], "gpus": g} for s, i, g in zip(group.specs, infos, gpus)]
+        infos = group.each(lambda w: w.info(), timeout_s=60)
+        gpus = group.each(lambda w: Pending(w.actor.gpu_ids.remote(), "gpu_ids"), timeout_s=60)  # this test's own
+        specs = [m.spec for m in group.members]
+        return [{"device": s.device, "node": names[i.node_id], "gpus": g} for s, i, g in zip(specs, infos, gpus)]
     finally:
         group.shutdown()
 

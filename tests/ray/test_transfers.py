@@ -8,7 +8,10 @@ import ray
 import torch
 
 from mixtrain import ScalingConfig
+from mixtrain.cluster.placement import WorkerSpec
 from mixtrain.comm import state_transfer
+from mixtrain.core.membership import Member, Membership
+from mixtrain.core.worker_calls import WorkerCalls
 from mixtrain.core.worker_group import STREAM_AHEAD, WorkerGroup, WorkerTimeout, open_stream
 
 pytestmark = pytest.mark.usefixtures("ray_session")
@@ -34,7 +37,8 @@ class SlowSender:
 def group_of(actor) -> WorkerGroup:
     ray.get(actor.__ray_ready__.remote())  # started, as a worker is by the time it checkpoints
     group = WorkerGroup(ScalingConfig(num_workers=1), seed=0)
-    group.actors = [actor]
+    spec = WorkerSpec(rank=0, device="cpu", bundle={"CPU": 1.0}, label_selector={}, threads=1, precision="fp32")
+    group.members = Membership([Member(worker=WorkerCalls(actor), spec=spec)])
     return group
 
 

@@ -47,15 +47,15 @@ def test_wait_is_derived_from_the_slowest_compute():
     fast = WorkerReport(rank=0, samples=10, compute_s=[0.1, 0.1], comm_s=[0.35, 0.25], losses=[1.0, 0.5])
     slow = WorkerReport(rank=1, samples=10, compute_s=[0.4, 0.2], comm_s=[0.05, 0.15], losses=[1.0, 0.5])
     times = worker_times([fast, slow])
-    assert times[0]["wait_s"] == pytest.approx(0.4)
-    assert times[0]["comm_s"] == pytest.approx(0.2)
-    assert times[1]["wait_s"] == pytest.approx(0.0)
+    assert times[0].wait_s == pytest.approx(0.4)
+    assert times[0].comm_s == pytest.approx(0.2)
+    assert times[1].wait_s == pytest.approx(0.0)
     record = summarize_round(
         RoundPlan(epoch=0, first_step=0, num_steps=2, shares=(10, 10), global_batch=20, drift_tolerance=1e-6),
         [slow, fast],
         wall_s=2.0,
     )
-    assert record["samples"] == 20 and record["samples_per_s"] == 10 and record["loss"] == 0.75
+    assert record.samples == 20 and record.samples_per_s == 10 and record.loss == 0.75
 
 
 def test_round_length_follows_target():

@@ -76,6 +76,6 @@ def test_a_round_cut_short_is_recorded_with_the_steps_that_stand():
     ahead = WorkerReport(rank=0, samples=24, compute_s=[0.1, 0.1, 0.2], comm_s=[0.0] * 3, losses=[1.0, 0.9])
     behind = WorkerReport(rank=2, samples=16, compute_s=[0.2, 0.1], comm_s=[0.0] * 2, losses=[1.0])
     record = summarize_round(plan, [behind, ahead], wall_s=1.0, partial=(2, 48))
-    assert record["partial"] and record["num_steps"] == 2 and record["samples"] == 48
-    assert record["loss"] == pytest.approx(0.95) and record["last_loss"] == 0.9
-    assert len(record["workers"]) == 2 and record["workers"][1]["wait_s"] == pytest.approx(0.0)
+    assert record.partial and record.num_steps == 2 and record.samples == 48
+    assert record.loss == pytest.approx(0.95) and record.last_loss == 0.9
+    assert len(record.workers) == 2 and record.workers[1].wait_s == pytest.approx(0.0)

@@ -16,13 +16,13 @@ from typing import Any
 import ray
 
 from mixtrain import compat
-from mixtrain._constants import EXCLUDE_GAIN, env_float, transfer_s
 from mixtrain.comm import ps_server
 from mixtrain.comm.process_group import choose_backend, shared_gpu
-from mixtrain.config import ScalingConfig, Slowdown, StrategyConfig
+from mixtrain.config import ScalingConfig, StrategyConfig
 from mixtrain.core import preflight
-from mixtrain.core.group_ops import GroupOps, setup_wait_s, user_cap
-from mixtrain.core.messages import BuildReport, LeftOut, ProbeResult, WorkerInfo
+from mixtrain.core.group_ops import GroupOps, user_cap
+from mixtrain.core.membership import Membership
+from mixtrain.core.messages import LeftOut, ProbeResult, WorkerInfo
 from mixtrain.core.worker_group import WorkerGroup
 from mixtrain.data.sampling import Arrays
 from mixtrain.data.sources import Loader
@@ -60,8 +60,6 @@ class Bringup:
     """The first plan: shares, micro-batches, predictions, and any exclusion the user should hear of."""
     ops: GroupOps
     """Forms and changes the group (backend, strategy, loss scaling, data refs)."""
-    slowdown: Slowdown
-    """EMULATION table keyed by the current ranks (workers left out renumber the rest)."""
     notes: list[str] = field(default_factory=list)
     checks: dict[str, Any] = field(default_factory=dict)
     """The preflight record for metrics.jsonl: reports, numerics, probes, workers left out and why."""
@@ -86,21 +84,6 @@ class Bringup:
         return self.ops.strategy
 
 
-@dataclass
-class _Found:
-    """What bring-up knows of the workers still in (rank order), trimmed as workers are left out."""
-
-    reports: list[BuildReport]
-    infos: list[WorkerInfo]
-    probes: list[ProbeResult] = field(default_factory=list)
-
-    def drop(self, ranks: list[int]) -> None:
-        for rank in sorted(ranks, reverse=True):
-            for seq in (self.reports, self.infos, self.probes):
-                if rank < len(seq):
-                    del seq[rank]
-
-
 def bring_up(
     group: WorkerGroup,
     task_factory: Callable[[], Task],
@@ -110,7 +93,9 @@ def bring_up(
     strategy: StrategyConfig,
     phases: Phases | None = None,
 ) -> Bringup:
-    wait_s = setup_wait_s()
+    """Build, check, ship the data, measure, form, plan: everything before the first step. Each member's report,
+    probe, speed, memory cap and share are recorded in the membership."""
+    members, wait_s = group.members, group.tunables.setup_s
     phases = phases or Phases()
     requested = strategy
     if strategy.name == "auto":  # measured as all-reduce (the exact math), kept unless the link is slow for it
@@ -119,59 +104,34 @@ def bring_up(
     left_out: list[LeftOut] = []
     # Build before forming the group, so a factory that raises fails at once instead of
     # leaving its peers waiting out the rendezvous timeout.
-    found = _Found(group.call("build", task_factory, timeout_s=wait_s), [])
+    for member, report in zip(members, group.each(lambda w: w.build(task_factory), timeout_s=wait_s)):
+        member.report = report
     phases.mark("worker processes and replicas")
-    checks: dict[str, Any] = {"reports": list(found.reports), "numerics": [], "probes": [], "left_out": []}
-    preflight.check(compat.versions(), found.reports)
-    found.infos = group.call("info", timeout_s=wait_s)
+    reports = [m.report for m in members if m.report is not None]
+    checks: dict[str, Any] = {"reports": list(reports), "numerics": [], "probes": [], "left_out": []}
+    preflight.check(compat.versions(), reports)
+    _refresh_infos(group)
     data_refs = (ray.put(train), ray.put(evaluation) if evaluation is not None else None)  # once; read zero-copy
-    data = preflight.check_data(group.call("load_data", *data_refs, timeout_s=wait_s), found.infos)
+    data = preflight.check_data(group.each(lambda w: w.load_data(*data_refs), timeout_s=wait_s), members.infos())
     phases.mark("data")
-    checks["numerics"] = _check_numerics(group, found, left_out, notes)
-    slowdown = _slowdown_now(group)
-    found.probes = _probe(group, global_batch, slowdown)
+    checks["numerics"] = _check_numerics(group, left_out, notes)
+    checks["probes"] = _probe(group, global_batch)
     phases.mark("numerics and speed")
-    checks["probes"] = list(found.probes)
     if strategy.name.startswith("ps"):
-        notes.append(_start_parameter_servers(group, task_factory, strategy, found.reports))
-    kinds = [r.device.kind for r in found.reports if r.device is not None]
-    sharing = shared_gpu([(r.host, r.device.kind, r.device.uuid) for r in found.reports if r.device is not None])
-    backend = choose_backend(group.scaling.backend, kinds, all(r.nccl for r in found.reports), sharing)
-    if sharing is not None and group.scaling.backend == "auto" and all(k == "cuda" for k in kinds):
-        notes.append(f"backend gloo, not NCCL: workers {sharing[0]} and {sharing[1]} share one GPU")
-    ops = GroupOps(
-        group,
-        strategy=strategy,
-        backend=backend,
-        loss_scaling=any(r.precision == "fp16" for r in found.reports),
-        data_refs=data_refs,
-        task_factory=task_factory,
-    )
-    ops.reference = found.reports[0]
+        notes.append(_start_parameter_servers(group, task_factory, strategy))
+    ops = _group_ops(group, strategy, data_refs, task_factory, notes)
     ops.form()
     phases.mark("collective group")
-    while True:
-        exchanged = 2 * 6 * max(r.trainable_bytes for r in found.reports)  # up to 6 all-reduces of the gradients
-        measured = group.call("measure_comm", timeout_s=transfer_s(exchanged))
-        exchange_s, exchange_bytes = max(m[0] for m in measured), max(m[1] for m in measured)
-        plan, decision = _first_plan(group, global_batch, found, exchange_s / strategy.steps_per_exchange)
-        if not isinstance(decision, LeaveOut):
-            break
-        info = found.infos[decision.rank]
-        left_out.append(LeftOut(info, decision.reason))
-        notes.append(f"left out {info.short()}: {decision.reason}")
-        ops.leave_out([decision.rank])
-        found.drop([decision.rank])
-        slowdown = _slowdown_now(group)
+    plan, exchange_s, exchange_bytes, exchanged = _plan_leaving_out(ops, global_batch, left_out, notes)
     phases.mark("link and plan")
     checks["left_out"] = [{"rank": w.worker.rank, "reason": w.reason} for w in left_out]
-    workers = group.call("info", timeout_s=wait_s)
-    compute_s = plan.predicted_step_s - (plan.comm_s if group.num_workers > 1 else 0.0)
-    advice = suggest(compute_s, exchange_s, exchange_bytes, strategy, group.num_workers)
+    workers = _refresh_infos(group)
+    compute_s = plan.predicted_step_s - (plan.comm_s if len(members) > 1 else 0.0)
+    advice = suggest(compute_s, exchange_s, exchange_bytes, strategy, len(members))
     if requested.name == "auto":
-        chosen = choose(compute_s, exchange_s, requested, group.num_workers, exchange_bytes)  # the options asked for
+        chosen = choose(compute_s, exchange_s, requested, len(members), exchange_bytes)  # the options asked for
         if chosen != strategy:
-            plan, exchange_s, exchange_bytes = _switch(ops, chosen, global_batch, found, exchanged)
+            plan, exchange_s, exchange_bytes = _switch(ops, chosen, global_batch, exchanged)
             strategy = chosen
         advice = f"auto chose {strategy.describe()}: {advice}"
     checks["strategy"] = {
@@ -180,11 +140,11 @@ def bring_up(
         "exchange_s": exchange_s,
         "exchange_bytes": exchange_bytes,
     }
+    _adopt_first(members, plan)
     return Bringup(
         workers=workers,
         plan=plan,
         ops=ops,
-        slowdown=slowdown,
         notes=notes,
         checks=checks,
         left_out=left_out,
@@ -192,91 +152,151 @@ def bring_up(
         num_samples=data.num_train,
         num_eval=data.num_eval,
         phases=phases,
-        probes=list(found.probes),
+        probes=[m.probe for m in members if m.probe is not None],
     )
 
 
-def _switch(
-    ops: GroupOps, chosen: StrategyConfig, global_batch: int, found: _Found, exchanged: int
-) -> tuple[Plan, float, int]:
+def _refresh_infos(group: WorkerGroup) -> list[WorkerInfo]:
+    """Who each worker is now (ranks renumber as workers are left out)."""
+    infos = group.each(lambda w: w.info(), timeout_s=group.tunables.setup_s)
+    for member, info in zip(group.members, infos):
+        member.info = info
+    return infos
+
+
+def _group_ops(
+    group: WorkerGroup,
+    strategy: StrategyConfig,
+    data_refs: tuple[Any, Any],
+    task_factory: Callable[[], Task],
+    notes: list[str],
+) -> GroupOps:
+    """The group's operations, with the backend the devices allow (NCCL only where every worker is CUDA with a
+    GPU of its own) and rank 0's build report to check replacements against."""
+    reports = [m.report for m in group.members if m.report is not None and m.report.device is not None]
+    kinds = [r.device.kind for r in reports if r.device is not None]
+    sharing = shared_gpu([(r.host, r.device.kind, r.device.uuid) for r in reports if r.device is not None])
+    backend = choose_backend(group.scaling.backend, kinds, all(r.nccl for r in reports), sharing)
+    if sharing is not None and group.scaling.backend == "auto" and all(k == "cuda" for k in kinds):
+        notes.append(f"backend gloo, not NCCL: workers {sharing[0]} and {sharing[1]} share one GPU")
+    ops = GroupOps(
+        group,
+        strategy=strategy,
+        backend=backend,
+        loss_scaling=any(r.precision == "fp16" for r in reports),
+        data_refs=data_refs,
+        task_factory=task_factory,
+    )
+    ops.reference = group.members[0].report
+    return ops
+
+
+def _plan_leaving_out(
+    ops: GroupOps, global_batch: int, left_out: list[LeftOut], notes: list[str]
+) -> tuple[Plan, float, int, int]:
+    """Measure the exchange and plan; a worker the plan would leave out is left out and it all happens again
+    without it. Returns (plan, exchange seconds, exchange bytes, the bytes the measurement may move)."""
+    members = ops.members
+    while True:
+        exchanged = 2 * 6 * max(m.report.trainable_bytes for m in members if m.report is not None)  # 6 all-reduces
+        exchange_s, exchange_bytes = _measure_exchange(ops, exchanged)
+        plan, decision = _first_plan(ops.group, global_batch, exchange_s / ops.strategy.steps_per_exchange)
+        if not isinstance(decision, LeaveOut):
+            return plan, exchange_s, exchange_bytes, exchanged
+        member = members[decision.rank]
+        assert member.info is not None
+        left_out.append(LeftOut(member.info, decision.reason))
+        notes.append(f"left out {member.info.short()}: {decision.reason}")
+        ops.leave_out([decision.rank])
+
+
+def _measure_exchange(ops: GroupOps, exchanged: int) -> tuple[float, int]:
+    measured = ops.group.each(lambda w: w.measure_comm(), timeout_s=ops.tunables.transfer_s(exchanged))
+    return max(m[0] for m in measured), max(m[1] for m in measured)
+
+
+def _switch(ops: GroupOps, chosen: StrategyConfig, global_batch: int, exchanged: int) -> tuple[Plan, float, int]:
     """`--strategy auto` adopting another strategy than the all-reduce it measured: the group re-forms with it
     (nothing trained yet: every replica holds rank 0's weights), its exchange is measured, and the shares are
     planned again with that cost (the workers stay those the all-reduce plan kept)."""
     ops.strategy = chosen
     ops.reform()
-    measured = ops.group.call("measure_comm", timeout_s=transfer_s(exchanged))
-    exchange_s, exchange_bytes = max(m[0] for m in measured), max(m[1] for m in measured)
-    plan, _ = _first_plan(ops.group, global_batch, found, exchange_s / chosen.steps_per_exchange)
+    exchange_s, exchange_bytes = _measure_exchange(ops, exchanged)
+    plan, _ = _first_plan(ops.group, global_batch, exchange_s / chosen.steps_per_exchange)
     return plan, exchange_s, exchange_bytes
 
 
-def _check_numerics(group: WorkerGroup, found: _Found, left_out: list[LeftOut], notes: list[str]) -> list[Any]:
+def _check_numerics(group: WorkerGroup, left_out: list[LeftOut], notes: list[str]) -> list[Any]:
     """Each device's gradient against the CPU's; under "strict", workers that fail it are left out."""
-    scaling = group.scaling
+    scaling, members = group.scaling, group.members
     if scaling.numerics_check == "off":
         return []
-    results = group.call("check_numerics", scaling.numerics_tolerance, timeout_s=setup_wait_s())
-    lines, bad = preflight.numerics_verdict(results, found.reports)
+    results = group.each(lambda w: w.check_numerics(scaling.numerics_tolerance), timeout_s=group.tunables.setup_s)
+    reports = [m.report for m in members if m.report is not None]
+    lines, bad = preflight.numerics_verdict(results, reports)
     notes += [f"numerics check: {line}" for line in lines]
     if bad and scaling.numerics_check == "strict":
-        if len(bad) == len(found.reports):
+        if len(bad) == len(members):
             raise preflight.PreflightError("numerics check (strict): every worker failed it:\n" + "\n".join(lines))
-        left_out += [LeftOut(found.infos[r], "failed the numerics check (strict)") for r in bad]
+        left_out += [
+            LeftOut(info, "failed the numerics check (strict)") for r, info in enumerate(members.infos()) if r in bad
+        ]
         group.drop(bad)
-        found.drop(bad)
         notes.append(f"numerics check (strict): left out worker(s) {bad}; the others were renumbered")
     return results
 
 
-def _probe(group: WorkerGroup, global_batch: int, slowdown: Slowdown) -> list[ProbeResult]:
-    n = group.num_workers
-    args = [
-        (math.ceil(global_batch / n), global_batch, _factor(slowdown, i), user_cap(group.scaling, spec))
-        for i, spec in enumerate(group.specs)
-    ]
-    return group.call_each("probe", args, timeout_s=setup_wait_s())
+def _probe(group: WorkerGroup, global_batch: int) -> list[ProbeResult]:
+    """Each device's speed (and, on accelerators, its largest micro-batch), recorded on its member."""
+    members = group.members
+    n = len(members)
+    probes = group.gather(
+        {
+            r: m.worker.probe(math.ceil(global_batch / n), global_batch, user_cap(group.scaling, m.spec))
+            for r, m in enumerate(members)
+        },
+        group.tunables.setup_s,
+    )
+    for member, probe in zip(members, probes):
+        member.probe, member.speed, member.memory_cap = probe, probe.samples_per_s, probe.memory_cap
+    return probes
 
 
-def _start_parameter_servers(
-    group: WorkerGroup, task_factory: Callable[[], Task], strategy: StrategyConfig, reports: list[BuildReport]
-) -> str:
-    trainable_bytes = max(r.trainable_bytes for r in reports)
+def _start_parameter_servers(group: WorkerGroup, task_factory: Callable[[], Task], strategy: StrategyConfig) -> str:
+    trainable_bytes = max(m.report.trainable_bytes for m in group.members if m.report is not None)
     shards = ps_server.num_shards(strategy.ps_shards, trainable_bytes)
     group.servers = ps_server.start(task_factory, shards, group.seed, strategy.compress, strategy.ps_node)
     return f"parameter servers: {shards} shard(s) for {trainable_bytes / 2**20:,.1f} MB of parameters"
 
 
-def _first_plan(group: WorkerGroup, global_batch: int, found: _Found, comm_s: float) -> tuple[Plan, Decision]:
-    scaling = group.scaling
+def _first_plan(group: WorkerGroup, global_batch: int, comm_s: float) -> tuple[Plan, Decision]:
+    scaling, members = group.scaling, group.members
     return first_plan(
-        speeds=[p.samples_per_s for p in found.probes],
+        speeds=[m.probe.samples_per_s for m in members if m.probe is not None],
         global_batch=global_batch,
-        memory_caps=[p.memory_cap for p in found.probes],
+        memory_caps=[m.probe.memory_cap for m in members if m.probe is not None],
         comm_s=comm_s,
-        min_gain=env_float(EXCLUDE_GAIN),
+        min_gain=group.tunables.exclude_gain,
         fixed_shares=None if scaling.balanced else _fixed_shares(scaling, global_batch, group),
         leave_out_slow=scaling.leave_out_slow,
     )
 
 
-def _slowdown_now(group: WorkerGroup) -> Slowdown:
-    """The EMULATION table (keyed by starting rank) re-keyed by current rank."""
-    table = group.scaling.slowdown()
-    return {i: table[spec.rank] for i, spec in enumerate(group.specs) if spec.rank in table}
-
-
-def _factor(slowdown: Slowdown, rank: int) -> float:
-    """The emulated factor in force from the first round (what the probe should see)."""
-    factor, first_round = slowdown.get(rank, (1.0, 0))
-    return factor if first_round == 0 else 1.0
+def _adopt_first(members: Membership, plan: Plan) -> None:
+    """The first plan's shares, memory caps and speeds become the members' own."""
+    members.set_shares(plan.shares)
+    for member, cap in zip(members, plan.memory_caps):
+        member.memory_cap = cap
+    if plan.speeds:
+        members.set_speeds(plan.speeds)
 
 
 def _fixed_shares(scaling: ScalingConfig, global_batch: int, group: WorkerGroup) -> list[int]:
     """Fixed shares for the workers that are left: entries of workers left out are dropped and the
     rest rescaled to the global batch."""
     shares = scaling.shares
-    n = group.num_workers
+    n = len(group.members)
     if not isinstance(shares, str) and len(shares) != n:
-        kept = [shares[s.rank] for s in group.specs]
+        kept = [shares[m.spec.rank] for m in group.members]
         shares = largest_remainder([float(k) for k in kept], global_batch)
     return resolve_shares(shares, global_batch, n)

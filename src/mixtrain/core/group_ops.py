@@ -1,51 +1,36 @@
-"""What changes who is in the collective group: form it, leave workers out (by choice or lost), admit
-replacements. The bring-up and the controller both hold one `GroupOps`; every call shows in the imports."""
+"""The worker group as the controller sees it (core/port.py's GroupPort), on Ray: run a round, form the collective
+group, leave workers out (by choice or lost), take one back, admit replacements, collect the training state. Each
+change of who is in goes through the membership (core/membership.py); each call to a worker is a typed one
+(core/worker_calls.py), with its deadline from the run's Tunables."""
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
-from dataclasses import dataclass
+import time
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from typing import Any
 
 import ray
 
 from mixtrain import compat
-from mixtrain._constants import (
-    BUCKET_MB,
-    COLLECTIVE_TIMEOUT_S,
-    RENDEZVOUS_TIMEOUT_S,
-    SETUP_EXTRA_S,
-    STORE_PAGES_MB,
-    env_float,
-    transfer_s,
-)
 from mixtrain.cluster.placement import WorkerSpec
 from mixtrain.comm import ps_server
+from mixtrain.comm.state_transfer import pack, unpack
 from mixtrain.config import ScalingConfig, StrategyConfig
 from mixtrain.core import preflight
-from mixtrain.core.messages import BuildReport, ProbeResult, WorkerInfo
-from mixtrain.core.worker_group import WorkerGroup
+from mixtrain.core.membership import Member, Membership
+from mixtrain.core.messages import BuildReport, JoinRequest, RoundPlan
+from mixtrain.core.port import Joined, RoundOutcome, WorkersLost
+from mixtrain.core.tunables import Tunables
+from mixtrain.core.worker_group import WorkerError, WorkerGroup, WorkerTimeout
 from mixtrain.policies.decisions import recovery_source
 from mixtrain.task import Task
-
-
-def setup_wait_s() -> float:
-    """How long building, loading and probing a worker may take (it may compile kernels)."""
-    return env_float(RENDEZVOUS_TIMEOUT_S) + env_float(SETUP_EXTRA_S)
 
 
 def user_cap(scaling: ScalingConfig, spec: WorkerSpec) -> int | None:
     """The user's max_micro_batch for this worker (by its starting rank), or None: measure it."""
     return scaling.max_micro_batch[spec.rank] if scaling.max_micro_batch else None
-
-
-@dataclass
-class Joined:
-    """Replacements that joined between rounds, and the notes on those refused."""
-
-    workers: list[tuple[WorkerInfo, ProbeResult]]
-    refused: list[str]
 
 
 class GroupOps:
@@ -64,6 +49,7 @@ class GroupOps:
         task_factory: Callable[[], Task],
     ) -> None:
         self.group = group
+        self.tunables: Tunables = group.tunables
         self.task_factory = task_factory
         self.strategy = strategy
         self.backend = backend
@@ -73,30 +59,39 @@ class GroupOps:
         """Rank 0's build report, set once preflight passed."""
         self._fresh_state = True  # the workers hold state the parameter servers have not seen yet
 
+    @property
+    def members(self) -> Membership:
+        return self.group.members
+
+    @property
+    def scaling(self) -> ScalingConfig:
+        return self.group.scaling
+
+    @property
+    def shards_optimizer(self) -> bool:
+        return self.group.scaling.shard_optimizer is not False
+
+    # ---- the collective group -------------------------------------------------------------------
     def form(self) -> None:
         """Rendezvous at rank 0, join the collective group, set up the strategy (rank 0's weights go to all)."""
-        group = self.group
-        rendezvous_s = env_float(RENDEZVOUS_TIMEOUT_S)
-        collective_s = env_float(COLLECTIVE_TIMEOUT_S)
-        host, port = group.call("open_rendezvous", rendezvous_s, timeout_s=rendezvous_s, ranks=[0])[0]
-        bucket_bytes = int(env_float(BUCKET_MB) * 2**20)
-        store_pages_bytes = int(env_float(STORE_PAGES_MB, zero_allowed=True) * 2**20)
-        group.call(
-            "join",
-            host,
-            port,
-            rendezvous_s,
-            collective_s,
-            self.strategy,
-            bucket_bytes,
-            self.backend,
-            self.loss_scaling,
-            tuple(group.servers),
-            self._fresh_state,
-            self._shard_weights(),
-            store_pages_bytes,
-            timeout_s=rendezvous_s + collective_s + 10,
+        t = self.tunables
+        rank0 = self.members[0].worker
+        host, port = self.group.gather({0: rank0.open_rendezvous(t.rendezvous_timeout_s)}, t.rendezvous_timeout_s)[0]
+        request = JoinRequest(
+            host=host,
+            port=port,
+            rendezvous_timeout_s=t.rendezvous_timeout_s,
+            collective_timeout_s=t.collective_timeout_s,
+            strategy=self.strategy,
+            bucket_bytes=t.bucket_bytes,
+            backend=self.backend,
+            loss_scaling=self.loss_scaling,
+            servers=tuple(self.group.servers),
+            fresh_state=self._fresh_state,
+            shard_optimizer=self._shard_weights(),
+            store_pages_bytes=t.store_pages_bytes,
         )
+        self.group.each(lambda w: w.join(request), timeout_s=t.rendezvous_timeout_s + t.collective_timeout_s + 10)
         self._fresh_state = False
 
     def _shard_weights(self) -> tuple[float, ...] | None:
@@ -105,39 +100,98 @@ class GroupOps:
         shard = self.group.scaling.shard_optimizer
         if isinstance(shard, bool):
             return () if shard else None
-        return tuple(float(shard[spec.rank]) for spec in self.group.specs)
+        return tuple(float(shard[m.spec.rank]) for m in self.members)
 
     def reform(self) -> None:
         """Everyone leaves and the same workers form the group again (the strategy restarts from the
         state they hold, e.g. after a resume loaded a checkpoint)."""
-        self.group.call("leave", timeout_s=env_float(COLLECTIVE_TIMEOUT_S))
+        self._everyone_leaves()
         self._fresh_state = True
         self.form()
 
-    @property
-    def shards_optimizer(self) -> bool:
-        return self.group.scaling.shard_optimizer is not False
+    def _everyone_leaves(self) -> None:
+        self.group.each(lambda w: w.leave(), timeout_s=self.tunables.collective_timeout_s)
 
-    def full_state(self, stall_s: float) -> dict[str, Any]:
+    # ---- a round ----------------------------------------------------------------------------------
+    def run_round(self, plan: RoundPlan) -> RoundOutcome:
+        """Every worker runs the round; a lost one is reported with what happened, not raised."""
+        t = self.tunables
+        t0 = time.perf_counter()
+        reports, lost = self.group.tolerant(
+            lambda w: w.run_round(plan),
+            timeout_s=t.round_timeout_s + t.collective_timeout_s,
+            grace_s=t.lost_after_s,
+            peer_grace_s=t.lost_grace_s,
+        )
+        return RoundOutcome(reports, lost, time.perf_counter() - t0)
+
+    # ---- state --------------------------------------------------------------------------------------
+    def full_state(self) -> dict[str, Any]:
+        with self._losses("checkpoint"):
+            return unpack(self._full_state())
+
+    def rng_states(self) -> list[dict[str, Any]]:
+        with self._losses("checkpoint"):
+            return self.group.each(lambda w: w.rng_state(), timeout_s=self.tunables.collective_timeout_s)
+
+    def evaluate(self, bounds: Sequence[tuple[int, int]], timeout_s: float) -> list[dict[str, float]]:
+        with self._losses("evaluate"):
+            return self.group.gather({r: m.worker.evaluate(*bounds[r]) for r, m in enumerate(self.members)}, timeout_s)
+
+    def _full_state(self) -> dict[str, Any]:
         """Rank 0's training state, packed, streamed to the driver; with a sharded optimizer every rank's slice of
-        the optimizer state is merged in, so the result loads into any number of workers. `stall_s`: how long
-        a worker may send nothing before it counts as lost (the whole takes as long as the link needs)."""
+        the optimizer state is merged in, so the result loads into any number of workers. A worker that sends
+        nothing for the collective timeout counts as lost (the whole takes as long as the link needs)."""
+        stall_s = self.tunables.collective_timeout_s
         state = self.group.receive(0, "training_state", stall_s=stall_s)
         if self.group.servers:  # the parameter servers hold the optimizer state: straight from them
             gathered = ps_server.gather_optimizer_state(self.group.servers, self.state_transfer_s())
             state["optimizer"]["state"].update(gathered)
         if self.shards_optimizer:
-            for rank in range(1, self.group.num_workers):
+            for rank in range(1, len(self.members)):
                 state["optimizer"]["state"].update(self.group.receive(rank, "optimizer_part", stall_s=stall_s))
         return state
 
+    @contextmanager
+    def _losses(self, what: str) -> Iterator[None]:
+        """A worker lost during a call between rounds becomes WorkersLost (the controller recovers from it)."""
+        try:
+            yield
+        except WorkerTimeout as exc:
+            lost = {r: f"did not answer {what}() in time (stopped, asleep or hung)" for r in exc.ranks}
+            raise WorkersLost(lost) from exc
+        except WorkerError as exc:
+            if not isinstance(exc.__cause__, ray.exceptions.RayActorError):
+                raise
+            grace = self.tunables.lost_after_s
+            _, lost = self.group.tolerant(lambda w: w.info(), timeout_s=grace, grace_s=grace, peer_grace_s=grace)
+            if not lost:
+                raise
+            raise WorkersLost(lost) from exc
+
+    def state_transfer_s(self) -> float:
+        """Deadline for moving one training state (weights and an optimizer of up to twice their size)."""
+        weights = self.reference.trainable_bytes if self.reference is not None else 0
+        return self.tunables.transfer_s(3 * weights)
+
+    def _copy_state(self, source: int, targets: list[int]) -> None:
+        """Rank `source`'s training state into `targets` (outside any group), straight through the object
+        store: the driver never holds it."""
+        if not targets:
+            return
+        ref = self.members[source].worker.training_state().ref
+        self.group.gather(
+            {t: self.members[t].worker.load_training_state(ref) for t in targets}, self.state_transfer_s()
+        )
+
+    # ---- who is in ----------------------------------------------------------------------------------
     def leave_out(
         self,
-        ranks: list[int],
+        ranks: Sequence[int],
         *,
         recover: dict[int, int] | None = None,
         lost: bool = False,
-        restore: Any = None,
+        restore: dict[str, Any] | None = None,
         park: bool = False,
     ) -> None:
         """Every other worker leaves the group, `ranks` are stopped, the rest renumbered, and the group
@@ -146,46 +200,51 @@ class GroupOps:
 
         `recover` (after a failed round): each survivor's committed steps by rank. Survivors go back to
         their last committed state, and those behind the most advanced one receive its state before the
-        group forms again, so every replica continues from the same step. `restore`: a state (an object
-        ref) every worker loads instead, e.g. the last checkpoint when a slice of a sharded optimizer died
-        with its worker. A sharded optimizer left whole is re-split among the workers that are left. `park`:
-        the (one) worker left out keeps its process, outside the group, so `readmit` can take it back."""
-        keep = [r for r in range(self.group.num_workers) if r not in ranks]
+        group forms again, so every replica continues from the same step. `restore`: a state every worker loads
+        instead, e.g. the last checkpoint when a slice of a sharded optimizer died with its worker. A sharded
+        optimizer left whole is re-split among the workers that are left. `park`: the (one) worker left out
+        keeps its process, outside the group, so `readmit` can take it back."""
+        keep = [r for r in range(len(self.members)) if r not in ranks]
         wait_s = self.state_transfer_s()
-        if restore is None and self.shards_optimizer and not lost:
-            restore = ray.put(self.full_state(wait_s))
-        method = "recover" if recover is not None and restore is None else "leave"
-        self.group.call(method, timeout_s=env_float(COLLECTIVE_TIMEOUT_S), ranks=keep + (ranks if park else []))
+        restore_ref = ray.put(pack(restore)) if restore is not None else None
+        if restore_ref is None and self.shards_optimizer and not lost:
+            restore_ref = ray.put(self._full_state())
+        asked = keep + (list(ranks) if park else [])
+        if recover is not None and restore_ref is None:
+            self.group.each(lambda w: w.recover(), timeout_s=self.tunables.collective_timeout_s, ranks=asked)
+        else:
+            self.group.each(lambda w: w.leave(), timeout_s=self.tunables.collective_timeout_s, ranks=asked)
         if park:
             [rank] = ranks
             self.group.park(rank)
         else:
-            self.group.drop(ranks, replaceable=lost)
-        if restore is not None:
-            self.group.call("load_training_state", restore, None, timeout_s=wait_s)
+            self.group.drop(ranks, lost=lost)
+        if restore_ref is not None:
+            self.group.each(lambda w: w.load_training_state(restore_ref), timeout_s=wait_s)
         elif recover:
             renumbered = {old: new for new, old in enumerate(keep)}
             source, behind = recovery_source({r: recover[r] for r in keep})
             self._copy_state(renumbered[source], [renumbered[r] for r in behind])
         self.form()
 
-    def readmit(self) -> WorkerInfo:
+    def readmit(self) -> Member:
         """The worker parked last rejoins as the last rank with rank 0's current state (the group re-forms)."""
         wait_s = self.state_transfer_s()
-        _, actor = self.group.parked[-1]
+        parked = self.members.parked
+        assert parked is not None, "nobody is parked"
+        state_ref = (
+            ray.put(self._full_state()) if self.shards_optimizer else self.members[0].worker.training_state().ref
+        )
+        self.group.gather({len(self.members): parked.worker.load_training_state(state_ref)}, wait_s)
+        self._everyone_leaves()
+        member = self.group.take_back()
         if self.shards_optimizer:
-            state_ref = ray.put(self.full_state(wait_s))
-        else:
-            state_ref = self.group.actors[0].training_state.remote()
-        ray.get(actor.load_training_state.remote(state_ref, None), timeout=wait_s)
-        self.group.call("leave", timeout_s=env_float(COLLECTIVE_TIMEOUT_S))
-        self.group.unpark()
-        if self.shards_optimizer:
-            self.group.call(
-                "load_training_state", state_ref, None, timeout_s=wait_s, ranks=range(self.group.num_workers - 1)
+            self.group.each(
+                lambda w: w.load_training_state(state_ref), timeout_s=wait_s, ranks=range(len(self.members) - 1)
             )
         self.form()
-        return self.group.call("info", timeout_s=wait_s, ranks=[self.group.num_workers - 1])[0]
+        member.info = self.group.each(lambda w: w.info(), timeout_s=wait_s, ranks=[len(self.members) - 1])[0]
+        return member
 
     def release_parked(self) -> None:
         """The parked workers leave for good (the job is confirmed faster without them)."""
@@ -196,60 +255,73 @@ class GroupOps:
         at a round boundary once built): a process takes seconds to start, longer on a busy machine."""
         self.group.start_replacements(self.task_factory)
 
-    def state_transfer_s(self) -> float:
-        """Deadline for moving one training state (weights and an optimizer of up to twice their size)."""
-        weights = self.reference.trainable_bytes if self.reference is not None else 0
-        return transfer_s(3 * weights)
-
-    def _copy_state(self, source: int, targets: list[int]) -> None:
-        """Rank `source`'s training state into `targets` (outside any group), straight through the object
-        store: the driver never holds it."""
-        if not targets:
-            return
-        wait_s = self.state_transfer_s()
-        ref = self.group.actors[source].training_state.remote()
-        ray.get([self.group.actors[t].load_training_state.remote(ref, None) for t in targets], timeout=wait_s)
-
     def admit(self, global_batch: int) -> Joined:
         """Between rounds: replacements whose replica is built (a node that came back, a restarted process)
         pass preflight against rank 0, load the data, are measured, receive rank 0's current training state
-        and join the re-formed group as the last ranks (a sharded optimizer is re-split over all of them)."""
+        and join the re-formed group as the last ranks (a sharded optimizer is re-split over all of them). A
+        replacement that dies or stops answering on the way (a flapping Wi-Fi) is dropped with a note; the
+        others join, and training goes on."""
         joining, refused = self._vet(self.group.poll_replacements(self.task_factory))
         if not joining:
             return Joined([], refused)
-        group, wait_s = self.group, setup_wait_s()
+        state_ref = (
+            ray.put(self._full_state()) if self.shards_optimizer else self.members[0].worker.training_state().ref
+        )
+        ready = [
+            m for m in joining if self._prepare(m, global_batch, len(self.members) + len(joining), state_ref, refused)
+        ]
+        if not ready:
+            return Joined([], refused)
+        self._everyone_leaves()
+        first = len(self.members)
+        for member in ready:
+            self.members.admit(member)
+        self.group.renumber()
         if self.shards_optimizer:
-            state_ref = ray.put(self.full_state(wait_s))
-        else:
-            state_ref = group.actors[0].training_state.remote()  # straight to the replacements, not via the driver
-        n = group.num_workers + len(joining)
-        probes = []
-        for spec, actor in joining:
-            ray.get(actor.load_data.remote(*self.data_refs), timeout=wait_s)
-            cap = user_cap(group.scaling, spec)
-            probe = actor.probe.remote(math.ceil(global_batch / n), global_batch, 1.0, cap)
-            probes.append(ray.get(probe, timeout=wait_s))
-            ray.get(actor.load_training_state.remote(state_ref, None), timeout=wait_s)
-        group.call("leave", timeout_s=env_float(COLLECTIVE_TIMEOUT_S))
-        first = group.num_workers
-        for spec, actor in joining:
-            group.admit(spec, actor)
-        if self.shards_optimizer:
-            group.call("load_training_state", state_ref, None, timeout_s=wait_s, ranks=range(first))
+            self.group.each(
+                lambda w: w.load_training_state(state_ref), timeout_s=self.state_transfer_s(), ranks=range(first)
+            )
         self.form()
-        infos = group.call("info", timeout_s=wait_s, ranks=list(range(first, group.num_workers)))
-        return Joined(list(zip(infos, probes)), refused)
+        infos = self.group.each(
+            lambda w: w.info(), timeout_s=self.tunables.setup_s, ranks=range(first, len(self.members))
+        )
+        for member, info in zip(ready, infos):
+            member.info = info
+        return Joined(ready, refused)
 
-    def _vet(self, ready: list[tuple[WorkerSpec, Any, BuildReport]]) -> tuple[list[tuple[WorkerSpec, Any]], list[str]]:
+    def _prepare(self, member: Member, global_batch: int, n: int, state_ref: Any, refused: list[str]) -> bool:
+        """A replacement loads the data, is measured and receives the current state; False (and it is stopped,
+        with a note in `refused`) when it dies or stops answering meanwhile."""
+        wait_s, worker = self.tunables.setup_s, member.worker
+        try:
+            self.group.gather({0: worker.load_data(*self.data_refs)}, wait_s)
+            cap = user_cap(self.group.scaling, member.spec)
+            member.probe = self.group.gather({0: worker.probe(math.ceil(global_batch / n), global_batch, cap)}, wait_s)[
+                0
+            ]
+            self.group.gather({0: worker.load_training_state(state_ref)}, wait_s)
+        except (WorkerError, ray.exceptions.RayError) as exc:
+            where = member.report.host if member.report is not None else "?"
+            refused.append(
+                f"a replacement on {where} was dropped while it joined ({str(exc).splitlines()[0][:200]}); another "
+                "one starts in its place at a later round"
+            )
+            self.group.discard(member, retry=True)
+            return False
+        member.speed, member.memory_cap = member.probe.samples_per_s, member.probe.memory_cap
+        return True
+
+    def _vet(self, ready: list[tuple[Member, BuildReport]]) -> tuple[list[Member], list[str]]:
         """The replacements that pass preflight against rank 0, and a note for each one refused."""
         joining, refused = [], []
-        for spec, actor, report in ready:
+        for member, report in ready:
+            member.report = report
             found = [report.problem] if report.problem else []
             if not found and self.reference is not None:
                 found = preflight.problems(compat.versions(), [self.reference, report])
             if found:
                 refused.append(f"a replacement on {report.host} was refused: {'; '.join(found)}")
-                self.group.discard(spec, actor)
+                self.group.discard(member)
                 continue
-            joining.append((spec, actor))
+            joining.append(member)
         return joining, refused

@@ -22,6 +22,32 @@ class WorkerSetup:
     precision_request: str = "fp32"
     log_to: tuple[str, str] | None = None
     """(the run's log folder, the driver's node id); see worker_log."""
+    bundle: int = -1
+    """Its placement-group bundle: the rank it started with, which stays when ranks renumber."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class JoinRequest:
+    """Everything a worker needs to join the collective group and set its strategy up (TrainWorker.join)."""
+
+    host: str
+    """Rank 0's rendezvous address, and its port."""
+    port: int
+    rendezvous_timeout_s: float
+    collective_timeout_s: float
+    strategy: Any
+    """The StrategyConfig the group runs."""
+    bucket_bytes: int
+    backend: str = "gloo"
+    loss_scaling: bool = False
+    """One job-wide fp16 loss scale (some worker runs fp16)."""
+    servers: tuple[Any, ...] = ()
+    """The parameter-server actors (ps strategies)."""
+    fresh_state: bool = True
+    """The workers hold state the parameter servers have not seen yet (a first formation, a loaded state)."""
+    shard_optimizer: tuple[float, ...] | None = None
+    """None: not sharded; (): slices by each worker's free memory; else relative sizes per rank."""
+    store_pages_bytes: int = 0
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -130,8 +156,8 @@ class RoundPlan:
     drift_tolerance: float
     micro_batches: tuple[int, ...] = ()
     """Per worker, the largest micro-batch (empty: the whole share at once)."""
-    slowdown: tuple[float, ...] = ()
-    """EMULATION: per worker, compute this many times slower (empty: none)."""
+    round_index: int = 0
+    """How many rounds the driver ran before this one."""
 
 
 @dataclass

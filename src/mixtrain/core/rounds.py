@@ -1,14 +1,88 @@
-"""Pure summaries of a round: the record that goes into metrics.jsonl, and readings of it."""
+"""Pure summaries of a round: the typed record the driver keeps (its dict goes into metrics.jsonl), and readings
+of that dict (the report reads it back from the file)."""
 
 from __future__ import annotations
 
+from dataclasses import asdict, dataclass, fields
 from statistics import fmean
 from typing import Any
 
-from mixtrain.core.messages import RoundPlan, WorkerReport
+from mixtrain.core.messages import RoundPlan, WorkerInfo, WorkerReport
 
 
-def worker_times(reports: list[WorkerReport]) -> list[dict[str, Any]]:
+@dataclass(kw_only=True)
+class WorkerRound:
+    """One worker's part of a round, as the driver records it."""
+
+    compute_s: float
+    wait_s: float
+    """Waiting for slower peers inside the exchanges (derived: see worker_times)."""
+    comm_s: float
+    samples: int
+    sent_bytes: int
+    max_staleness: int
+    cpu_share: float | None
+    cpu_wait_s: float
+    memory_bytes: int | None
+    state_bytes: dict[str, int]
+    worker: str = ""
+    """Who, by a name that stays when ranks renumber (WorkerInfo.label), and where: set by the controller."""
+    device: str = ""
+    device_name: str = ""
+    host: str = ""
+
+    def name(self, info: WorkerInfo) -> None:
+        self.worker, self.device, self.device_name = info.label(), info.device, info.device_name
+        self.host = info.hostname or info.host
+
+    def as_dict(self) -> dict[str, Any]:
+        out = asdict(self)
+        return out if self.worker else {k: v for k, v in out.items() if k not in _NAMES}
+
+
+_NAMES = ("worker", "device", "device_name", "host")
+
+
+@dataclass(kw_only=True)
+class RoundRecord:
+    """One round as the driver records it; `as_dict()` is its line in metrics.jsonl and its entry in
+    Result.history."""
+
+    epoch: int
+    first_step: int
+    num_steps: int
+    samples: int
+    loss: float
+    last_loss: float
+    samples_per_s: float
+    wall_s: float
+    skipped_steps: list[int]
+    nonfinite_steps: list[list[int]]
+    drift: float
+    rebroadcast: bool
+    shares: list[int]
+    grad_norm: float | None
+    workers: list[WorkerRound]
+    partial: bool = False
+    """A lost peer cut the round short: these are the steps that stand."""
+    superseded: bool = False
+    """Trained again after a rewind to an earlier checkpoint: kept in the history, not counted twice."""
+
+    @property
+    def steps(self) -> range:
+        return range(self.first_step, self.first_step + self.num_steps)
+
+    def as_dict(self) -> dict[str, Any]:
+        out = {f.name: getattr(self, f.name) for f in fields(self) if f.name not in ("partial", "superseded")}
+        out["workers"] = [w.as_dict() for w in self.workers]
+        if self.partial:
+            out["partial"] = True
+        if self.superseded:
+            out["superseded"] = True
+        return out
+
+
+def worker_times(reports: list[WorkerReport]) -> list[WorkerRound]:
     """Compute, wait and communication seconds per worker for a round.
 
     Waiting is not measured inside the all-reduce (that would cost another collective per
@@ -20,54 +94,51 @@ def worker_times(reports: list[WorkerReport]) -> list[dict[str, Any]]:
     out = []
     for r in reports:
         wait = sum(slowest[t] - c for t, c in enumerate(r.compute_s))
-        comm = max(0.0, sum(r.comm_s) + r.round_comm_s - wait)
         out.append(
-            {
-                "compute_s": sum(r.compute_s),
-                "wait_s": wait,
-                "comm_s": comm,
-                "samples": r.samples,
-                "sent_bytes": r.sent_bytes,
-                "max_staleness": max(r.staleness, default=0),
-                "cpu_share": r.cpu_share,
-                "cpu_wait_s": r.cpu_wait_s,
-                "memory_bytes": r.memory_bytes,
-                "state_bytes": r.state_bytes,
-            }
+            WorkerRound(
+                compute_s=sum(r.compute_s),
+                wait_s=wait,
+                comm_s=max(0.0, sum(r.comm_s) + r.round_comm_s - wait),
+                samples=r.samples,
+                sent_bytes=r.sent_bytes,
+                max_staleness=max(r.staleness, default=0),
+                cpu_share=r.cpu_share,
+                cpu_wait_s=r.cpu_wait_s,
+                memory_bytes=r.memory_bytes,
+                state_bytes=r.state_bytes,
+            )
         )
     return out
 
 
 def summarize_round(
     plan: RoundPlan, reports: list[WorkerReport], wall_s: float, partial: tuple[int, int] | None = None
-) -> dict:
-    """The record of one round as it goes into metrics.jsonl. `partial`: (steps, samples) that stand of a
-    round a lost peer cut short; `reports` are then the survivors' (the same steps' global results)."""
+) -> RoundRecord:
+    """The record of one round. `partial`: (steps, samples) that stand of a round a lost peer cut short;
+    `reports` are then the survivors' (the same steps' global results)."""
     reports = sorted(reports, key=lambda r: r.rank)
     num_steps, samples = partial if partial is not None else (plan.num_steps, sum(r.samples for r in reports))
     lead = max(reports, key=lambda r: len(r.losses))  # every rank's global results agree; some may lag
     losses = lead.losses[:num_steps]
     last = plan.first_step + num_steps
-    record = {
-        "epoch": plan.epoch,
-        "first_step": plan.first_step,
-        "num_steps": num_steps,
-        "samples": samples,
-        "loss": fmean(losses),
-        "last_loss": losses[-1],
-        "samples_per_s": samples / wall_s if wall_s > 0 else 0.0,
-        "wall_s": wall_s,
-        "skipped_steps": [s for s in lead.skipped_steps if s < last],
-        "nonfinite_steps": [[s for s in r.nonfinite_steps if s < last] for r in reports],
-        "drift": max(r.drift for r in reports),
-        "rebroadcast": reports[0].rebroadcast,
-        "shares": list(plan.shares),
-        "grad_norm": _mean_norm(reports),
-        "workers": worker_times(reports),
-    }
-    if partial is not None:
-        record["partial"] = True
-    return record
+    return RoundRecord(
+        epoch=plan.epoch,
+        first_step=plan.first_step,
+        num_steps=num_steps,
+        samples=samples,
+        loss=fmean(losses),
+        last_loss=losses[-1],
+        samples_per_s=samples / wall_s if wall_s > 0 else 0.0,
+        wall_s=wall_s,
+        skipped_steps=[s for s in lead.skipped_steps if s < last],
+        nonfinite_steps=[[s for s in r.nonfinite_steps if s < last] for r in reports],
+        drift=max(r.drift for r in reports),
+        rebroadcast=reports[0].rebroadcast,
+        shares=list(plan.shares),
+        grad_norm=_mean_norm(reports),
+        workers=worker_times(reports),
+        partial=partial is not None,
+    )
 
 
 def _mean_norm(reports: list[WorkerReport]) -> float | None:

@@ -1,16 +1,13 @@
-"""What the controller knows of a run: its fixed settings, and per worker what changes as it goes."""
+"""What the controller knows of a run that stays fixed for it (per worker facts: core/membership.py)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from mixtrain.config import Slowdown
-from mixtrain.core.messages import WorkerInfo
-
 
 @dataclass(frozen=True, kw_only=True)
 class RunSettings:
-    """What the run was asked to do; fixed for the run (what changes lives in the controller's Roster)."""
+    """What the run was asked to do; fixed for the run (what changes per worker lives in its Member)."""
 
     run_id: str = ""
     num_samples: int
@@ -32,34 +29,3 @@ class RunSettings:
     checkpoint_every_s: float = 60.0
     max_failures: int = 3
     max_nonfinite_steps: int = 10
-
-
-@dataclass
-class Roster:
-    """What the controller knows per worker, in rank order; renumbered like the group."""
-
-    workers: list[WorkerInfo]
-    shares: list[int]
-    memory_caps: list[int | None]
-    speeds: list[float] | None
-    """Compute samples/s per worker: the probe's, then smoothed over measured rounds."""
-    slowdown: Slowdown
-    """EMULATION: rank -> (factor, first round)."""
-
-    def forget(self, ranks: list[int]) -> None:
-        """Drop workers that are gone; the rest are renumbered like the group."""
-        for rank in sorted(ranks, reverse=True):
-            for seq in (self.workers, self.speeds, self.memory_caps, self.shares):
-                if seq:
-                    del seq[rank]
-            self.slowdown = {r - (r > rank): v for r, v in self.slowdown.items() if r != rank}
-
-
-@dataclass(frozen=True)
-class Parked:
-    """What the roster knew of a worker left out mid-run, to restore if it is taken back."""
-
-    info: WorkerInfo
-    speed: float | None
-    memory_cap: int | None
-    slowdown: tuple[float, int] | None

@@ -21,12 +21,12 @@ from mixtrain import compat, devices
 from mixtrain.comm import netif, process_group, registry, state_transfer
 from mixtrain.comm.state_transfer import pack, unpack
 from mixtrain.comm.strategy import JoinContext, SyncStrategy
-from mixtrain.config import StrategyConfig
 from mixtrain.core import evaluation, probe, warm_workers
 from mixtrain.core.ledger import RoundLedger
 from mixtrain.core.messages import (
     BuildReport,
     DataReport,
+    JoinRequest,
     NumericsResult,
     ProbeResult,
     RoundPlan,
@@ -34,7 +34,7 @@ from mixtrain.core.messages import (
     WorkerReport,
     WorkerSetup,
 )
-from mixtrain.core.worker_data import StepSegments, WorkerData, paced_segments
+from mixtrain.core.worker_data import Segment, StepSegments, WorkerData, paced_segments
 from mixtrain.data.sampling import Arrays
 from mixtrain.data.sources import EVAL_EPOCH, Loader, to_device
 from mixtrain.devices import host_allocator, precision
@@ -244,7 +244,7 @@ class TrainWorker:
         error = float((mine - ref).norm() / ref.norm().clamp_min(1e-12))
         return NumericsResult(rank=self.rank, error=error, tolerance=tolerance)
 
-    def probe(self, guess: int, limit: int, slowdown: float = 1.0, memory_cap: int | None = None) -> ProbeResult:
+    def probe(self, guess: int, limit: int, memory_cap: int | None = None) -> ProbeResult:
         """Before the group forms: this device's compute speed (samples/s of forward+backward at a
         micro-batch of `guess`) and, on an accelerator, the largest micro-batch up to `limit` that fits,
         found by a search that survives out-of-memory errors. A user-given `memory_cap` skips the search.
@@ -272,7 +272,7 @@ class TrainWorker:
         model.zero_grad(set_to_none=True)
         return ProbeResult(
             rank=self.rank,
-            samples_per_s=batch / (step_s * max(slowdown, 1.0)),
+            samples_per_s=batch / step_s,
             batch=batch,
             memory_cap=cap,
             peak_bytes=peak,
@@ -307,36 +307,24 @@ class TrainWorker:
         self._rendezvous = process_group.Rendezvous(self.host, timeout_s)
         return self.host, self._rendezvous.port
 
-    def join(
-        self,
-        host: str,
-        port: int,
-        rendezvous_timeout_s: float,
-        collective_timeout_s: float,
-        strategy: StrategyConfig,
-        bucket_bytes: int,
-        backend: str = "gloo",
-        loss_scaling: bool = False,
-        servers: tuple = (),
-        fresh_state: bool = True,
-        shard_optimizer: tuple[float, ...] | None = None,
-        store_pages_bytes: int = 0,
-    ) -> None:
+    def join(self, request: JoinRequest) -> None:
+        """Join the collective group at rank 0's rendezvous and set the strategy up on it, keeping what the
+        strategy held (a re-formed group) unless a state was just loaded."""
         store = self._rendezvous.store if self.rank == 0 and self._rendezvous is not None else None
-        netif.pin_interface(self.host, backend)
-        if backend == "nccl":
+        netif.pin_interface(self.host, request.backend)
+        if request.backend == "nccl":
             self.kind.make_current(self.device.index or 0)
         process_group.join_group(
-            backend=backend,
+            backend=request.backend,
             rank=self.rank,
             world_size=self.world_size,
-            host=host,
-            port=port,
-            rendezvous_timeout_s=rendezvous_timeout_s,
-            collective_timeout_s=collective_timeout_s,
+            host=request.host,
+            port=request.port,
+            rendezvous_timeout_s=request.rendezvous_timeout_s,
+            collective_timeout_s=request.collective_timeout_s,
             store=store,
         )
-        previous, self._strategy = self._strategy, registry.make(strategy)
+        previous, self._strategy = self._strategy, registry.make(request.strategy)
         loaded, self._loaded = self._loaded, None
         # A re-formed group keeps the strategy's state (the same on every rank), unless state was just loaded
         # (a resume, a replacement, a survivor that fell behind, a sharded optimizer re-split).
@@ -346,15 +334,15 @@ class TrainWorker:
         elif previous is not None:
             self.strategy.load_state_dict(previous.state_dict())
         ctx = JoinContext(
-            bucket_bytes=bucket_bytes,
-            loss_scaling=loss_scaling,
+            bucket_bytes=request.bucket_bytes,
+            loss_scaling=request.loss_scaling,
             rank=self.rank,
             world_size=self.world_size,
-            timeout_s=collective_timeout_s,
-            servers=tuple(servers),
-            fresh_state=fresh_state,
-            shard_weights=self._shard_weights(shard_optimizer),
-            store_pages_bytes=store_pages_bytes,
+            timeout_s=request.collective_timeout_s,
+            servers=tuple(request.servers),
+            fresh_state=request.fresh_state,
+            shard_weights=self._shard_weights(request.shard_optimizer),
+            store_pages_bytes=request.store_pages_bytes,
         )
         self.strategy.setup(self.task, ctx)
         if loaded is not None:  # and the job-wide loss scale
@@ -412,7 +400,6 @@ class TrainWorker:
         self.kind.reset_peak_memory(index)
         inner = self.strategy.inner_batch(plan.global_batch, len(plan.shares))
         steps = self._round_segments(plan, inner)
-        slowdown = plan.slowdown[self.rank] if plan.slowdown else 1.0
         chunks = [c for _, _, segments in steps for seg, _ in segments for c in seg]
         batches = self.data.train.batches(plan.epoch, chunks)
         self.task.model.train()
@@ -424,28 +411,8 @@ class TrainWorker:
             t0 = time.perf_counter()
             if inner is None:
                 self.strategy.zero_grad(self.task)
-            local_loss: torch.Tensor | None = None
-            compute_s = 0.0  # the model's forward and backward (reading its samples included): what EMULATION stretches
-            for seg, fraction in segments:
-                t1 = time.perf_counter()
-                cpu.start()
-                term = forward_backward(
-                    self.task, self.strategy, self.device, self.precision, batches, seg, step_total, inner
-                )
-                cpu.stop()
-                compute_s += time.perf_counter() - t1
-                local_loss = term if local_loss is None else local_loss + term
-                if fraction:
-                    self.strategy.inner_step(self.task, fraction)
-            if local_loss is None:  # (per-device pace: no samples here in this step)
-                local_loss = torch.zeros(1, device=self.device)
+            local_loss = self._compute(segments, batches, step_total, inner, cpu)
             stats = local_loss if self.strategy.stats_on_device else local_loss.cpu()
-            t1 = time.perf_counter()
-            if self.world_size > 1 or slowdown > 1.0:  # the planner splits shares by compute time: queued kernels
-                self.kind.synchronize(index)  # are compute, not the exchange's (free: the exchange waits for them)
-            if slowdown > 1.0:  # EMULATION of a slower device, off by default: this step's own forward and backward
-                compute_s += time.perf_counter() - t1  # (a GPU's queued kernels too) stretched, whatever the load
-                time.sleep((slowdown - 1.0) * compute_s)
             outcome = self.strategy.step(self.task, stats, num_samples / step_total)
             ledger.step_done(step, outcome, time.perf_counter() - t0, num_samples, local_loss)
         measured = cpu.close()
@@ -454,6 +421,27 @@ class TrainWorker:
         weight = plan.shares[self.rank] / sum(plan.shares)  # for buffer averaging: this rank's part of the round
         sync = self.strategy.end_round(self.task, weight, plan.drift_tolerance)
         return ledger.close(plan, sync, self.kind.memory_in_use(index), self._state_bytes())
+
+    def _compute(
+        self, segments: list[Segment], batches: Iterator[Any], step_total: int, inner: int | None, cpu: CpuShare
+    ) -> torch.Tensor:
+        """One step's forward and backward passes on this worker's micro-batches (and, at per-device pace, the
+        inner steps where its inner batch fills): this rank's term of the step's mean loss, on the device."""
+        local_loss: torch.Tensor | None = None
+        for seg, fraction in segments:
+            cpu.start()
+            term = forward_backward(
+                self.task, self.strategy, self.device, self.precision, batches, seg, step_total, inner
+            )
+            cpu.stop()
+            local_loss = term if local_loss is None else local_loss + term
+            if fraction:
+                self.strategy.inner_step(self.task, fraction)
+        if self.world_size > 1:  # the planner splits shares by compute time: queued kernels are compute, not the
+            self.kind.synchronize(self.device.index or 0)  # exchange's (free: the exchange waits for them anyway)
+        if local_loss is None:  # (per-device pace: no samples here in this step)
+            return torch.zeros(1, device=self.device)
+        return local_loss
 
     def _round_segments(self, plan: RoundPlan, inner: int | None) -> list[StepSegments]:
         """The round's steps, each as segments of micro-batches: one per step (an update per global step), or

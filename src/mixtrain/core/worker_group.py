@@ -1,30 +1,30 @@
-"""One Ray actor per worker, gang-scheduled in a placement group, called SPMD-style."""
+"""The Ray side of the workers: one actor per worker, gang-scheduled in a placement group, called SPMD-style through
+typed calls (core/worker_calls.py), with one rule for deadlines and errors. Who is in is the membership's
+(core/membership.py): this starts, stops and renumbers the processes the membership lists."""
 
 from __future__ import annotations
 
 import re
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import ray
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from mixtrain._constants import (
-    KEEP_WORKERS_MAX_FITS,
-    PLACEMENT_TIMEOUT_S,
-    RENUMBER_TIMEOUT_S,
-    SHUTDOWN_WAIT_S,
-    env_float,
-)
 from mixtrain.cluster import connect, placement
 from mixtrain.comm import state_transfer
 from mixtrain.config import ScalingConfig
-from mixtrain.core import warm_workers
-from mixtrain.core.messages import WorkerSetup
+from mixtrain.core import emulation, warm_workers
+from mixtrain.core.membership import Member, Membership, Status
+from mixtrain.core.messages import BuildReport, WorkerSetup
+from mixtrain.core.tunables import Tunables
 from mixtrain.core.worker import TrainWorker
+from mixtrain.core.worker_calls import Pending, WorkerCalls
+
+T = TypeVar("T")
 
 
 class WorkerError(RuntimeError):
@@ -47,9 +47,9 @@ rank 0's peak was 20-100 MB higher and the driver's 60-200 MB on a 12.6M-paramet
 150 MB took 0.6-0.7 s instead of 0.3-0.6 s on one machine."""
 
 
-def open_stream(actor: Any, *args: Any) -> Any:
-    """actor.stream(*args) as Ray's streaming generator, at most STREAM_AHEAD pieces ahead of the reader."""
-    return actor.stream.options(num_returns="streaming", _generator_backpressure_num_objects=STREAM_AHEAD).remote(*args)
+def open_stream(actor: Any, what: str) -> Any:
+    """actor.stream(what) as Ray's streaming generator, at most STREAM_AHEAD pieces ahead of the reader."""
+    return WorkerCalls(actor).stream(what, STREAM_AHEAD)
 
 
 def _describe(rank: int, method: str, exc: Exception) -> str:
@@ -64,45 +64,47 @@ def _describe(rank: int, method: str, exc: Exception) -> str:
     return message
 
 
+def lost_reason(exc: Exception) -> str:
+    return f"its process died or its node left ({_ANSI.sub('', str(exc)).splitlines()[0][:160]})"
+
+
 class WorkerGroup:
     """The actors of one run. `worker_cls` is a class attribute so tests can inject a failing subclass."""
 
     worker_cls: type = TrainWorker
 
-    def __init__(self, scaling: ScalingConfig, seed: int) -> None:
+    def __init__(self, scaling: ScalingConfig, seed: int, tunables: Tunables | None = None) -> None:
         self.scaling = scaling
         self.seed = seed
-        self.actors: list[Any] = []
-        self.specs: list[placement.WorkerSpec] = []
+        self.tunables = tunables or Tunables.from_env()
+        self.members = Membership()
         self.pg: Any = None
-        self.vacant: list[placement.WorkerSpec] = []
-        """Bundles of lost workers, where a replacement may start (a node that comes back, a restarted process)."""
-        self._pending: dict[int, tuple[placement.WorkerSpec, Any, Any]] = {}  # bundle -> (spec, actor, build ref)
         self.servers: list[Any] = []
         """Parameter-server actors the job started (ps strategies); stopped with the workers."""
-        self.parked: list[tuple[placement.WorkerSpec, Any]] = []
-        """Workers left out mid-run but kept alive (outside the group), to take back if the job was faster with them."""
         self.log_dir: Path | None = None
         """Where the workers' output goes (RUN_DIR/logs); None leaves it to Ray's log files."""
         self.keep = warm_workers.wanted(scaling.keep_workers)
         """Keep the workers for the next fit when this one ends cleanly (ScalingConfig.keep_workers)."""
-        self.spare: list[tuple[placement.WorkerSpec, Any]] = []
-        """Workers left out (not lost) while `keep`: idle until the run ends, then kept with the others."""
         self._started: tuple[list[placement.WorkerSpec], tuple] | None = None
         """(specs, warm-workers key) as started: a set whose every bundle still has its worker may be kept."""
         self._fits = 1
         """The fits these workers served, this one included (more than one: a kept set was reused)."""
 
     @property
+    def actor_cls(self) -> type:
+        """The worker class the actors run: worker_cls, slowed where an EMULATION asks for it (core/emulation.py)."""
+        return emulation.slowed(self.worker_cls, self.scaling.slowdown())
+
+    @property
     def num_workers(self) -> int:
-        return len(self.actors) if self.actors else self.scaling.num_workers
+        return len(self.members) if self.members.alive else self.scaling.num_workers
 
     def start(self) -> None:
         """Reserve one bundle per worker (gang-scheduled), then start the actors in them."""
         nodes = placement.nodes_from_ray(ray.nodes())
         self.scaling = placement.resolve_scaling(self.scaling, nodes)  # groups="auto" -> concrete groups
-        self.specs = placement.worker_specs(self.scaling, nodes)
-        why = placement.infeasible(self.specs, nodes)
+        specs = placement.worker_specs(self.scaling, nodes)
+        why = placement.infeasible(specs, nodes)
         if why is not None:
             raise RuntimeError(
                 f"the Ray cluster cannot hold these workers: {why}. Cluster: {placement.describe(nodes)}. "
@@ -110,16 +112,20 @@ class WorkerGroup:
                 "allowed), or add a node with `mixtrain cluster join`."
             )
         key = warm_workers.key_for(
-            self.worker_cls, self.specs, self.scaling.placement_strategy, self.scaling.network_interface
+            self.actor_cls, specs, self.scaling.placement_strategy, self.scaling.network_interface
         )
-        self._started = (list(self.specs), key)
+        self._started = (list(specs), key)
         idle = warm_workers.take(key)  # frees a kept set started for other workers, so this one has room
-        if idle is not None and self._reuse(idle):
+        if idle is not None and self._reuse(idle, specs):
             return
-        timeout = env_float(PLACEMENT_TIMEOUT_S)
-        selectors = [s.label_selector for s in self.specs]
+        self._reserve(specs)
+        self.members = Membership([Member(worker=self._start_actor(s, s.rank, len(specs)), spec=s) for s in specs])
+
+    def _reserve(self, specs: list[placement.WorkerSpec]) -> None:
+        timeout = self.tunables.placement_timeout_s
+        selectors = [s.label_selector for s in specs]
         self.pg = placement_group(
-            [s.bundle for s in self.specs],
+            [s.bundle for s in specs],
             strategy=self.scaling.placement_strategy,
             bundle_label_selector=selectors if any(selectors) else None,
         )
@@ -127,40 +133,28 @@ class WorkerGroup:
             remove_placement_group(self.pg)
             self.pg = None
             raise RuntimeError(
-                f"Ray could not reserve {len(self.specs)} workers ({self.scaling.placement_strategy}) within "
+                f"Ray could not reserve {len(specs)} workers ({self.scaling.placement_strategy}) within "
                 f"{timeout:g} s (MIXTRAIN_PLACEMENT_TIMEOUT_S). Cluster: {connect.inventory()}. Free resources "
                 "held by other jobs, use fewer workers, or relax the placement strategy."
             )
-        n = len(self.specs)
-        self.actors = [self._make_actor(spec, spec.rank, n) for spec in self.specs]
 
-    def _reuse(self, idle: warm_workers.Idle) -> bool:
+    def _reuse(self, idle: warm_workers.Idle, specs: list[placement.WorkerSpec]) -> bool:
         """Take a kept set of workers: each resets itself for this run. False (and the set freed) when one
         does not answer: new workers start instead."""
-        self.pg, self.actors, self._fits = idle.pg, idle.actors, idle.fits + 1
-        setups = [(self._setup(spec, spec.rank, len(self.specs)),) for spec in self.specs]
+        self.pg, self._fits = idle.pg, idle.fits + 1
+        self.members = Membership([Member(worker=WorkerCalls(a), spec=s) for a, s in zip(idle.actors, specs)])
         try:
-            self.call_each("reuse", setups, timeout_s=env_float(RENUMBER_TIMEOUT_S))
+            self.gather(
+                {m.spec.rank: m.worker.reuse(self._setup(m.spec, m.spec.rank, len(specs))) for m in self.members},
+                self.tunables.renumber_timeout_s,
+            )
         except (WorkerError, ray.exceptions.RayError):  # a dead worker, or handles of a Ray that is gone
             warm_workers.free(idle)
-            self.pg, self.actors = None, []
+            self.pg, self.members = None, Membership()
             return False
         return True
 
-    def _fetch_remote_logs(self) -> None:
-        if self.log_dir is None or not self.actors:
-            return
-        refs = [a.log_text.remote() for a in self.actors]
-        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=env_float(SHUTDOWN_WAIT_S))
-        for ref in ready:
-            try:
-                got = ray.get(ref)
-            except ray.exceptions.RayError:
-                continue  # a dead worker: its file stays on its machine
-            if got is not None and not (self.log_dir / got[0]).exists():
-                (self.log_dir / got[0]).write_text(got[1])
-
-    def _make_actor(self, spec: placement.WorkerSpec, rank: int, world_size: int) -> Any:
+    def _start_actor(self, spec: placement.WorkerSpec, rank: int, world_size: int) -> WorkerCalls:
         """A worker actor in its own bundle of the placement group (the bundle index is its starting rank)."""
         env = {}
         if self.scaling.network_interface:
@@ -168,13 +162,14 @@ class WorkerGroup:
                 "GLOO_SOCKET_IFNAME": self.scaling.network_interface,
                 "NCCL_SOCKET_IFNAME": self.scaling.network_interface,
             }
-        remote: Any = ray.remote(self.worker_cls)
-        return remote.options(
+        remote: Any = ray.remote(self.actor_cls)
+        actor = remote.options(
             num_cpus=spec.bundle.get("CPU", 0.0),
             num_gpus=spec.bundle.get("GPU", 0.0),
             runtime_env={"env_vars": env} if env else None,
             scheduling_strategy=PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=spec.rank),
         ).remote(self._setup(spec, rank, world_size))
+        return WorkerCalls(actor)
 
     def _setup(self, spec: placement.WorkerSpec, rank: int, world_size: int) -> WorkerSetup:
         return WorkerSetup(
@@ -185,6 +180,7 @@ class WorkerGroup:
             device_request=spec.device,
             precision_request=spec.precision,
             log_to=self._log_to(),
+            bundle=spec.rank,
         )
 
     def _log_to(self) -> tuple[str, str] | None:
@@ -193,64 +189,91 @@ class WorkerGroup:
         self.log_dir.mkdir(parents=True, exist_ok=True)
         return str(self.log_dir), ray.get_runtime_context().get_node_id()
 
-    def drop(self, ranks: Sequence[int], replaceable: bool = False) -> None:
-        """Stop the workers at (current) `ranks`, outside any process group; the rest are renumbered
-        0..n-1. `specs` keep their starting ranks, which is how the user's per-worker settings are found.
-        `replaceable`: they were lost, not left out, so a replacement may start in their bundles."""
-        gone = set(ranks)
-        if replaceable:
-            self.vacant += [s for r, s in enumerate(self.specs) if r in gone]
-        for r in gone:
-            if self.keep and not replaceable:  # healthy, only left out: kept for the next fit with the others,
-                self.spare.append((self.specs[r], self.actors[r]))  # out of the group and its memory freed now
-                self.actors[r].shutdown.remote()
-            else:
-                ray.kill(self.actors[r])
-        self.actors = [a for r, a in enumerate(self.actors) if r not in gone]
-        self.specs = [s for r, s in enumerate(self.specs) if r not in gone]
-        self._renumber()
+    # ---- calls ----------------------------------------------------------------------------------
+    def each(
+        self, call: Callable[[WorkerCalls], Pending[T]], *, timeout_s: float, ranks: Iterable[int] | None = None
+    ) -> list[T]:
+        """`call(worker)` on the given ranks (all by default); the results in rank order."""
+        active = self.members.active
+        ranks = range(len(active)) if ranks is None else ranks
+        return self.gather({r: call(active[r].worker) for r in ranks}, timeout_s)
 
-    def park(self, rank: int) -> None:
-        """Take the worker at `rank` out of the numbering (it has left the group) but keep its process."""
-        self.parked.append((self.specs.pop(rank), self.actors.pop(rank)))
-        self._renumber()
+    def gather(self, pending: dict[int, Pending[T]], timeout_s: float) -> list[T]:
+        """Wait for every call (by rank) within `timeout_s`, but raise at the FIRST failure rather than after the
+        slowest rank: WorkerTimeout names who did not answer, WorkerError who failed and how."""
+        rank_of = {p.ref: r for r, p in pending.items()}
+        method = next(iter(pending.values())).method if pending else ""
+        results: dict[int, T] = {}
+        waiting = list(rank_of)
+        deadline = time.monotonic() + timeout_s
+        while waiting:
+            ready, waiting = ray.wait(waiting, num_returns=1, timeout=max(0.0, deadline - time.monotonic()))
+            if not ready:
+                missing = sorted(rank_of[p] for p in waiting)
+                raise WorkerTimeout(
+                    f"worker(s) {missing} did not finish {method}() within {timeout_s:g} s; see the timeouts "
+                    "MIXTRAIN_*_TIMEOUT_S in the README",
+                    missing,
+                )
+            try:
+                results[rank_of[ready[0]]] = ray.get(ready[0])
+            except ray.exceptions.RayError as exc:
+                raise WorkerError(_describe(rank_of[ready[0]], method, exc)) from exc
+        return [results[r] for r in sorted(results)]
 
-    def release_parked(self) -> None:
-        """The parked workers leave for good (the job is confirmed faster without them): stopped, or with `keep`
-        moved to the spares, their memory freed now, to be kept for the next fit with the others."""
-        for spec, actor in self.parked:
-            if self.keep:
-                self.spare.append((spec, actor))
-                actor.shutdown.remote()
-            else:
-                ray.kill(actor)
-        self.parked = []
+    def tolerant(
+        self, call: Callable[[WorkerCalls], Pending[T]], *, timeout_s: float, grace_s: float, peer_grace_s: float
+    ) -> tuple[dict[int, T], dict[int, str]]:
+        """`call(worker)` on every rank, surviving lost workers: returns (results by rank, the lost ranks with what
+        happened). A worker is lost when its process died or, once another worker has died, it has not answered
+        within `grace_s` (stopped, asleep or hung); once another worker reported a silent peer (its collective timed
+        out: the silent one had that long already), within `peer_grace_s`. Any other error in a worker is raised as
+        WorkerError: that is a bug or a device error, not a loss."""
+        pending = {r: call(m.worker) for r, m in enumerate(self.members)}
+        rank_of = {p.ref: r for r, p in pending.items()}
+        results: dict[int, T] = {}
+        lost: dict[int, str] = {}
+        waiting = list(rank_of)
+        deadline = time.monotonic() + timeout_s
+        waited = timeout_s
+        while waiting:
+            ready, waiting = ray.wait(waiting, num_returns=1, timeout=max(0.0, deadline - time.monotonic()))
+            if not ready:
+                break
+            rank = rank_of[ready[0]]
+            try:
+                results[rank] = ray.get(ready[0])
+            except ray.exceptions.RayActorError as exc:  # the process died or its node is gone
+                lost[rank] = lost_reason(exc)
+            except ray.exceptions.RayError as exc:
+                raise WorkerError(_describe(rank, pending[rank].method, exc)) from exc
+            wait = self._grace(results.get(rank), bool(lost), grace_s, peer_grace_s)
+            if wait is not None:
+                deadline, waited = min(deadline, time.monotonic() + wait), min(waited, wait)
+        for ref in waiting:
+            lost[rank_of[ref]] = (
+                f"did not answer within {waited:g} s after a peer failed (stopped, asleep or hung; "
+                "MIXTRAIN_COLLECTIVE_TIMEOUT_S, MIXTRAIN_LOST_GRACE_S)"
+            )
+        return results, lost
 
-    def unpark(self) -> None:
-        """The last parked worker comes back as the last rank (outside any group; form it next)."""
-        spec, actor = self.parked.pop()
-        self.specs.append(spec)
-        self.actors.append(actor)
-        self._renumber()
-
-    def _renumber(self) -> None:
-        """Tell every actor its rank (its place in `actors`) and the new world size."""
-        self.call_each(
-            "set_rank",
-            [(i, len(self.actors)) for i in range(len(self.actors))],
-            timeout_s=env_float(RENUMBER_TIMEOUT_S),
-        )
-
-    def call(self, method: str, *args: Any, timeout_s: float, ranks: Sequence[int] | None = None) -> list[Any]:
-        """Call `method(*args)` on the given ranks (all by default) and return results in rank order."""
-        ranks = list(range(self.num_workers)) if ranks is None else list(ranks)
-        return self._gather(method, {r: getattr(self.actors[r], method).remote(*args) for r in ranks}, timeout_s)
+    @staticmethod
+    def _grace(result: Any, any_lost: bool, grace_s: float, peer_grace_s: float) -> float | None:
+        """How long the rest get after this answer: `grace_s` once a worker died; after a report of a failed
+        collective, `peer_grace_s` when it timed out (a silent peer had the whole timeout already), else `grace_s`
+        (a peer that died or left on purpose says nothing of the rest, which may still compute on a loaded
+        machine). None: no change."""
+        if any_lost:
+            return grace_s
+        if result is not None and bool(getattr(result, "peer_lost", "")):
+            return peer_grace_s if getattr(result, "peer_silent", False) else grace_s
+        return None
 
     def receive(self, rank: int, what: str, *, stall_s: float) -> Any:
         """`what` (a TrainWorker.stream name) from worker `rank`, streamed in small pieces: no deadline for the
         whole (a large model on a slow link takes as long as it takes), but a peer silent for `stall_s` between
         two pieces is WorkerTimeout, and a dead one WorkerError."""
-        gen = open_stream(self.actors[rank], what)
+        gen = self.members[rank].worker.stream(what, STREAM_AHEAD)
 
         def pieces() -> Iterator[Any]:
             while True:
@@ -266,112 +289,74 @@ class WorkerGroup:
 
         return state_transfer.receive(pieces())
 
-    def call_each(self, method: str, args_per_rank: Sequence[tuple], *, timeout_s: float) -> list[Any]:
-        """Call `method` on every rank with that rank's arguments."""
-        refs = {r: getattr(a, method).remote(*args) for r, (a, args) in enumerate(zip(self.actors, args_per_rank))}
-        return self._gather(method, refs, timeout_s)
+    # ---- who is in --------------------------------------------------------------------------------
+    def drop(self, ranks: Iterable[int], *, lost: bool = False) -> None:
+        """Stop the workers at (current) `ranks`, outside any process group; the rest are renumbered. `lost`: a
+        replacement may start in their bundles. Healthy ones left out while `keep` stay as spares (their memory
+        freed now), to be kept for the next fit with the others."""
+        spare = self.keep and not lost
+        for member in self.members.leave(list(ranks), lost=lost, keep_spare=spare):
+            self._stop(member, spare)
+        self.renumber()
 
-    def _gather(self, method: str, refs: dict[int, Any], timeout_s: float) -> list[Any]:
-        """Wait for all results, but raise at the FIRST failure rather than after the slowest rank."""
-        rank_of = {ref: r for r, ref in refs.items()}
-        results: dict[int, Any] = {}
-        pending = list(refs.values())
-        deadline = time.monotonic() + timeout_s
-        while pending:
-            remaining = deadline - time.monotonic()
-            ready, pending = ray.wait(pending, num_returns=1, timeout=max(0.0, remaining))
-            if not ready:
-                missing = sorted(rank_of[p] for p in pending)
-                raise WorkerTimeout(
-                    f"worker(s) {missing} did not finish {method}() within {timeout_s:g} s; see the timeouts "
-                    "MIXTRAIN_*_TIMEOUT_S in the README",
-                    missing,
-                )
-            ref = ready[0]
-            try:
-                results[rank_of[ref]] = ray.get(ref)
-            except ray.exceptions.RayError as exc:
-                raise WorkerError(_describe(rank_of[ref], method, exc)) from exc
-        return [results[r] for r in sorted(results)]
+    def park(self, rank: int) -> Member:
+        """Take the worker at `rank` out of the numbering (it has left the group) but keep its process."""
+        member = self.members.park(rank)
+        self.renumber()
+        return member
 
-    def call_tolerant(
-        self, method: str, *args: Any, timeout_s: float, grace_s: float, peer_grace_s: float | None = None
-    ) -> tuple[dict[int, Any], dict[int, str]]:
-        """Call `method(*args)` on every rank, surviving lost workers: returns (results by rank, the lost
-        ranks with what happened). A worker is lost when its process died or, once another worker has
-        died, it has not answered within `grace_s` (stopped, asleep or hung); once another worker reported
-        a silent peer (its collective timed out: the silent one had that long already), within `peer_grace_s`.
-        Any other error in a worker is raised as WorkerError: that is a bug or a device error, not a loss."""
-        peer_grace_s = grace_s if peer_grace_s is None else peer_grace_s
-        refs = {getattr(a, method).remote(*args): r for r, a in enumerate(self.actors)}
-        results: dict[int, Any] = {}
-        lost: dict[int, str] = {}
-        pending = list(refs)
-        deadline = time.monotonic() + timeout_s
-        waited = timeout_s
-        while pending:
-            ready, pending = ray.wait(pending, num_returns=1, timeout=max(0.0, deadline - time.monotonic()))
-            if not ready:
-                break
-            rank = refs[ready[0]]
-            try:
-                results[rank] = ray.get(ready[0])
-            except ray.exceptions.RayActorError as exc:  # the process died or its node is gone
-                lost[rank] = f"its process died or its node left ({_ANSI.sub('', str(exc)).splitlines()[0][:160]})"
-            except ray.exceptions.RayError as exc:
-                raise WorkerError(_describe(rank, method, exc)) from exc
-            if lost:
-                deadline = min(deadline, time.monotonic() + grace_s)
-                waited = grace_s
-            elif rank in results and bool(getattr(results[rank], "peer_lost", "")):
-                # a timed-out collective: a silent peer had the whole timeout already. A closed connection
-                # (a peer that died, or left on purpose after running out of memory) says nothing about
-                # the rest, which may still be computing on a loaded machine: the usual grace
-                wait = peer_grace_s if getattr(results[rank], "peer_silent", False) else grace_s
-                deadline = min(deadline, time.monotonic() + wait)
-                waited = min(waited, wait)
-        for ref in pending:
-            lost[refs[ref]] = (
-                f"did not answer within {waited:g} s after a peer failed (stopped, asleep or hung; "
-                "MIXTRAIN_COLLECTIVE_TIMEOUT_S, MIXTRAIN_LOST_GRACE_S)"
-            )
-        return results, lost
+    def release_parked(self) -> None:
+        """The parked workers leave for good (the job is confirmed faster without them)."""
+        for member in self.members.release_parked(keep_spare=self.keep):
+            self._stop(member, self.keep)
+
+    def take_back(self) -> Member:
+        """The parked worker comes back as the last rank (outside any group; form it next)."""
+        member = self.members.take_back()
+        self.renumber()
+        return member
+
+    def _stop(self, member: Member, spare: bool) -> None:
+        if spare:
+            member.worker.shutdown()
+        else:
+            ray.kill(member.worker.actor)
+
+    def renumber(self) -> None:
+        """Tell every active worker its rank (its place in the membership) and the new world size."""
+        n = len(self.members)
+        self.gather({r: m.worker.set_rank(r, n) for r, m in enumerate(self.members)}, self.tunables.renumber_timeout_s)
 
     def start_replacements(self, task_factory: Any) -> None:
         """Start a replacement actor in every vacant bundle that has none yet; it builds its replica in the
         background. Never blocks: a bundle on a node that is gone waits until Ray can place it again."""
-        for spec in self.vacant:
-            if spec.rank not in self._pending:
-                actor = self._make_actor(spec, -1, 0)
-                self._pending[spec.rank] = (spec, actor, actor.build.remote(task_factory))
+        busy = {m.spec.rank for m in self.members.with_status(Status.JOINING)}
+        for spec in self.members.vacant:
+            if spec.rank not in busy:
+                worker = self._start_actor(spec, -1, 0)
+                self.members.joining(spec, worker, worker.build(task_factory))
 
-    def poll_replacements(self, task_factory: Any) -> list[tuple[placement.WorkerSpec, Any, Any]]:
+    def poll_replacements(self, task_factory: Any) -> list[tuple[Member, BuildReport]]:
         """Start replacements where none runs yet, and return those whose replica is built."""
         self.start_replacements(task_factory)
         ready = []
-        for bundle, (spec, actor, ref) in list(self._pending.items()):
-            if not ray.wait([ref], timeout=0)[0]:
+        for member in self.members.with_status(Status.JOINING):
+            if not ray.wait([member.building.ref], timeout=0)[0]:
                 continue
-            del self._pending[bundle]
             try:
-                report = ray.get(ref)
+                report = ray.get(member.building.ref)
             except ray.exceptions.RayError:
-                ray.kill(actor)  # tried again at the next round boundary
+                ray.kill(member.worker.actor)  # tried again at the next round boundary
+                self.members.discard(member, retry=True)
                 continue
-            ready.append((spec, actor, report))
+            ready.append((member, report))
         return ready
 
-    def admit(self, spec: placement.WorkerSpec, actor: Any) -> None:
-        """Add a built replacement as the last rank (outside any process group; form it next)."""
-        self.vacant.remove(spec)
-        self.actors.append(actor)
-        self.specs.append(spec)
-        self._renumber()
-
-    def discard(self, spec: placement.WorkerSpec, actor: Any) -> None:
-        """A replacement that cannot join (its node fails preflight): stop it and stop trying that bundle."""
-        ray.kill(actor)
-        self.vacant.remove(spec)
+    def discard(self, member: Member, *, retry: bool = False) -> None:
+        """A replacement that cannot join: stop it. Its bundle gets another replacement later when `retry` (it died
+        while joining: its node may come back), never when not (its node fails preflight)."""
+        ray.kill(member.worker.actor)
+        self.members.discard(member, retry=retry)
 
     def shutdown(self, quick: bool = False, finished: bool = False) -> None:
         """Leave the process group where possible, copy the logs of workers on other machines into the run
@@ -380,18 +365,17 @@ class WorkerGroup:
         next fit (warm_workers) instead, left-out and parked ones included."""
         if not quick:
             self._fetch_remote_logs()
-        for _, actor, _ in self._pending.values():
-            ray.kill(actor)
-        self._pending = {}
-        members = [*zip(self.specs, self.actors), *self.parked, *self.spare]
-        self.actors, self.parked, self.spare = [], [], []
+        for member in self.members.with_status(Status.JOINING):
+            ray.kill(member.worker.actor)
+        members = [m for m in self.members.alive if m.status is not Status.JOINING]
+        self.members = Membership()
         if members and not quick:
-            refs = [actor.shutdown.remote() for _, actor in members]
-            ready, _ = ray.wait(refs, num_returns=len(refs), timeout=env_float(SHUTDOWN_WAIT_S))
+            refs = [m.worker.shutdown().ref for m in members]
+            ready, _ = ray.wait(refs, num_returns=len(refs), timeout=self.tunables.shutdown_wait_s)
             if finished and self.keep and self._keep(members, ready, refs):
                 members = []  # kept, with their bundles: this group holds neither any more
-        for _, actor in members:
-            ray.kill(actor)
+        for member in members:
+            ray.kill(member.worker.actor)
         for server in self.servers:
             ray.kill(server)
         self.servers = []
@@ -399,19 +383,33 @@ class WorkerGroup:
             remove_placement_group(self.pg)
             self.pg = None
 
-    def _keep(self, members: list[tuple[placement.WorkerSpec, Any]], ready: list[Any], refs: list[Any]) -> bool:
+    def _fetch_remote_logs(self) -> None:
+        if self.log_dir is None or not self.members.active:
+            return
+        refs = [m.worker.log_text().ref for m in self.members]
+        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=self.tunables.shutdown_wait_s)
+        for ref in ready:
+            try:
+                got = ray.get(ref)
+            except ray.exceptions.RayError:
+                continue  # a dead worker: its file stays on its machine
+            if got is not None and not (self.log_dir / got[0]).exists():
+                (self.log_dir / got[0]).write_text(got[1])
+
+    def _keep(self, members: list[Member], ready: list[Any], refs: list[Any]) -> bool:
         """Hand the workers and their bundles to warm_workers, in the order they started, if every bundle still
         has its first worker's spec and each left its group (a lost worker that was not replaced: not kept)."""
-        if self._started is None or len(ready) != len(refs) or self._fits >= env_float(KEEP_WORKERS_MAX_FITS):
+        if self._started is None or len(ready) != len(refs) or self._fits >= self.tunables.keep_workers_max_fits:
             return False
         started, key = self._started
-        by_bundle = dict((spec.rank, (spec, actor)) for spec, actor in members)
-        if sorted(by_bundle) != [s.rank for s in started] or [by_bundle[s.rank][0] for s in started] != started:
+        by_bundle = {m.spec.rank: m for m in members}
+        if sorted(by_bundle) != [s.rank for s in started] or [by_bundle[s.rank].spec for s in started] != started:
             return False
         try:
             ray.get(ready)
         except ray.exceptions.RayError:
             return False
-        warm_workers.keep(warm_workers.Idle(key, self.pg, [by_bundle[s.rank][1] for s in started], self._fits))
+        actors = [by_bundle[s.rank].worker.actor for s in started]
+        warm_workers.keep(warm_workers.Idle(key, self.pg, actors, self._fits))
         self.pg = None
         return True

@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from dataclasses import replace
 
-from mixtrain.config import OVERLAP_EXCHANGES_PER_ROUND, QUANTIZED, StrategyConfig
+from mixtrain.config import OVERLAP_EXCHANGES_PER_ROUND, QUANTIZED, Compression, StrategyConfig
 
 ALLREDUCE_MAX_RATIO = 0.5
 """All-reduce is suggested while one exchange costs at most this fraction of a step's compute (it keeps the
@@ -73,7 +73,7 @@ def _power_of_two(need: float) -> int:
     return min(MAX_LOCAL_STEPS, max(2, 2 ** math.ceil(math.log2(need))))
 
 
-def _local_steps_and_wire(need: float, compress: str) -> tuple[int, str]:
+def _local_steps_and_wire(need: float, compress: Compression) -> tuple[int, Compression]:
     """H (a power of 2, 2..MAX_LOCAL_STEPS) for `need` local steps per exchange at the `compress` wire; past
     the cap, the first quantized wire that brings `need` under it (else the smallest), and H for that."""
     chosen = compress

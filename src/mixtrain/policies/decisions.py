@@ -107,6 +107,10 @@ class Rebalancer:
         """Forget the vote (the workers were renumbered)."""
         self._votes, self._vote_for = 0, ""
 
+    def hold(self, rounds: int) -> None:
+        """Leave nobody out for the next `rounds` rounds (after a worker was taken back: no flapping)."""
+        self.hold_rounds = rounds
+
     def decide(
         self,
         *,

@@ -1,0 +1,46 @@
+"""Every typed call to a worker (core/worker_calls.py) is TrainWorker's method of the same name and signature, so a
+reader, mypy and an IDE can follow a call from the driver into the worker (issue 34)."""
+
+from __future__ import annotations
+
+import inspect
+
+from mixtrain.core.worker import TrainWorker
+from mixtrain.core.worker_calls import Pending, WorkerCalls
+
+
+def _parameters(fn) -> list[tuple[str, object]]:
+    return [(p.name, p.default) for p in inspect.signature(fn).parameters.values() if p.name != "self"]
+
+
+def test_each_call_has_the_workers_name_and_parameters():
+    calls = {n: f for n, f in vars(WorkerCalls).items() if callable(f) and not n.startswith("_")}
+    assert len(calls) >= 20
+    for name, call in calls.items():
+        assert hasattr(TrainWorker, name), name
+        if name == "stream":  # the proxy adds how far ahead the worker may stream
+            continue
+        assert _parameters(call) == _parameters(getattr(TrainWorker, name)), name
+
+
+def test_a_call_starts_the_method_on_the_actor_and_names_it():
+    class Actor:
+        def __getattr__(self, name):
+            class Method:
+                @staticmethod
+                def remote(*args):
+                    return (name, args)
+
+            return Method()
+
+    pending = WorkerCalls(Actor()).probe(4, 64, None)
+    assert isinstance(pending, Pending) and pending.ref == ("probe", (4, 64, None)) and pending.method == "probe"
+
+
+def test_the_driver_calls_no_worker_method_by_name():
+    import pathlib
+
+    core = pathlib.Path(inspect.getfile(TrainWorker)).parent.parent
+    for path in core.rglob("*.py"):
+        text = path.read_text()
+        assert "getattr(actor" not in text and 'call("' not in text and "call_each(" not in text, path
