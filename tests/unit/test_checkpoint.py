@@ -196,3 +196,148 @@ def test_resume_skips_a_checkpoint_whose_manifest_lacks_where_to_continue(tmp_pa
     _, manifest, path = load_resume(tmp_path, warnings.append)
     assert manifest["global_step"] == 2 and path.name == "step-000000002"
     assert "lacks epoch, step, shares, num_workers, workers" in warnings[0]
+
+
+# ---- issue 33: prune never deletes the newest good checkpoint; a step saved again leaves no gap -------------
+def _w(state):
+    return state["model"]["w"][0].item()
+
+
+@pytest.mark.parametrize("leftover", ["no-manifest", "truncated-manifest"])
+def test_an_unreadable_folder_never_makes_prune_delete_the_newest_good_checkpoint(tmp_path, leftover):
+    # A step-* folder whose manifest cannot be read (an earlier version's prune cut short by a second Ctrl-C)
+    # sorts first for loading, which reports it; prune neither counts it as kept nor deletes it.
+    store = CheckpointStore(tmp_path, keep=1)
+    _save(store, 2, 2)
+    broken = store.root / "step-000000003"
+    broken.mkdir()
+    (broken / STATE).write_bytes(b"half")
+    if leftover == "truncated-manifest":
+        (broken / "manifest.json").write_text('{"format": 2, "fi')
+    newest = _save(store, 4, 4)
+    assert newest.exists() and not (store.root / "step-000000002").exists() and broken.exists()
+    warnings = []
+    state, _, path = store.latest(warnings.append)
+    assert path == newest and _w(state) == 4
+    assert len(warnings) == 1 and "step-000000003: unreadable manifest" in warnings[0]
+    assert store.prune(keep=1) == [] and newest.exists()
+
+
+def test_a_full_disk_keeps_the_newest_good_checkpoint_beside_an_unreadable_one(tmp_path):
+    from mixtrain.core.checkpointing import save_making_room
+
+    class Quiet:
+        def log(self, line):
+            self.line = line
+
+        def write(self, kind, record):
+            self.record = (kind, record)
+
+    store = CheckpointStore(tmp_path, keep=3)
+    _save(store, 2, 2)
+    good = _save(store, 4, 4)
+    (store.root / "step-000000005").mkdir()  # no manifest
+
+    def full(state, meta):
+        raise OSError(28, "No space left on device")
+
+    store.save = full
+    assert save_making_room(store, {}, {"global_step": 6}, Quiet(), Quiet(), good) is None
+    assert good.exists() and not (store.root / "step-000000002").exists()
+    assert CheckpointStore(tmp_path).latest()[2] == good
+
+
+def test_a_prune_cut_short_leaves_no_half_deleted_checkpoint(tmp_path):
+    # A real crash in the middle of deleting: rmtree has removed the manifest when the process ends.
+    store = CheckpointStore(tmp_path, keep=2)
+    _save(store, 2, 2)
+    _save(store, 4, 4)
+    code = (
+        "import os, shutil\n"
+        "from pathlib import Path\n"
+        "from mixtrain.checkpoint import CheckpointStore\n"
+        "def crash(path, *args, **kwargs):\n"
+        "    (Path(path) / 'manifest.json').unlink()\n"
+        "    os._exit(9)\n"
+        "shutil.rmtree = crash\n"
+        f"CheckpointStore({str(tmp_path)!r}).prune(1)\n"
+    )
+    assert subprocess.run([sys.executable, "-c", code]).returncode == 9
+    assert [p.name for p in store.paths()] == ["step-000000004"]  # the rest is hidden (.tmp-*)
+    warnings = []
+    assert store.latest(warnings.append)[2].name == "step-000000004" and warnings == []
+    _save(store, 6, 6)
+    assert sorted(os.listdir(store.root)) == ["step-000000004", "step-000000006"]
+
+
+def _resave_in_a_process_that_crashes(tmp_path, at):
+    code = (
+        "import os, torch\n"
+        "from pathlib import Path\n"
+        "from mixtrain.checkpoint import CheckpointStore\n"
+        "real = os.rename\n"
+        "def rename(src, dst):\n"
+        f"    if {at!r} == 'rename-in' and Path(src).name.startswith('.tmp-'):\n"
+        "        os._exit(9)\n"
+        f"    if {at!r} == 'delete' and Path(dst).name.startswith('.tmp-del'):\n"
+        "        os._exit(9)\n"
+        "    real(src, dst)\n"
+        "os.rename = rename\n"
+        f"CheckpointStore({str(tmp_path)!r}).save({{'model': {{'w': torch.full((3,), 9.0)}}}}, {{'global_step': 4}})\n"
+    )
+    return subprocess.run([sys.executable, "-c", code]).returncode
+
+
+@pytest.mark.parametrize(("at", "survivor"), [("rename-in", 4), ("delete", 9)])
+def test_a_crash_while_the_same_step_is_saved_again_leaves_that_step_loadable(tmp_path, at, survivor):
+    # Ctrl-C right after a resume (and every resume with --shard-optimizer) writes the same step again.
+    store = CheckpointStore(tmp_path)
+    _save(store, 2, 2)
+    _save(store, 4, 4)
+    assert _resave_in_a_process_that_crashes(tmp_path, at) == 9
+    warnings = []
+    state, manifest, _ = store.latest(warnings.append)
+    assert manifest["global_step"] == 4 and _w(state) == survivor and warnings == []
+    _save(store, 4, 5)  # the next save of that step finishes the job and clears what the crash left
+    assert sorted(os.listdir(store.root)) == ["step-000000002", "step-000000004"]
+    assert _w(store.latest()[0]) == 5
+
+
+def test_a_failed_rename_puts_the_old_checkpoint_of_that_step_back(tmp_path, monkeypatch):
+    import errno
+    from pathlib import Path
+
+    store = CheckpointStore(tmp_path)
+    _save(store, 4, 4)
+    real = os.rename
+
+    def rename(src, dst):
+        if Path(src).name.startswith(".tmp-"):
+            raise OSError(errno.EIO, "injected")
+        real(src, dst)
+
+    monkeypatch.setattr(os, "rename", rename)
+    with pytest.raises(OSError, match="injected"):
+        _save(store, 4, 5)
+    monkeypatch.undo()
+    assert os.listdir(store.root) == ["step-000000004"] and _w(store.latest()[0]) == 4
+
+
+def test_a_checkpoint_link_is_skipped_and_never_followed_by_save_or_prune(tmp_path):
+    # mixtrain never writes a link among its checkpoints: loading skips one (with a line), prune leaves it, and
+    # a step saved again over one replaces the link, never what it points to.
+    store = CheckpointStore(tmp_path / "run", keep=1)
+    elsewhere = _save(CheckpointStore(tmp_path / "elsewhere"), 8, 8)  # a good checkpoint, outside this run
+    (elsewhere / "keep.txt").write_text("not mixtrain's")
+    before = {p.name: p.read_bytes() for p in elsewhere.iterdir()}
+    good = _save(store, 2, 2)
+    (store.root / "step-000000008").symlink_to(elsewhere)
+    (store.root / "step-000000009").symlink_to(elsewhere)
+    (store.root / ".tmp-planted").symlink_to(elsewhere)  # as if left by a crash: cleared, the link only
+    warnings = []
+    assert store.latest(warnings.append)[2] == good and "step-000000009: a symbolic link" in warnings[0]
+    assert store.prune(1) == [] and (store.root / "step-000000009").is_symlink()
+    _save(store, 8, 80)  # the same step as the link
+    assert not (store.root / "step-000000008").is_symlink() and _w(store.latest()[0]) == 80
+    assert {p.name: p.read_bytes() for p in elsewhere.iterdir()} == before
+    assert sorted(os.listdir(store.root)) == ["step-000000008", "step-000000009"]
