@@ -4,6 +4,7 @@ checkpoints are pruned in the order they were saved, and a resume refuses a chan
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -95,3 +96,80 @@ def test_the_cli_refuses_a_run_folder_that_holds_a_run_before_touching_it(tmp_pa
     proc = subprocess.run([str(cli), "train", "digits", "--run-dir", str(run)], capture_output=True, text=True)
     assert proc.returncode == 2 and "already holds a run" in proc.stderr and "--resume" in proc.stderr
     assert json.loads((run / "command.json").read_text()) == {"argv": ["digits"]}  # untouched
+
+
+# ---- issue 33: folders in the way give one clear error, never a hang ----------------------------------------
+def _within(seconds: float, call):
+    """call()'s exception (or None), or a failure if it has not returned in `seconds` (it hung)."""
+    import threading
+
+    out: list[BaseException | None] = []
+
+    def run() -> None:
+        try:
+            call()
+            out.append(None)
+        except BaseException as exc:  # handed to the test
+            out.append(exc)
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    thread.join(seconds)
+    assert out, f"still running after {seconds} s (a hang)"
+    return out[0]
+
+
+def test_a_dangling_runs_link_gives_one_clear_error_and_no_hang(tmp_path):
+    link = tmp_path / "mixtrain_runs"
+    link.symlink_to(tmp_path / "gone")
+    error = _within(10, lambda: make_run_dir(RunConfig(storage_dir=str(link))))
+    assert isinstance(error, ValueError), error
+    assert f"RunConfig.storage_dir='{link}'" in str(error) and "which does not exist" in str(error)
+    assert "remove the link or create the folder it points to" in str(error)
+    (tmp_path / "file").write_text("")
+    error = _within(10, lambda: make_run_dir(RunConfig(run_dir=str(tmp_path / "file" / "run"))))
+    assert isinstance(error, ValueError) and f"'{tmp_path / 'file'}' is not a folder" in str(error), error
+
+
+def test_fit_with_the_default_run_folder_under_a_dangling_link_stops_at_once(tmp_path):
+    # Trainer(...).fit() with the default RunConfig, in ./mixtrain_runs: a process, so a hang can be ended
+    (tmp_path / "mixtrain_runs").symlink_to(tmp_path / "gone")
+    code = (
+        "import sys, torch\n"
+        "from mixtrain import Trainer\n"
+        "from tests.unit.test_run_folders import _task\n"
+        "try:\n"
+        "    Trainer(_task, (torch.zeros(8, 2), torch.zeros(8, 2)), global_batch=4).fit()\n"
+        "except ValueError as exc:\n"
+        "    sys.exit(f'ValueError: {exc}')\n"
+    )
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[2])}
+    run = [sys.executable, "-c", code]
+    proc = subprocess.run(run, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=10)
+    assert proc.returncode == 1 and "ValueError: RunConfig.storage_dir='mixtrain_runs'" in proc.stderr, proc.stderr
+    assert "symbolic link" in proc.stderr and not (tmp_path / "gone").exists()
+
+
+def test_new_run_names_are_tried_a_bounded_number_of_times(tmp_path, monkeypatch):
+    import mixtrain.observe.runlog as runlog
+
+    monkeypatch.setattr(runlog, "new_run_name", lambda: "taken")
+    (tmp_path / "taken").mkdir()
+    error = _within(10, lambda: make_run_dir(RunConfig(storage_dir=str(tmp_path))))
+    assert isinstance(error, ValueError) and "new run names in a row already existed" in str(error), error
+
+
+def test_a_checkpoints_link_in_a_run_folder_is_refused_before_anything_is_written(tmp_path):
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    (elsewhere / "keep.txt").write_text("mine")
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "checkpoints").symlink_to(elsewhere)
+    with pytest.raises(ValueError, match=r"checkpoints folder is a symbolic link .*Replace the link by a folder"):
+        make_run_dir(RunConfig(run_dir=str(run)), resuming=True)
+    with pytest.raises(ValueError, match=r"already holds a run \(checkpoints\)"):
+        make_run_dir(RunConfig(run_dir=str(run)))
+    with pytest.raises(ValueError, match="writes and deletes checkpoints only in a folder of the run"):
+        _save(CheckpointStore(run), 2)
+    assert os.listdir(elsewhere) == ["keep.txt"]
