@@ -185,15 +185,55 @@ class CheckpointMeta:
 
     @classmethod
     def from_manifest(cls, manifest: dict[str, Any]) -> CheckpointMeta:
+        """The manifest's metadata, checked: a value of the wrong type or out of range is a CheckpointError (the
+        checkpoint is skipped), never a TypeError later or a resume at a step that is not in the epoch."""
+        if not isinstance(manifest, dict):
+            raise CheckpointError("its manifest is not a JSON object (malformed)")
         required = [f for f in fields(cls) if f.default is MISSING]
         missing = [f.name for f in required if f.name not in manifest]
         if missing:
             raise CheckpointError(f"its manifest lacks {', '.join(missing)} (malformed)")
-        return cls(**{f.name: manifest[f.name] for f in fields(cls) if f.name in manifest})
+        meta = cls(**{f.name: manifest[f.name] for f in fields(cls) if f.name in manifest})
+        problems = meta._problems()
+        if problems:
+            raise CheckpointError(f"its manifest has {'; '.join(problems)} (malformed)")
+        return meta
+
+    def _problems(self) -> list[str]:
+        out = [
+            f"{name}={value!r}, not an integer >= {low}"
+            for name, value, low in (
+                ("epoch", self.epoch, 0),
+                ("step", self.step, 0),
+                ("global_step", self.global_step, 0),
+                ("num_workers", self.num_workers, 1),
+                ("global_batch", self.global_batch, 0),
+                ("num_samples", self.num_samples, 0),
+            )
+            if not _int_at_least(value, low)
+        ]
+        if not (isinstance(self.shares, list) and all(_int_at_least(s, 0) for s in self.shares)):
+            out.append(f"shares={self.shares!r}, not a list of integers >= 0")
+        if not (isinstance(self.workers, list) and all(_str_dict(w) for w in self.workers)):
+            out.append(f"workers={self.workers!r}, not a list of objects of strings")
+        if not isinstance(self.run_id, str):
+            out.append(f"run_id={self.run_id!r}, not a string")
+        if not out and self.global_batch and self.num_samples:
+            num_steps = -(-self.num_samples // self.global_batch)
+            if self.step > num_steps:
+                out.append(
+                    f"step={self.step}, past the end of its epoch ({num_steps} steps of {self.global_batch} in "
+                    f"{self.num_samples} samples)"
+                )
+        return out
 
 
 def _int_at_least(value: Any, low: int) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value >= low
+
+
+def _str_dict(value: Any) -> bool:
+    return isinstance(value, dict) and all(isinstance(k, str) and isinstance(v, str) for k, v in value.items())
 
 
 STATE = "state.pt"
@@ -223,7 +263,15 @@ def _write_synced(path: Path, write: Callable[[Any], None]) -> None:
         os.fsync(f.fileno())
 
 
+MANIFEST_SHA256 = "manifest_sha256"
+"""The manifest's key for the SHA-256 of its other keys (as canonical JSON): a manifest damaged or edited since
+it was written fails its check like a damaged file (manifests from before it are not checked)."""
 _MANIFEST_MAX_BYTES = 1 << 20
+
+
+def _manifest_digest(manifest: dict[str, Any]) -> str:
+    rest = {key: value for key, value in manifest.items() if key != MANIFEST_SHA256}
+    return hashlib.sha256(json.dumps(rest, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
 
 
 def _read_manifest(path: Path) -> Any:
@@ -247,10 +295,12 @@ def _read_manifest(path: Path) -> Any:
 
 
 def _files(path: Path, manifest: Any) -> dict[str, dict[str, Any]]:
-    """The manifest's file entries, after checking its shape: a malformed manifest is a CheckpointError (the
-    checkpoint is skipped), never a KeyError."""
+    """The manifest's file entries, after checking its shape and its own hash: a malformed manifest is a
+    CheckpointError (the checkpoint is skipped), never a KeyError."""
     if not isinstance(manifest, dict):
         raise CheckpointError(f"{path}: the manifest is not a JSON object (malformed)")
+    if MANIFEST_SHA256 in manifest and manifest[MANIFEST_SHA256] != _manifest_digest(manifest):
+        raise CheckpointError(f"{path}: the manifest does not match its own SHA-256 (edited or corrupted)")
     if not _int_at_least(manifest.get("saved_seq", 0), 0):  # else it would sort as the newest, or fail to sort
         raise CheckpointError(f"{path}: saved_seq={manifest['saved_seq']!r}, not an integer >= 0 (malformed)")
     if manifest.get("format") not in READS:
@@ -381,6 +431,7 @@ class CheckpointStore:
             _write_synced(tmp / STATE, lambda f: _torch_save(state, f))
             files[STATE] = {"sha256": _sha256(tmp / STATE), "bytes": (tmp / STATE).stat().st_size}
             manifest = {"format": FORMAT, "files": files, **meta}
+            manifest[MANIFEST_SHA256] = _manifest_digest(manifest)
             with open(tmp / MANIFEST, "w") as f:
                 json.dump(manifest, f, indent=1)
                 f.flush()

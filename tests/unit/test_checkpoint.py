@@ -8,7 +8,15 @@ import pytest
 import torch
 
 from mixtrain import load_weights
-from mixtrain.checkpoint import STATE, CheckpointError, CheckpointStore, _sha256, atomic_save
+from mixtrain.checkpoint import (
+    MANIFEST_SHA256,
+    STATE,
+    CheckpointError,
+    CheckpointStore,
+    _manifest_digest,
+    _sha256,
+    atomic_save,
+)
 
 
 def test_atomic_save_round_trip_leaves_no_temp_files(tmp_path):
@@ -101,6 +109,7 @@ def test_a_checkpoint_carrying_pickled_code_is_refused_and_never_run(tmp_path):
         pickle.dump({"model": _Payload()}, f)
     manifest = json.loads((path / "manifest.json").read_text())
     manifest["files"][STATE] = {"sha256": _sha256(path / STATE), "bytes": (path / STATE).stat().st_size}
+    manifest[MANIFEST_SHA256] = _manifest_digest(manifest)  # a forger recomputes the manifest's own hash too
     (path / "manifest.json").write_text(json.dumps(manifest))
     with pytest.raises(CheckpointError, match=r"refused to load state\.pt"):
         CheckpointStore.read(path)
@@ -341,3 +350,70 @@ def test_a_checkpoint_link_is_skipped_and_never_followed_by_save_or_prune(tmp_pa
     assert not (store.root / "step-000000008").is_symlink() and _w(store.latest()[0]) == 80
     assert {p.name: p.read_bytes() for p in elsewhere.iterdir()} == before
     assert sorted(os.listdir(store.root)) == ["step-000000008", "step-000000009"]
+
+
+# ---- issue 33: the manifest's values are checked; a bad one falls back with a clear line ------------------
+def _rewrite_manifest(path, **changes):
+    manifest = json.loads((path / "manifest.json").read_text())
+    manifest.update(changes)
+    manifest[MANIFEST_SHA256] = _manifest_digest(manifest)  # valid as a whole: the values themselves are wrong
+    (path / "manifest.json").write_text(json.dumps(manifest))
+
+
+_META = {"epoch": 0, "step": 2, "shares": [4], "num_workers": 1, "workers": [], "global_batch": 4, "num_samples": 16}
+
+
+@pytest.mark.parametrize(
+    ("change", "says"),
+    [
+        ({"step": 9999}, "step=9999, past the end of its epoch (4 steps of 4 in 16 samples)"),
+        ({"step": -5}, "step=-5, not an integer >= 0"),
+        ({"epoch": "1"}, "epoch='1', not an integer >= 0"),
+        ({"epoch": True}, "epoch=True, not an integer >= 0"),
+        ({"step": 1.0}, "step=1.0, not an integer"),
+        ({"num_workers": 0}, "num_workers=0, not an integer >= 1"),
+        ({"shares": [4, -1]}, "shares=[4, -1], not a list of integers >= 0"),
+        ({"shares": "4"}, "shares='4', not a list"),
+        ({"workers": [{"host": 1}]}, "workers=[{'host': 1}], not a list of objects of strings"),
+        ({"run_id": 7}, "run_id=7, not a string"),
+        ({"global_batch": None}, "global_batch=None, not an integer >= 0"),
+    ],
+)
+def test_a_manifest_value_of_the_wrong_type_or_range_falls_back_to_the_previous_checkpoint(tmp_path, change, says):
+    from mixtrain.trainer import load_resume
+
+    store = CheckpointStore(tmp_path)
+    store.save({"model": {"w": torch.full((3,), 1.0)}}, {**_META, "step": 1, "global_step": 1})
+    _rewrite_manifest(store.save({"model": {"w": torch.full((3,), 2.0)}}, {**_META, "global_step": 2}), **change)
+    warnings = []
+    state, manifest, _ = load_resume(tmp_path, warnings.append)
+    assert manifest["global_step"] == 1 and _w(state) == 1
+    assert len(warnings) == 1 and "step-000000002: its manifest has" in warnings[0] and says in warnings[0]
+    assert "trying the previous one" in warnings[0]
+
+
+def test_a_resume_with_no_usable_checkpoint_stops_with_one_clear_error(tmp_path):
+    from mixtrain import Task, Trainer
+
+    path = CheckpointStore(tmp_path).save({"model": {"w": torch.ones(3)}}, {**_META, "global_step": 2})
+    _rewrite_manifest(path, epoch="1")
+    model = torch.nn.Linear(3, 1)
+    trainer = Trainer(
+        lambda: Task(model=model, optimizer=torch.optim.SGD(model.parameters()), loss_fn=torch.nn.functional.mse_loss),
+        (torch.zeros(16, 3), torch.zeros(16, 1)),
+        global_batch=4,
+    )
+    for resume in (tmp_path, path):  # a run folder, and the checkpoint folder itself
+        with pytest.raises(CheckpointError, match=r"epoch='1', not an integer >= 0"):
+            trainer._load_resume(resume, 3, [])
+
+
+def test_a_manifest_changed_after_it_was_written_fails_its_own_hash(tmp_path):
+    store = CheckpointStore(tmp_path)
+    store.save({"model": {"w": torch.ones(3)}}, {**_META, "step": 1, "global_step": 1})
+    newest = store.save({"model": {"w": torch.ones(3)}}, {**_META, "global_step": 2})
+    text = (newest / "manifest.json").read_text()
+    (newest / "manifest.json").write_text(text.replace('"step": 2', '"step": 3'))  # a bit flip, still valid
+    warnings = []
+    assert store.latest(warnings.append)[1]["global_step"] == 1
+    assert "does not match its own SHA-256" in warnings[0]
