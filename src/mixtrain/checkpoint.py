@@ -182,6 +182,10 @@ class CheckpointMeta:
     """The global batch it was trained with: (epoch, step) means these samples only with this batch (0: unknown)."""
     num_samples: int = 0
     """Training samples per epoch it was trained on (0: unknown)."""
+    seed: int | None = None
+    """RunConfig.seed: it fixes the epochs' sample order (and a job's split of its data); None: unknown."""
+    data_fingerprint: str = ""
+    """A hash of the in-memory training data's dtypes, shapes and a few rows ("": unknown, or a Dataset)."""
 
     @classmethod
     def from_manifest(cls, manifest: dict[str, Any]) -> CheckpointMeta:
@@ -212,12 +216,17 @@ class CheckpointMeta:
             )
             if not _int_at_least(value, low)
         ]
+        if self.seed is not None and not _int_at_least(self.seed, 0):
+            out.append(f"seed={self.seed!r}, not an integer >= 0 (or null)")
         if not (isinstance(self.shares, list) and all(_int_at_least(s, 0) for s in self.shares)):
             out.append(f"shares={self.shares!r}, not a list of integers >= 0")
         if not (isinstance(self.workers, list) and all(_str_dict(w) for w in self.workers)):
             out.append(f"workers={self.workers!r}, not a list of objects of strings")
-        if not isinstance(self.run_id, str):
-            out.append(f"run_id={self.run_id!r}, not a string")
+        out += [
+            f"{name}={value!r}, not a string"
+            for name, value in (("run_id", self.run_id), ("data_fingerprint", self.data_fingerprint))
+            if not isinstance(value, str)
+        ]
         if not out and self.global_batch and self.num_samples:
             num_steps = -(-self.num_samples // self.global_batch)
             if self.step > num_steps:

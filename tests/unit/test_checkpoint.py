@@ -376,6 +376,7 @@ _META = {"epoch": 0, "step": 2, "shares": [4], "num_workers": 1, "workers": [], 
         ({"shares": "4"}, "shares='4', not a list"),
         ({"workers": [{"host": 1}]}, "workers=[{'host': 1}], not a list of objects of strings"),
         ({"run_id": 7}, "run_id=7, not a string"),
+        ({"seed": -1}, "seed=-1, not an integer >= 0"),
         ({"global_batch": None}, "global_batch=None, not an integer >= 0"),
     ],
 )

@@ -173,3 +173,54 @@ def test_a_checkpoints_link_in_a_run_folder_is_refused_before_anything_is_writte
     with pytest.raises(ValueError, match="writes and deletes checkpoints only in a folder of the run"):
         _save(CheckpointStore(run), 2)
     assert os.listdir(elsewhere) == ["keep.txt"]
+
+
+# ---- issue 33: a resume keeps the sample order: the same seed, the same data -----------------------------------
+def _trainer(seed: int = 0, x: torch.Tensor | None = None) -> Trainer:
+    x = torch.arange(16.0).reshape(8, 2) if x is None else x
+    return Trainer(_task, (x, torch.zeros(8, 2)), global_batch=4, run=RunConfig(seed=seed))
+
+
+def _checkpoint_of(trainer: Trainer, path: Path, step: int = 1, **meta: object) -> None:
+    from mixtrain.trainer import _data_fingerprint
+
+    fields = {"global_batch": 4, "num_samples": 8, "seed": 0, "data_fingerprint": _data_fingerprint(trainer.train_data)}
+    CheckpointStore(path).save({"model": {"w": torch.zeros(2)}}, {**_meta(step), "global_step": 1, **fields, **meta})
+
+
+def test_resuming_with_another_seed_is_refused_naming_both_and_the_fix(tmp_path):
+    _checkpoint_of(_trainer(), tmp_path / "run", seed=0)
+    with pytest.raises(
+        ValueError, match=r"trained with seed 0, this run asks for RunConfig.seed=1;.*Resume with --seed 0 \(RunConfig"
+    ):
+        _trainer(seed=1)._load_resume(tmp_path / "run", 3, [])
+    assert _trainer(seed=0)._load_resume(tmp_path / "run", 3, [])[2].name == "step-000000001"
+    _checkpoint_of(_trainer(), tmp_path / "old", seed=None, data_fingerprint="")  # before seeds were recorded
+    assert _trainer(seed=1)._load_resume(tmp_path / "old", 3, [])[2].name == "step-000000001"
+
+
+def test_resuming_on_other_training_data_is_refused(tmp_path):
+    _checkpoint_of(_trainer(), tmp_path / "run")
+    other = _trainer(x=torch.arange(16.0).reshape(8, 2) * 2)  # as many samples, other values
+    with pytest.raises(ValueError, match=r"trained on other training data .*Resume with the same training data"):
+        other._load_resume(tmp_path / "run", 3, [])
+    more = Trainer(_task, (torch.zeros(12, 2), torch.zeros(12, 2)), global_batch=4)
+    with pytest.raises(ValueError, match=r"trained on 8 samples per epoch, the data now has 12"):
+        more._load_resume(tmp_path / "run", 3, [])
+
+
+def test_a_checkpoint_without_its_batch_and_data_still_cannot_resume_past_the_epoch(tmp_path):
+    _checkpoint_of(_trainer(), tmp_path / "run", global_batch=0, num_samples=0, step=99)
+    with pytest.raises(ValueError, match=r"continues at step 99 of epoch 0, but an epoch of 8 samples has 2 steps"):
+        _trainer()._load_resume(tmp_path / "run", 3, [])
+
+
+def test_the_cli_refuses_a_resume_with_another_seed_in_one_line_before_ray(tmp_path, capsys):
+    from mixtrain.cli.main import main
+
+    run = tmp_path / "run"
+    _save(CheckpointStore(run), 1, seed=0)  # batch and data unknown: only the seed decides
+    (run / "command.json").write_text('{"argv": ["digits"]}\n')
+    assert main(["train", "--resume", str(run), "--seed", "1"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and "trained with seed 0" in err and "Resume with --seed 0" in err, err

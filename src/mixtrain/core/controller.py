@@ -521,6 +521,8 @@ class Controller:
             run_id=self.settings.run_id,
             global_batch=self.settings.global_batch,
             num_samples=self.settings.num_samples,
+            seed=self.settings.seed,
+            data_fingerprint=self.settings.data_fingerprint,
         )
         path = save_making_room(
             self.checkpoints, unpack(state), asdict(meta), self.log, self.view, self.last_checkpoint
