@@ -26,6 +26,7 @@ from typing import Any
 import torch
 
 from mixtrain._files import atomic_write, fsync_dir
+from mixtrain.errors import InputValueError
 
 
 def _torch_save(obj: Any, f: Any) -> None:
@@ -390,7 +391,7 @@ class CheckpointStore:
 
     def __init__(self, run_dir: str | Path, keep: int = 3) -> None:
         if keep < 1:
-            raise ValueError(f"RunConfig.keep_checkpoints={keep}: keep at least 1")
+            raise InputValueError(f"RunConfig.keep_checkpoints={keep}: keep at least 1")
         self.root = Path(run_dir) / "checkpoints"
         self.keep = keep
 
@@ -411,7 +412,7 @@ class CheckpointStore:
         """Writes and deletes happen in a folder of the run itself: a `checkpoints` that is a symbolic link (in a
         run folder someone else made) would point them at files elsewhere."""
         if self.root.is_symlink():
-            raise ValueError(
+            raise InputValueError(
                 f"{self.root} is a symbolic link (to {os.readlink(self.root)}): mixtrain writes and deletes "
                 "checkpoints only in a folder of the run itself; replace the link by a folder, or give a new run "
                 "folder (--run-dir / RunConfig(run_dir=...)) on the disk it pointed to"

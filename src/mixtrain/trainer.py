@@ -26,6 +26,7 @@ from mixtrain.core.run_state import Roster, RunSettings
 from mixtrain.core.worker_group import WorkerGroup
 from mixtrain.data.sampling import Arrays, steps_per_epoch
 from mixtrain.data.sources import Loader, describe, known_length
+from mixtrain.errors import InputValueError
 from mixtrain.observe.progress import ProgressView, plan_table, probe_memory_line
 from mixtrain.observe.runlog import RunLog, check_tensorboard, make_run_dir
 from mixtrain.policies.planner import plan_record, resolve_shares
@@ -156,19 +157,19 @@ class Trainer:
         _, manifest, ckpt_path = resumed
         meta = CheckpointMeta.from_manifest(manifest)
         if (meta.epoch, meta.step) >= (epochs, 0):
-            raise ValueError(
+            raise InputValueError(
                 f"resume={str(resume)!r}: its checkpoint is at epoch {meta.epoch}, step {meta.step}; "
                 f"fit(epochs={epochs}) has nothing left to do: ask for more epochs"
             )
         if meta.global_batch and meta.global_batch != self.global_batch:
-            raise ValueError(
+            raise InputValueError(
                 f"resume={str(resume)!r}: its checkpoint was trained with global_batch={meta.global_batch}, this run "
                 f"asks for {self.global_batch}; step {meta.step} of epoch {meta.epoch} means other samples with "
                 f"another batch. Resume with --global-batch {meta.global_batch} (global_batch={meta.global_batch}), "
                 "or start a new run"
             )
         if meta.seed is not None and meta.seed != self.run.seed:
-            raise ValueError(
+            raise InputValueError(
                 f"resume={str(resume)!r}: its checkpoint was trained with seed {meta.seed}, this run asks for "
                 f"RunConfig.seed={self.run.seed}; the seed fixes every epoch's sample order (and a job's split into "
                 f"training and held-out data), so step {meta.step} of epoch {meta.epoch} would mean other samples. "
@@ -179,7 +180,7 @@ class Trainer:
             _check_same_data(meta, num_samples, self.global_batch, ckpt_path)
         fingerprint = _data_fingerprint(self.train_data)
         if meta.data_fingerprint and fingerprint and fingerprint != meta.data_fingerprint:
-            raise ValueError(
+            raise InputValueError(
                 f"resume={str(resume)!r}: its checkpoint was trained on other training data (fingerprint "
                 f"{meta.data_fingerprint}, the data now: {fingerprint}, from dtypes, shapes and rows spread over "
                 f"it); step {meta.step} of epoch {meta.epoch} would mean other samples. Resume with the same "
@@ -317,21 +318,21 @@ def load_resume(resume: str | Path, warn: Callable[[str], None]) -> Resumed:
         CheckpointMeta.from_manifest(manifest)
         return state, manifest, path
     if not path.is_dir():
-        raise ValueError(f"resume={str(resume)!r}: no such folder; give a run folder or one of its checkpoints")
+        raise InputValueError(f"resume={str(resume)!r}: no such folder; give a run folder or one of its checkpoints")
     return CheckpointStore(path).latest(warn, accept=CheckpointMeta.from_manifest)  # a malformed one: the previous
 
 
 def _check_same_data(meta: CheckpointMeta, num_samples: int, global_batch: int, path: Path) -> None:
     """The checkpoint's (epoch, step) must mean the same samples now: as many per epoch, a step inside the epoch."""
     if meta.num_samples and meta.num_samples != num_samples:
-        raise ValueError(
+        raise InputValueError(
             f"resume: the checkpoint {path} was trained on {meta.num_samples} samples per epoch, the data now has "
             f"{num_samples}; its (epoch {meta.epoch}, step {meta.step}) would point at other samples. Resume "
             "with the same training data, or start a new run"
         )
     num_steps = steps_per_epoch(num_samples, global_batch)
     if meta.step > num_steps:
-        raise ValueError(
+        raise InputValueError(
             f"resume: the checkpoint {path} continues at step {meta.step} of epoch {meta.epoch}, but an epoch of "
             f"{num_samples} samples has {num_steps} steps of {global_batch}: it was trained on other data or "
             "with another batch. Resume with those, or start a new run"

@@ -13,6 +13,7 @@ from typing import Any
 
 from mixtrain.config import RunConfig
 from mixtrain.core.rounds import device_samples_per_s, worker_name
+from mixtrain.errors import InputValueError
 
 TENSORBOARD_DIR = "tensorboard"
 
@@ -31,7 +32,7 @@ def check_new_run_dir(path: Path) -> None:
     pruned by) this run's. The fix is in the message."""
     held = [name for name in RUN_FILES if os.path.lexists(path / name)]  # a link counts, even a dangling one
     if held:
-        raise ValueError(
+        raise InputValueError(
             f"run folder {str(path)!r} already holds a run ({', '.join(held)}); continue that run with "
             f"`mixtrain train --resume {path}` (or fit(resume=...)), or give a new --run-dir / RunConfig(run_dir=...)"
         )
@@ -61,14 +62,14 @@ def make_run_dir(run: RunConfig, resuming: bool = False) -> Path:
         except FileExistsError:
             continue
         return path.resolve()
-    raise ValueError(
+    raise InputValueError(
         f"RunConfig.storage_dir={run.storage_dir!r}: {NEW_NAME_TRIES} new run names in a row already existed in "
         f"{storage}; give a run folder of your own (--run-dir / RunConfig(run_dir=...))"
     )
 
 
 def _make_folder(path: Path, what: str) -> None:
-    """mkdir -p, and a clear ValueError where something other than a folder is in the way: mkdir reports a file
+    """mkdir -p, and a clear InputValueError where something other than a folder is in the way: mkdir reports a file
     or a dangling symbolic link there as FileExistsError, which is no name clash."""
     try:
         path.mkdir(parents=True, exist_ok=True)
@@ -82,7 +83,7 @@ def _make_folder(path: Path, what: str) -> None:
         fix = "remove the link or create the folder it points to"
     else:
         kind, fix = "not a folder", "move it away"
-    raise ValueError(
+    raise InputValueError(
         f"{what}: {str(blocker)!r} is {kind}, so the run folder {str(path)!r} cannot be made there; {fix}, or "
         "give another run folder (--run-dir / RunConfig(run_dir=...) or RunConfig.storage_dir)"
     )
@@ -93,7 +94,7 @@ def _check_checkpoints_folder(path: Path) -> None:
     (someone else's, or a planted one) would send those writes and deletes elsewhere."""
     link = path / "checkpoints"
     if link.is_symlink():
-        raise ValueError(
+        raise InputValueError(
             f"run folder {str(path)!r}: its checkpoints folder is a symbolic link (to {os.readlink(link)!r}); "
             "mixtrain writes and deletes checkpoints only in a folder of the run itself. Replace the link by a "
             "folder, or give a new run folder (--run-dir / RunConfig(run_dir=...)) on the disk it pointed to"
