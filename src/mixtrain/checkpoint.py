@@ -9,11 +9,14 @@ as before.
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
 import pickle
+import secrets
 import shutil
+import stat
 import tempfile
 from collections.abc import Callable
 from dataclasses import MISSING, dataclass, fields
@@ -23,6 +26,7 @@ from typing import Any
 import torch
 
 from mixtrain._files import atomic_write, fsync_dir
+from mixtrain.errors import InputValueError
 
 
 def _torch_save(obj: Any, f: Any) -> None:
@@ -179,14 +183,67 @@ class CheckpointMeta:
     """The global batch it was trained with: (epoch, step) means these samples only with this batch (0: unknown)."""
     num_samples: int = 0
     """Training samples per epoch it was trained on (0: unknown)."""
+    seed: int | None = None
+    """RunConfig.seed: it fixes the epochs' sample order (and a job's split of its data); None: unknown."""
+    data_fingerprint: str = ""
+    """A hash of the in-memory training data's dtypes, shapes and a few rows ("": unknown, or a Dataset)."""
 
     @classmethod
     def from_manifest(cls, manifest: dict[str, Any]) -> CheckpointMeta:
+        """The manifest's metadata, checked: a value of the wrong type or out of range is a CheckpointError (the
+        checkpoint is skipped), never a TypeError later or a resume at a step that is not in the epoch."""
+        if not isinstance(manifest, dict):
+            raise CheckpointError("its manifest is not a JSON object (malformed)")
         required = [f for f in fields(cls) if f.default is MISSING]
         missing = [f.name for f in required if f.name not in manifest]
         if missing:
             raise CheckpointError(f"its manifest lacks {', '.join(missing)} (malformed)")
-        return cls(**{f.name: manifest[f.name] for f in fields(cls) if f.name in manifest})
+        meta = cls(**{f.name: manifest[f.name] for f in fields(cls) if f.name in manifest})
+        problems = meta._problems()
+        if problems:
+            raise CheckpointError(f"its manifest has {'; '.join(problems)} (malformed)")
+        return meta
+
+    def _problems(self) -> list[str]:
+        out = [
+            f"{name}={value!r}, not an integer >= {low}"
+            for name, value, low in (
+                ("epoch", self.epoch, 0),
+                ("step", self.step, 0),
+                ("global_step", self.global_step, 0),
+                ("num_workers", self.num_workers, 1),
+                ("global_batch", self.global_batch, 0),
+                ("num_samples", self.num_samples, 0),
+            )
+            if not _int_at_least(value, low)
+        ]
+        if self.seed is not None and not _int_at_least(self.seed, 0):
+            out.append(f"seed={self.seed!r}, not an integer >= 0 (or null)")
+        if not (isinstance(self.shares, list) and all(_int_at_least(s, 0) for s in self.shares)):
+            out.append(f"shares={self.shares!r}, not a list of integers >= 0")
+        if not (isinstance(self.workers, list) and all(_str_dict(w) for w in self.workers)):
+            out.append(f"workers={self.workers!r}, not a list of objects of strings")
+        out += [
+            f"{name}={value!r}, not a string"
+            for name, value in (("run_id", self.run_id), ("data_fingerprint", self.data_fingerprint))
+            if not isinstance(value, str)
+        ]
+        if not out and self.global_batch and self.num_samples:
+            num_steps = -(-self.num_samples // self.global_batch)
+            if self.step > num_steps:
+                out.append(
+                    f"step={self.step}, past the end of its epoch ({num_steps} steps of {self.global_batch} in "
+                    f"{self.num_samples} samples)"
+                )
+        return out
+
+
+def _int_at_least(value: Any, low: int) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= low
+
+
+def _str_dict(value: Any) -> bool:
+    return isinstance(value, dict) and all(isinstance(k, str) and isinstance(v, str) for k, v in value.items())
 
 
 STATE = "state.pt"
@@ -216,11 +273,46 @@ def _write_synced(path: Path, write: Callable[[Any], None]) -> None:
         os.fsync(f.fileno())
 
 
+MANIFEST_SHA256 = "manifest_sha256"
+"""The manifest's key for the SHA-256 of its other keys (as canonical JSON): a manifest damaged or edited since
+it was written fails its check like a damaged file (manifests from before it are not checked)."""
+_MANIFEST_MAX_BYTES = 1 << 20
+
+
+def _manifest_digest(manifest: dict[str, Any]) -> str:
+    rest = {key: value for key, value in manifest.items() if key != MANIFEST_SHA256}
+    return hashlib.sha256(json.dumps(rest, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+
+
+def _read_manifest(path: Path) -> Any:
+    """The parsed manifest of the checkpoint folder `path`. Only a regular file of at most 1 MiB is read: never
+    through a symbolic link, and never a pipe or a device (which could block, or never end)."""
+    try:
+        fd = os.open(path / MANIFEST, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+        with os.fdopen(fd, "rb") as f:
+            if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
+                raise CheckpointError(f"{path}: unreadable manifest (not a regular file)")
+            data = f.read(_MANIFEST_MAX_BYTES + 1)
+    except OSError as exc:
+        why = "a symbolic link" if exc.errno == errno.ELOOP else exc.strerror or str(exc)
+        raise CheckpointError(f"{path}: unreadable manifest ({why})") from None
+    if len(data) > _MANIFEST_MAX_BYTES:
+        raise CheckpointError(f"{path}: unreadable manifest (over {_MANIFEST_MAX_BYTES} bytes)")
+    try:
+        return json.loads(data)
+    except (ValueError, RecursionError) as exc:
+        raise CheckpointError(f"{path}: unreadable manifest ({exc})") from None
+
+
 def _files(path: Path, manifest: Any) -> dict[str, dict[str, Any]]:
-    """The manifest's file entries, after checking its shape: a malformed manifest is a CheckpointError (the
-    checkpoint is skipped), never a KeyError."""
+    """The manifest's file entries, after checking its shape and its own hash: a malformed manifest is a
+    CheckpointError (the checkpoint is skipped), never a KeyError."""
     if not isinstance(manifest, dict):
         raise CheckpointError(f"{path}: the manifest is not a JSON object (malformed)")
+    if MANIFEST_SHA256 in manifest and manifest[MANIFEST_SHA256] != _manifest_digest(manifest):
+        raise CheckpointError(f"{path}: the manifest does not match its own SHA-256 (edited or corrupted)")
+    if not _int_at_least(manifest.get("saved_seq", 0), 0):  # else it would sort as the newest, or fail to sort
+        raise CheckpointError(f"{path}: saved_seq={manifest['saved_seq']!r}, not an integer >= 0 (malformed)")
     if manifest.get("format") not in READS:
         raise CheckpointError(f"{path}: format {manifest.get('format')!r}, this mixtrain reads {READS}")
     files = manifest.get("files")
@@ -229,7 +321,7 @@ def _files(path: Path, manifest: Any) -> dict[str, dict[str, Any]]:
     for name, entry in files.items():
         if name not in (STATE, MODEL) or not isinstance(entry, dict):  # a name is never a path elsewhere
             raise CheckpointError(f"{path}: the manifest's entry {name!r} is not one of its files (malformed)")
-        if not isinstance(entry.get("bytes"), int) or not isinstance(entry.get("sha256"), str):
+        if not _int_at_least(entry.get("bytes"), 0) or not isinstance(entry.get("sha256"), str):
             raise CheckpointError(f"{path}: the manifest's entry for {name} lacks its size or hash (malformed)")
     return files
 
@@ -238,48 +330,107 @@ _UNREADABLE = 2**62
 """The save position given to a checkpoint whose manifest cannot be read: tried first, so loading reports it."""
 
 
-def _saved_seq(path: Path) -> int:
-    """The position of a checkpoint in its folder's save order (0: written before positions were kept)."""
+def _saved_seq(path: Path) -> int | None:
+    """The checkpoint's place in its folder's save order (0: written before places were kept); None for what is
+    no checkpoint mixtrain can read: a symbolic link, or a folder whose manifest is unreadable or malformed."""
+    if path.is_symlink():
+        return None
     try:
-        seq = json.loads((path / MANIFEST).read_text()).get("saved_seq", 0)
-    except (OSError, ValueError, AttributeError):
-        return _UNREADABLE
-    return seq if isinstance(seq, int) else _UNREADABLE
+        manifest = _read_manifest(path)
+        _files(path, manifest)
+    except CheckpointError:
+        return None
+    return int(manifest.get("saved_seq", 0))
+
+
+_TMP = ".tmp-"
+"""Prefix of the hidden folders of a checkpoint being written or deleted: loading ignores them, a save removes them."""
+REPLACED = ".replaced"
+"""Suffix of a checkpoint renamed aside while the same step is written again; deleted once the new one is in
+place. A crash before that leaves it, and loading reads it like any other checkpoint."""
+
+
+def _delete(path: Path) -> None:
+    """Remove what mixtrain wrote at `path`; a symbolic link there is unlinked, never followed."""
+    try:
+        if path.is_symlink() or path.is_file():
+            path.unlink()
+        elif path.is_dir():
+            shutil.rmtree(path)
+    except OSError:
+        pass  # what is left is hidden (.tmp-*): the next save tries again
+
+
+def _retire(path: Path) -> bool:
+    """Delete the checkpoint at `path`: renamed to a hidden name first, so a crash while deleting leaves a .tmp-*
+    folder (ignored, removed by the next save), never a half-deleted checkpoint without its manifest."""
+    if path.is_symlink():
+        _delete(path)
+        return not os.path.lexists(path)
+    hidden = path.with_name(f"{_TMP}del-{path.name}-{secrets.token_hex(4)}")
+    try:
+        os.rename(path, hidden)
+        fsync_dir(path.parent)
+    except OSError:
+        return False
+    _delete(hidden)
+    return True
 
 
 class CheckpointStore:
-    """`run_dir/checkpoints/step-000000123/{state.pt, manifest.json}`, the newest `keep` of them.
+    """`run_dir/checkpoints/step-000000123/{model.safetensors, state.pt, manifest.json}`, the newest `keep` of them.
 
     A checkpoint is written into a hidden temporary folder (each file fsynced, the manifest last),
     renamed into place, and the parent folder fsynced: a crash leaves the previous checkpoints and
-    at most a temporary folder, which loading ignores and the next save removes. Loading checks
+    at most a temporary folder, which loading ignores and the next save removes. The same step written
+    again replaces the old one only once the new one is in place (`_put_in_place`). Loading checks
     every file against the manifest's SHA-256 and falls back to the previous checkpoint when the
     newest fails; tensors load with weights_only=True, so a file carrying pickled code is refused.
+    Nothing is written or deleted through a symbolic link.
     """
 
     def __init__(self, run_dir: str | Path, keep: int = 3) -> None:
         if keep < 1:
-            raise ValueError(f"RunConfig.keep_checkpoints={keep}: keep at least 1")
+            raise InputValueError(f"RunConfig.keep_checkpoints={keep}: keep at least 1")
         self.root = Path(run_dir) / "checkpoints"
         self.keep = keep
 
-    def paths(self) -> list[Path]:
-        """Finished checkpoints, newest first: by the order they were saved (a run that went back to an older
-        checkpoint saves lower step numbers after higher ones), then by name (checkpoints from before that)."""
+    def _listing(self) -> list[tuple[Path, int | None]]:
+        """Each `step-*` entry with its place in the save order (None: unreadable), newest first."""
         if not self.root.is_dir():
             return []
-        found = [p for p in self.root.glob("step-*") if p.is_dir()]
-        return sorted(found, key=lambda p: (_saved_seq(p), p.name), reverse=True)
+        found = [(p, _saved_seq(p)) for p in self.root.glob("step-*") if p.is_dir() or p.is_symlink()]
+        return sorted(found, key=lambda e: (_UNREADABLE if e[1] is None else e[1], e[0].name), reverse=True)
+
+    def paths(self) -> list[Path]:
+        """Checkpoints, newest first: by the order they were saved (a run that went back to an older checkpoint
+        saves lower step numbers after higher ones), then by name (checkpoints from before that). One that
+        cannot be read (a symbolic link, an unreadable or malformed manifest) comes first, so loading reports it."""
+        return [path for path, _ in self._listing()]
+
+    def _check_root(self) -> None:
+        """Writes and deletes happen in a folder of the run itself: a `checkpoints` that is a symbolic link (in a
+        run folder someone else made) would point them at files elsewhere."""
+        if self.root.is_symlink():
+            raise InputValueError(
+                f"{self.root} is a symbolic link (to {os.readlink(self.root)}): mixtrain writes and deletes "
+                "checkpoints only in a folder of the run itself; replace the link by a folder, or give a new run "
+                "folder (--run-dir / RunConfig(run_dir=...)) on the disk it pointed to"
+            )
+
+    def _clear_temporary(self) -> None:
+        for stale in self.root.glob(f"{_TMP}*"):  # left by a crash while writing or deleting one
+            _delete(stale)
 
     def save(self, state: dict[str, Any], meta: dict[str, Any]) -> Path:
         """Write `state` (tensors and plain values only) and `meta` (JSON) as checkpoint `meta['global_step']`."""
+        self._check_root()
         self.root.mkdir(parents=True, exist_ok=True)
-        for stale in self.root.glob(".tmp-*"):  # left by a crash between write and rename
-            shutil.rmtree(stale, ignore_errors=True)
+        self._clear_temporary()
         final = self.root / f"step-{int(meta['global_step']):09d}"
-        seqs = [seq for seq in map(_saved_seq, self.paths()) if seq != _UNREADABLE]
+        seqs = [seq for _, seq in self._listing() if seq is not None]
         meta = {**meta, "saved_seq": 1 + max(seqs, default=0)}
-        tmp = Path(tempfile.mkdtemp(dir=self.root, prefix=".tmp-"))
+        tmp = Path(tempfile.mkdtemp(dir=self.root, prefix=_TMP))
         try:
             files = {}
             if isinstance(state.get("model"), dict):  # the weights without pickle; the rest keeps torch.save
@@ -290,45 +441,66 @@ class CheckpointStore:
             _write_synced(tmp / STATE, lambda f: _torch_save(state, f))
             files[STATE] = {"sha256": _sha256(tmp / STATE), "bytes": (tmp / STATE).stat().st_size}
             manifest = {"format": FORMAT, "files": files, **meta}
+            manifest[MANIFEST_SHA256] = _manifest_digest(manifest)
             with open(tmp / MANIFEST, "w") as f:
                 json.dump(manifest, f, indent=1)
                 f.flush()
                 os.fsync(f.fileno())
             fsync_dir(tmp)
-            if final.exists():  # the same step written again (a resumed run): replace it
-                shutil.rmtree(final)
-            os.rename(tmp, final)
+            self._put_in_place(tmp, final)
         except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)
+            _delete(tmp)
             raise
-        fsync_dir(self.root)
         self.prune(self.keep)
         return final
 
+    def _put_in_place(self, tmp: Path, final: Path) -> None:
+        """Rename the finished `tmp` to `final`. A checkpoint already there (the same step written again: a
+        Ctrl-C right after a resume, every resume of a sharded optimizer) is renamed aside first, and deleted
+        only once the new one is in place and the folder synced: a crash at any point leaves a loadable
+        checkpoint of this step, the old one (`step-N.replaced`) or the new one."""
+        aside = final.with_name(final.name + REPLACED)
+        if os.path.lexists(final):
+            if os.path.lexists(aside):  # an older copy of this step, left by a crash before its delete
+                _retire(aside)
+            os.rename(final, aside)
+            try:
+                os.rename(tmp, final)
+            except BaseException:
+                os.rename(aside, final)  # an error, not a crash: the old one back in its place
+                raise
+        else:
+            os.rename(tmp, final)
+        fsync_dir(self.root)
+        if os.path.lexists(aside):  # renamed aside just now, or left by a crash between the two renames
+            _retire(aside)
+
     def prune(self, keep: int) -> list[Path]:
-        """Delete all but the newest `keep` checkpoints (and unfinished temporary ones); returns those deleted."""
-        for stale in self.root.glob(".tmp-*"):
-            shutil.rmtree(stale, ignore_errors=True)
-        old = self.paths()[keep:]
-        for path in old:
-            shutil.rmtree(path, ignore_errors=True)
-        return old
+        """Delete all but the newest `keep` checkpoints (and unfinished temporary folders); returns those deleted.
+        Only checkpoints that can be read count: what cannot be (a crash's leftover from an earlier version, a
+        damaged manifest, a symbolic link) neither takes a good one's place nor is deleted, so the newest good
+        checkpoint always stays."""
+        assert keep >= 1, "the newest good checkpoint is never deleted"
+        self._check_root()
+        self._clear_temporary()
+        good = [path for path, seq in self._listing() if seq is not None]
+        return [path for path in good[keep:] if _retire(path)]
 
     @staticmethod
     def verify(path: Path) -> dict[str, Any]:
         """The manifest of the checkpoint at `path` after checking every file; raises CheckpointError."""
-        try:
-            manifest = json.loads((path / MANIFEST).read_text())
-        except (OSError, ValueError) as exc:
-            raise CheckpointError(f"{path}: unreadable manifest ({exc})") from None
+        manifest = _read_manifest(path)
         for name, entry in _files(path, manifest).items():
             file = path / name
-            if not file.is_file():
-                raise CheckpointError(f"{path}: {name} is missing")
-            size = file.stat().st_size
-            if size != entry["bytes"]:
+            try:
+                info = file.lstat()
+            except OSError:
+                raise CheckpointError(f"{path}: {name} is missing") from None
+            if not stat.S_ISREG(info.st_mode):
+                raise CheckpointError(f"{path}: {name} is not a regular file (a link, a pipe or a device)")
+            if info.st_size != entry["bytes"]:
                 raise CheckpointError(
-                    f"{path}: {name} has {size} bytes, the manifest says {entry['bytes']} (truncated?)"
+                    f"{path}: {name} has {info.st_size} bytes, the manifest says {entry['bytes']} (truncated?)"
                 )
             if _sha256(file) != entry["sha256"]:
                 raise CheckpointError(f"{path}: {name} does not match its SHA-256 in the manifest (corrupted)")
@@ -345,6 +517,10 @@ class CheckpointStore:
                 f"{path}: refused to load {STATE}: it holds more than tensors and plain values "
                 f"(weights_only=True found {str(exc).splitlines()[0][:200]!r}); it was not written by mixtrain"
             ) from None
+        except Exception as exc:  # a file that matches its hash but is no torch file: forged, not damaged
+            raise CheckpointError(f"{path}: {STATE} is not a torch file ({exc})") from None
+        if not isinstance(state, dict) or not isinstance(state.get("model", {}), dict):
+            raise CheckpointError(f"{path}: {STATE} does not hold a training state (malformed)")
         if MODEL in manifest["files"]:
             try:
                 state["model"] = {**_read_safetensors(path / MODEL), **state.get("model", {})}
@@ -360,12 +536,15 @@ class CheckpointStore:
         problems = []
         for path in self.paths():
             try:
+                if path.is_symlink():
+                    raise CheckpointError(f"{path}: a symbolic link, not a checkpoint folder (links are not followed)")
                 state, manifest = self.read(path)
                 if accept is not None:
                     accept(manifest)
             except CheckpointError as exc:
-                problems.append(str(exc))
-                warn(f"checkpoint skipped: {exc}; trying the previous one")
+                why = str(exc) if str(exc).startswith(str(path)) else f"{path}: {exc}"
+                problems.append(why)
+                warn(f"checkpoint skipped: {why}; trying the previous one")
                 continue
             return state, manifest, path
         detail = "; ".join(problems) if problems else "there are none"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import time
 import uuid
 from collections.abc import Callable
@@ -9,6 +10,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, cast
 
+import numpy as np
 import ray
 
 from mixtrain.checkpoint import MANIFEST, CheckpointMeta, CheckpointStore, save_final_weights
@@ -22,7 +24,9 @@ from mixtrain.core.interrupt import GracefulStop
 from mixtrain.core.run_state import RunSettings
 from mixtrain.core.tunables import Tunables
 from mixtrain.core.worker_group import WorkerGroup
-from mixtrain.data.sources import describe
+from mixtrain.data.sampling import Arrays, steps_per_epoch
+from mixtrain.data.sources import Loader, describe, known_length
+from mixtrain.errors import InputValueError
 from mixtrain.observe.progress import ProgressView, plan_table, probe_memory_line
 from mixtrain.observe.runlog import RunLog, check_tensorboard, make_run_dir
 from mixtrain.policies.planner import plan_record, resolve_shares
@@ -155,16 +159,34 @@ class Trainer:
         _, manifest, ckpt_path = resumed
         meta = CheckpointMeta.from_manifest(manifest)
         if (meta.epoch, meta.step) >= (epochs, 0):
-            raise ValueError(
+            raise InputValueError(
                 f"resume={str(resume)!r}: its checkpoint is at epoch {meta.epoch}, step {meta.step}; "
                 f"fit(epochs={epochs}) has nothing left to do: ask for more epochs"
             )
         if meta.global_batch and meta.global_batch != self.global_batch:
-            raise ValueError(
+            raise InputValueError(
                 f"resume={str(resume)!r}: its checkpoint was trained with global_batch={meta.global_batch}, this run "
                 f"asks for {self.global_batch}; step {meta.step} of epoch {meta.epoch} means other samples with "
                 f"another batch. Resume with --global-batch {meta.global_batch} (global_batch={meta.global_batch}), "
                 "or start a new run"
+            )
+        if meta.seed is not None and meta.seed != self.run.seed:
+            raise InputValueError(
+                f"resume={str(resume)!r}: its checkpoint was trained with seed {meta.seed}, this run asks for "
+                f"RunConfig.seed={self.run.seed}; the seed fixes every epoch's sample order (and a job's split into "
+                f"training and held-out data), so step {meta.step} of epoch {meta.epoch} would mean other samples. "
+                f"Resume with --seed {meta.seed} (RunConfig.seed={meta.seed}), or start a new run"
+            )
+        num_samples = known_length(self.train_data)
+        if num_samples is not None:  # else the workers build the data: checked once they have (_restore)
+            _check_same_data(meta, num_samples, self.global_batch, ckpt_path)
+        fingerprint = _data_fingerprint(self.train_data)
+        if meta.data_fingerprint and fingerprint and fingerprint != meta.data_fingerprint:
+            raise InputValueError(
+                f"resume={str(resume)!r}: its checkpoint was trained on other training data (fingerprint "
+                f"{meta.data_fingerprint}, the data now: {fingerprint}, from dtypes, shapes and rows spread over "
+                f"it); step {meta.step} of epoch {meta.epoch} would mean other samples. Resume with the same "
+                "training data, or start a new run"
             )
         if self.run.run_dir is None and self.run.name is None:
             self.run = replace(self.run, run_dir=str(ckpt_path.parent.parent))
@@ -209,6 +231,8 @@ class Trainer:
         scaling = up.ops.group.scaling
         return RunSettings(
             run_id=run_id,
+            seed=self.run.seed,
+            data_fingerprint=_data_fingerprint(self.train_data),
             num_samples=up.num_samples,
             global_batch=self.global_batch,
             steps_per_round=self.run.steps_per_round,
@@ -253,13 +277,9 @@ class Trainer:
             group.tunables.transfer_s(tensor_bytes(state)),  # to every node: a big model over Wi-Fi takes minutes
         )
         meta = CheckpointMeta.from_manifest(manifest)
-        if meta.num_samples and meta.num_samples != up.num_samples:
-            raise ValueError(
-                f"resume: the checkpoint {path} was trained on {meta.num_samples} samples per epoch, the data now has "
-                f"{up.num_samples}; its (epoch {meta.epoch}, step {meta.step}) would point at other samples. Resume "
-                "with the same training data, or start a new run"
-            )
-        if same and group.scaling.balanced and sum(meta.shares) == self.global_batch:
+        _check_same_data(meta, up.num_samples, self.global_batch, path)
+        balanced = same and group.scaling.balanced and len(meta.shares) == len(members)
+        if balanced and sum(meta.shares) == self.global_batch:
             members.set_shares(meta.shares)  # balanced shares continue where they were
         up.ops.reform()
         start = (meta.epoch, meta.step)
@@ -297,8 +317,39 @@ def load_resume(resume: str | Path, warn: Callable[[str], None]) -> Resumed:
         CheckpointMeta.from_manifest(manifest)
         return state, manifest, path
     if not path.is_dir():
-        raise ValueError(f"resume={str(resume)!r}: no such folder; give a run folder or one of its checkpoints")
+        raise InputValueError(f"resume={str(resume)!r}: no such folder; give a run folder or one of its checkpoints")
     return CheckpointStore(path).latest(warn, accept=CheckpointMeta.from_manifest)  # a malformed one: the previous
+
+
+def _check_same_data(meta: CheckpointMeta, num_samples: int, global_batch: int, path: Path) -> None:
+    """The checkpoint's (epoch, step) must mean the same samples now: as many per epoch, a step inside the epoch."""
+    if meta.num_samples and meta.num_samples != num_samples:
+        raise InputValueError(
+            f"resume: the checkpoint {path} was trained on {meta.num_samples} samples per epoch, the data now has "
+            f"{num_samples}; its (epoch {meta.epoch}, step {meta.step}) would point at other samples. Resume "
+            "with the same training data, or start a new run"
+        )
+    num_steps = steps_per_epoch(num_samples, global_batch)
+    if meta.step > num_steps:
+        raise InputValueError(
+            f"resume: the checkpoint {path} continues at step {meta.step} of epoch {meta.epoch}, but an epoch of "
+            f"{num_samples} samples has {num_steps} steps of {global_batch}: it was trained on other data or "
+            "with another batch. Resume with those, or start a new run"
+        )
+
+
+def _data_fingerprint(spec: Arrays | Loader) -> str:
+    """A short hash of in-memory training data: each field's dtype and shape and 16 rows spread over it (cheap
+    however large the data). "" for a Dataset (read on the workers, not here) or arrays of Python objects."""
+    if isinstance(spec, Loader) or any(a.dtype.hasobject for a in spec):
+        return ""
+    n = len(spec[0])
+    rows = np.unique(np.linspace(0, n - 1, num=min(n, 16)).astype(np.int64))
+    digest = hashlib.sha256()
+    for a in spec:
+        digest.update(f"{a.dtype.str}{a.shape}".encode())
+        digest.update(np.ascontiguousarray(a[rows]).tobytes())
+    return digest.hexdigest()[:16]
 
 
 def _run_id(resumed: Resumed | None) -> str:

@@ -126,6 +126,8 @@ def test_nan_from_one_worker_skips_steps_then_stops_naming_it(tmp_path):
 def test_stopped_after_step_k_and_resumed_equals_an_uninterrupted_run(tmp_path):
     # Run 1 epoch, then resume to 2 epochs from its checkpoint; vs 2 epochs straight.
     first, _ = fit(factory("mlp", "adamw"), tmp_path, workers=2, epochs=1)
+    manifest = CheckpointStore(first.run_dir).latest()[1]  # what fixes the sample order, checked on resume
+    assert manifest["seed"] == SEED and len(manifest["data_fingerprint"]) == 16
     resumed, _ = fit(factory("mlp", "adamw"), tmp_path, workers=2, epochs=2, resume=first.run_dir)
     assert resumed.history[0]["epoch"] == 1 and resumed.history[0]["first_step"] == 0
     straight, _ = fit(factory("mlp", "adamw"), tmp_path / "straight", workers=2, epochs=2)

@@ -10,6 +10,10 @@ class RunSettings:
     """What the run was asked to do; fixed for the run (what changes per worker lives in its Member)."""
 
     run_id: str = ""
+    seed: int | None = None
+    """RunConfig.seed, recorded in each checkpoint (None: unknown)."""
+    data_fingerprint: str = ""
+    """The training data's fingerprint (trainer._data_fingerprint), recorded in each checkpoint."""
     num_samples: int
     global_batch: int
     steps_per_round: int | None

@@ -76,6 +76,8 @@ class Checkpoints:
             run_id=self.settings.run_id,
             global_batch=self.settings.global_batch,
             num_samples=self.settings.num_samples,
+            seed=self.settings.seed,
+            data_fingerprint=self.settings.data_fingerprint,
         )
         path = save_making_room(self.store, state, asdict(meta), self.log, self.view, self.last)
         if path is None:

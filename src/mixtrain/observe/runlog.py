@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import re
 import secrets
 import time
@@ -12,6 +13,7 @@ from typing import Any
 
 from mixtrain.config import RunConfig
 from mixtrain.core.rounds import device_samples_per_s, worker_name
+from mixtrain.errors import InputValueError
 
 TENSORBOARD_DIR = "tensorboard"
 
@@ -28,12 +30,16 @@ def new_run_name() -> str:
 def check_new_run_dir(path: Path) -> None:
     """Refuse a folder that already holds a run: its checkpoints, metrics and weights would mix with (or be
     pruned by) this run's. The fix is in the message."""
-    held = [name for name in RUN_FILES if (path / name).exists()]
+    held = [name for name in RUN_FILES if os.path.lexists(path / name)]  # a link counts, even a dangling one
     if held:
-        raise ValueError(
+        raise InputValueError(
             f"run folder {str(path)!r} already holds a run ({', '.join(held)}); continue that run with "
             f"`mixtrain train --resume {path}` (or fit(resume=...)), or give a new --run-dir / RunConfig(run_dir=...)"
         )
+
+
+NEW_NAME_TRIES = 100
+"""Default run names tried before giving up: each has a random suffix, so one clash is already rare."""
 
 
 def make_run_dir(run: RunConfig, resuming: bool = False) -> Path:
@@ -43,15 +49,56 @@ def make_run_dir(run: RunConfig, resuming: bool = False) -> Path:
         path = Path(run.run_dir) if run.run_dir is not None else Path(run.storage_dir) / str(run.name)
         if not resuming:
             check_new_run_dir(path)
-        path.mkdir(parents=True, exist_ok=True)
+        what = f"RunConfig.run_dir={run.run_dir!r}" if run.run_dir is not None else f"RunConfig.name={run.name!r}"
+        _make_folder(path, what)
+        _check_checkpoints_folder(path)
         return path.resolve()
-    while True:  # a default name is never reused, even by a run started at the same moment
-        path = Path(run.storage_dir) / new_run_name()
+    storage = Path(run.storage_dir)
+    _make_folder(storage, f"RunConfig.storage_dir={run.storage_dir!r}")
+    for _ in range(NEW_NAME_TRIES):  # a default name is never reused, even by a run started at the same moment
+        path = storage / new_run_name()
         try:
-            path.mkdir(parents=True, exist_ok=False)
+            path.mkdir()
         except FileExistsError:
             continue
         return path.resolve()
+    raise InputValueError(
+        f"RunConfig.storage_dir={run.storage_dir!r}: {NEW_NAME_TRIES} new run names in a row already existed in "
+        f"{storage}; give a run folder of your own (--run-dir / RunConfig(run_dir=...))"
+    )
+
+
+def _make_folder(path: Path, what: str) -> None:
+    """mkdir -p, and a clear InputValueError where something other than a folder is in the way: mkdir reports a file
+    or a dangling symbolic link there as FileExistsError, which is no name clash."""
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except (FileExistsError, NotADirectoryError):
+        pass
+    else:
+        return
+    blocker = next((p for p in (path, *path.parents) if os.path.lexists(p) and not p.is_dir()), path)
+    if blocker.is_symlink() and not blocker.exists():
+        kind = f"a symbolic link to {os.readlink(blocker)!r}, which does not exist"
+        fix = "remove the link or create the folder it points to"
+    else:
+        kind, fix = "not a folder", "move it away"
+    raise InputValueError(
+        f"{what}: {str(blocker)!r} is {kind}, so the run folder {str(path)!r} cannot be made there; {fix}, or "
+        "give another run folder (--run-dir / RunConfig(run_dir=...) or RunConfig.storage_dir)"
+    )
+
+
+def _check_checkpoints_folder(path: Path) -> None:
+    """A run writes and prunes its checkpoints in a folder of its own: a `checkpoints` link in a run folder
+    (someone else's, or a planted one) would send those writes and deletes elsewhere."""
+    link = path / "checkpoints"
+    if link.is_symlink():
+        raise InputValueError(
+            f"run folder {str(path)!r}: its checkpoints folder is a symbolic link (to {os.readlink(link)!r}); "
+            "mixtrain writes and deletes checkpoints only in a folder of the run itself. Replace the link by a "
+            "folder, or give a new run folder (--run-dir / RunConfig(run_dir=...)) on the disk it pointed to"
+        )
 
 
 def _plain(obj: Any) -> Any:
