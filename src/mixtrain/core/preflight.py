@@ -93,11 +93,12 @@ def check(driver: dict[str, str], reports: Sequence[BuildReport]) -> None:
 
 
 def numerics_verdict(results: Sequence[NumericsResult], reports: Sequence[BuildReport]) -> tuple[list[str], list[int]]:
-    """Lines for the devices whose gradient disagreed with the CPU's, and their ranks."""
+    """Lines for the devices whose gradient disagreed with the CPU's, and their ranks. A NaN error (a NaN or
+    infinite gradient) fails too: it compares false with everything, so it must not be the failing comparison."""
     names = {r.rank: r.device.name for r in reports if r.device is not None}
     lines, bad = [], []
     for res in results:
-        if res.error > res.tolerance:
+        if not res.error <= res.tolerance:
             bad.append(res.rank)
             lines.append(
                 f"worker {res.rank} ({names.get(res.rank, '?')}): gradient differs from the CPU's by "
