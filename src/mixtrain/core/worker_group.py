@@ -25,6 +25,7 @@ from mixtrain.config import ScalingConfig
 from mixtrain.core import warm_workers
 from mixtrain.core.messages import WorkerSetup
 from mixtrain.core.worker import TrainWorker
+from mixtrain.observe import worker_log
 
 
 class WorkerError(RuntimeError):
@@ -62,6 +63,15 @@ def _describe(rank: int, method: str, exc: Exception) -> str:
             "directory), or set PYTHONPATH for the Ray nodes."
         )
     return message
+
+
+def _log_copy(ref: Any) -> tuple[str, str] | None:
+    """A worker's (log file name, its end), or None: its log is in the run folder already, or it died (its
+    file stays on its machine)."""
+    try:
+        return ray.get(ref)
+    except ray.exceptions.RayError:
+        return None
 
 
 class WorkerGroup:
@@ -152,13 +162,9 @@ class WorkerGroup:
             return
         refs = [a.log_text.remote() for a in self.actors]
         ready, _ = ray.wait(refs, num_returns=len(refs), timeout=env_float(SHUTDOWN_WAIT_S))
-        for ref in ready:
-            try:
-                got = ray.get(ref)
-            except ray.exceptions.RayError:
-                continue  # a dead worker: its file stays on its machine
-            if got is not None and not (self.log_dir / got[0]).exists():
-                (self.log_dir / got[0]).write_text(got[1])
+        copies = [got for got in map(_log_copy, ready) if got is not None]
+        if copies:
+            worker_log.save_copies(self.log_dir, copies)
 
     def _make_actor(self, spec: placement.WorkerSpec, rank: int, world_size: int) -> Any:
         """A worker actor in its own bundle of the placement group (the bundle index is its starting rank)."""
