@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -68,10 +68,30 @@ class Task:
         if self.activation_checkpointing:
             recompute_activations(self.model, tuple(self.activation_checkpointing))
 
+    def batch_problem(self, batch: Batch) -> str | None:
+        """Why this task cannot take `batch` (one the data makes), or None. `loss_fn` takes samples (inputs...,
+        target): a dict (a Hugging Face dataset's) would reach the model as its keys, and fail deep inside it."""
+        if self.compute_loss is not None or (isinstance(batch, (tuple, list)) and len(batch) >= 2):
+            return None
+        if isinstance(batch, Mapping):
+            what = f"dicts (keys {', '.join(repr(k) for k in batch)})"
+        elif isinstance(batch, (tuple, list)):
+            what = f"{type(batch).__name__}s of {len(batch)} field, with no target"
+        else:
+            what = f"a {type(batch).__name__}, not (inputs..., target) tuples"
+        return (
+            f"the samples are {what}, but the task gives loss_fn, which calls model(*inputs) on samples "
+            "(inputs..., target). Give compute_loss instead, which gets the whole batch: e.g. "
+            "Task(model=..., optimizer=..., compute_loss=lambda m, b: m(**b).loss) for a Hugging Face model"
+        )
+
     def batch_loss(self, model: torch.nn.Module, batch: Batch) -> torch.Tensor:
         """The mean loss of `batch` under `model` (a replica, or a copy of it for the numerics check)."""
         if self.compute_loss is None:
             assert self.loss_fn is not None
+            problem = self.batch_problem(batch)
+            if problem is not None:  # bring-up checks the training data first; held-out data is checked here
+                raise ValueError(problem)
             *inputs, target = batch
             return self.loss_fn(model(*inputs), target)
         loss = self.compute_loss(model, batch)

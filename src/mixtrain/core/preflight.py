@@ -110,8 +110,12 @@ def numerics_verdict(results: Sequence[NumericsResult], reports: Sequence[BuildR
 def check_data(reports: Sequence[DataReport], infos: Sequence[WorkerInfo]) -> DataReport:
     """Every worker must hold the same data (it may have been built on each machine from its own files):
     the same sample counts and, where built there, the same fingerprint of a few samples. Returns rank 0's
-    report, or raises PreflightError with a table naming each worker and what differs."""
+    report, or raises PreflightError with a table naming each worker and what differs; ValueError when the task
+    cannot take the samples (the same job everywhere: one line)."""
     first = reports[0]
+    problems = [r.problem for r in reports if r.problem]
+    if problems:
+        raise ValueError(problems[0])
     fields = ("num_train", "train_fingerprint", "num_eval", "eval_fingerprint")
     differ = [f for f in fields if any(getattr(r, f) != getattr(first, f) for r in reports)]
     if not differ:
