@@ -441,6 +441,7 @@ class Controller:
         joined = self.ops.admit(self.settings.global_batch)
         for note in joined.refused:
             self.view.log(note)
+            self.log.write("replacement_refused", {"epoch": epoch, "step": step, "reason": note})
         if not joined.workers:
             return
         r = self.roster

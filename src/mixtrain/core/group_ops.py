@@ -25,7 +25,7 @@ from mixtrain.comm import ps_server
 from mixtrain.config import ScalingConfig, StrategyConfig
 from mixtrain.core import preflight
 from mixtrain.core.messages import BuildReport, ProbeResult, WorkerInfo
-from mixtrain.core.worker_group import WorkerGroup
+from mixtrain.core.worker_group import WorkerError, WorkerGroup, error_text
 from mixtrain.policies.decisions import recovery_source
 from mixtrain.task import Task
 
@@ -213,7 +213,9 @@ class GroupOps:
     def admit(self, global_batch: int) -> Joined:
         """Between rounds: replacements whose replica is built (a node that came back, a restarted process)
         pass preflight against rank 0, load the data, are measured, receive rank 0's current training state
-        and join the re-formed group as the last ranks (a sharded optimizer is re-split over all of them)."""
+        and join the re-formed group as the last ranks (a sharded optimizer is re-split over all of them).
+        A replacement lost on the way (its process died, its node left, it stopped answering: a laptop on a
+        flapping Wi-Fi) is stopped and noted, and the others go on; its bundle may get a new one later."""
         joining, refused = self._vet(self.group.poll_replacements(self.task_factory))
         if not joining:
             return Joined([], refused)
@@ -223,25 +225,88 @@ class GroupOps:
         else:
             state_ref = group.actors[0].training_state.remote()  # straight to the replacements, not via the driver
         n = group.num_workers + len(joining)
-        probes = []
-        for spec, actor in joining:
-            ray.get(actor.load_data.remote(*self.data_refs), timeout=wait_s)
-            cap = user_cap(group.scaling, spec)
-            probe = actor.probe.remote(math.ceil(global_batch / n), global_batch, 1.0, cap)
-            probes.append(ray.get(probe, timeout=wait_s))
-            ray.get(actor.load_training_state.remote(state_ref, None), timeout=wait_s)
+        ready: list[tuple[WorkerSpec, Any, ProbeResult]] = []
+        for spec, actor, host in joining:
+            try:
+                ray.get(actor.load_data.remote(*self.data_refs), timeout=wait_s)
+                cap = user_cap(group.scaling, spec)
+                probe = ray.get(actor.probe.remote(math.ceil(global_batch / n), global_batch, 1.0, cap), timeout=wait_s)
+                ray.get(actor.load_training_state.remote(state_ref, None), timeout=wait_s)
+            except ray.exceptions.RayError as exc:
+                refused.append(self._drop(spec, actor, host, exc))
+                continue
+            ready.append((spec, actor, probe))
+        first = group.num_workers
+        if ready:
+            try:
+                self._take_in(ready, state_ref, wait_s)
+            except WorkerError as exc:  # a replacement lost while the group formed with it
+                ready, notes = self._without_lost_newcomers(first, ready, exc, state_ref, wait_s)
+                refused += notes
+        self.start_replacements()  # where one was lost: a new one builds while training goes on
+        infos = group.call("info", timeout_s=wait_s, ranks=list(range(first, group.num_workers)))
+        return Joined([(info, probe) for info, (_, _, probe) in zip(infos, ready)], refused)
+
+    def _take_in(self, ready: list[tuple[WorkerSpec, Any, ProbeResult]], state_ref: Any, wait_s: float) -> None:
+        """The members leave the group, the replacements become the last ranks, and the group forms again."""
+        group = self.group
         group.call("leave", timeout_s=env_float(COLLECTIVE_TIMEOUT_S))
         first = group.num_workers
-        for spec, actor in joining:
+        for spec, actor, _ in ready:
             group.admit(spec, actor)
         if self.shards_optimizer:
             group.call("load_training_state", state_ref, None, timeout_s=wait_s, ranks=range(first))
         self.form()
-        infos = group.call("info", timeout_s=wait_s, ranks=list(range(first, group.num_workers)))
-        return Joined(list(zip(infos, probes)), refused)
 
-    def _vet(self, ready: list[tuple[WorkerSpec, Any, BuildReport]]) -> tuple[list[tuple[WorkerSpec, Any]], list[str]]:
-        """The replacements that pass preflight against rank 0, and a note for each one refused."""
+    def _without_lost_newcomers(
+        self,
+        first: int,
+        ready: list[tuple[WorkerSpec, Any, ProbeResult]],
+        error: WorkerError,
+        state_ref: Any,
+        wait_s: float,
+    ) -> tuple[list[tuple[WorkerSpec, Any, ProbeResult]], list[str]]:
+        """After `error` while taking replacements in: who is gone (every member's pending call ends first, e.g. a
+        rendezvous that waited for the lost one). Replacements (ranks from `first`) that are gone are stopped and
+        noted, and the rest form the group again, each replacement (with a sharded optimizer: everyone) loading
+        the state it was given again, as the failed formation may have used it up. A member that was there
+        before is not this function's to handle: `error` is raised."""
+        group = self.group
+        wait = env_float(RENDEZVOUS_TIMEOUT_S) + env_float(COLLECTIVE_TIMEOUT_S) + 10
+        _, lost = group.call_tolerant("leave", timeout_s=wait, grace_s=wait)
+        if not lost or min(lost) < first:
+            raise error
+        notes = [
+            f"a replacement (rank {r}) was dropped while the group formed with it: {why}" for r, why in lost.items()
+        ]
+        group.drop(sorted(lost), replaceable=True)
+        for spec, actor, _ in ready:
+            if spec not in group.specs:  # lost, or not taken in yet when it failed: its bundle stays open
+                ray.kill(actor)
+        ready = [entry for entry in ready if entry[0] in group.specs]
+        reload = range(group.num_workers) if self.shards_optimizer else range(first, group.num_workers)
+        group.call("load_training_state", state_ref, None, timeout_s=wait_s, ranks=reload)
+        self.form()
+        return ready, notes
+
+    def _drop(self, spec: WorkerSpec, actor: Any, host: str, exc: Exception) -> str:
+        """Stop a replacement that failed while being admitted; returns the note. One that was lost (died, its node
+        left, or silent past the deadline) leaves its bundle open for a new replacement; one that raised is
+        refused for good (it would again)."""
+        text = error_text(exc).strip().splitlines()
+        if isinstance(exc, (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError)):
+            ray.kill(actor)
+            why = "it did not answer in time" if isinstance(exc, ray.exceptions.GetTimeoutError) else "it died"
+            return f"a replacement on {host} was dropped while being admitted: {why} ({text[0][:160] if text else ''})"
+        self.group.discard(spec, actor)
+        return (
+            f"a replacement on {host} was refused: it failed while being admitted: {text[-1][:300] if text else exc!r}"
+        )
+
+    def _vet(
+        self, ready: list[tuple[WorkerSpec, Any, BuildReport]]
+    ) -> tuple[list[tuple[WorkerSpec, Any, str]], list[str]]:
+        """The replacements that pass preflight against rank 0 (with their host), and a note for each one refused."""
         joining, refused = [], []
         for spec, actor, report in ready:
             found = [report.problem] if report.problem else []
@@ -251,5 +316,5 @@ class GroupOps:
                 refused.append(f"a replacement on {report.host} was refused: {'; '.join(found)}")
                 self.group.discard(spec, actor)
                 continue
-            joining.append((spec, actor))
+            joining.append((spec, actor, report.host))
         return joining, refused

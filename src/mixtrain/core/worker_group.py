@@ -53,8 +53,13 @@ def open_stream(actor: Any, *args: Any) -> Any:
     return actor.stream.options(num_returns="streaming", _generator_backpressure_num_objects=STREAM_AHEAD).remote(*args)
 
 
+def error_text(exc: BaseException) -> str:
+    """What a Ray error says, without the terminal colours Ray puts in."""
+    return _ANSI.sub("", str(exc))
+
+
 def _describe(rank: int, method: str, exc: Exception) -> str:
-    text = _ANSI.sub("", str(exc))
+    text = error_text(exc)
     message = f"worker {rank} failed in {method}():\n{text}"
     if "ModuleNotFoundError" in text or "No module named" in text:
         message += (
