@@ -5,6 +5,8 @@ from __future__ import annotations
 import math
 import os
 
+from mixtrain.errors import InputValueError
+
 # (environment variable, default) pairs. Seconds unless the name says otherwise.
 RENDEZVOUS_TIMEOUT_S = ("MIXTRAIN_RENDEZVOUS_TIMEOUT_S", 60.0)
 """How long workers wait for every peer to join the gloo group."""
@@ -53,6 +55,10 @@ PS_START_TIMEOUT_S = ("MIXTRAIN_PS_START_TIMEOUT_S", 120.0)
 """How long the parameter-server actors may take to build their part of the model and answer."""
 
 
+MIN_TIMEOUT_S = 0.001
+"""The shortest time (seconds) a MIXTRAIN_*_S variable may set: 1 ms."""
+
+
 def env_float(pair: tuple[str, float], zero_allowed: bool = False) -> float:
     """The value of an env-var/default pair, with a clear error for a bad value. `zero_allowed`: 0 is a value
     too (a setting that 0 turns off)."""
@@ -63,12 +69,21 @@ def env_float(pair: tuple[str, float], zero_allowed: bool = False) -> float:
     try:
         value = float(raw)
     except ValueError:
-        raise ValueError(f"{name}={raw!r} is not a number; set it to a positive number (default {default})") from None
+        raise InputValueError(
+            f"{name}={raw!r} is not a number; set it to a positive number (default {default})"
+        ) from None
     # float() takes "nan" and "inf": a NaN timeout compares false with everything (a deadline that never
     # passes, a threshold never crossed) and an infinite one waits forever, so both are refused here.
     if not math.isfinite(value) or value < 0 or (value == 0 and not zero_allowed):
         least = "0 or a positive" if zero_allowed else "a positive"
-        raise ValueError(f"{name}={raw!r} must be {least}, finite number (default {default})")
+        raise InputValueError(f"{name}={raw!r} must be {least}, finite number (default {default})")
+    # A timeout under a millisecond becomes a zero timedelta (torch's stores and process groups count in ms),
+    # which c10d may read as "no timeout": the opposite of what a tiny value asks for.
+    if name.endswith("_S") and 0 < value < MIN_TIMEOUT_S:
+        raise InputValueError(
+            f"{name}={raw!r} is under 1 ms, which torch would round to no timeout at all; set it to "
+            f"{MIN_TIMEOUT_S:g} s or more (default {default})"
+        )
     return value
 
 

@@ -74,7 +74,7 @@ def _safetensors_bytes(state_dict: dict[str, Any]) -> bytes:
         extra = json.dumps(other)
     except TypeError:
         bad = next(k for k, v in other.items() if not _json_ok(v))
-        raise ValueError(
+        raise InputValueError(
             f"state_dict entry {bad!r} is a {type(other[bad]).__name__}: a weights file holds tensors (and JSON "
             "values); make it a tensor or a number"
         ) from None

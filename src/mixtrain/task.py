@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.utils.checkpoint
+
+from mixtrain.errors import InputTypeError, InputValueError
 
 Batch = Any
 """Whatever the collate function makes: a tuple (inputs..., target) for tensor data, or dicts (Hugging Face
@@ -49,35 +51,55 @@ class Task:
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, torch.nn.Module):
-            raise TypeError(f"Task.model must be a torch.nn.Module, got {type(self.model).__name__}")
+            raise InputTypeError(f"Task.model must be a torch.nn.Module, got {type(self.model).__name__}")
         if not isinstance(self.optimizer, torch.optim.Optimizer):
-            raise TypeError(f"Task.optimizer must be a torch.optim.Optimizer, got {type(self.optimizer).__name__}")
+            raise InputTypeError(f"Task.optimizer must be a torch.optim.Optimizer, got {type(self.optimizer).__name__}")
         if self.loss_fn is None and self.compute_loss is None:
-            raise TypeError("Task needs loss_fn(output, target) or compute_loss(model, batch): give one of them")
+            raise InputTypeError("Task needs loss_fn(output, target) or compute_loss(model, batch): give one of them")
         for name in ("loss_fn", "compute_loss", "metrics"):
             if getattr(self, name) is not None and not callable(getattr(self, name)):
-                raise TypeError(f"Task.{name} must be callable")
+                raise InputTypeError(f"Task.{name} must be callable")
         if self.max_grad_norm is not None and not (
             isinstance(self.max_grad_norm, (int, float))
             and math.isfinite(self.max_grad_norm)
             and self.max_grad_norm > 0
         ):
-            raise ValueError(
+            raise InputValueError(
                 f"Task.max_grad_norm={self.max_grad_norm!r}: must be a number > 0, or None for no clipping"
             )
         if self.activation_checkpointing:
             recompute_activations(self.model, tuple(self.activation_checkpointing))
 
+    def batch_problem(self, batch: Batch) -> str | None:
+        """Why this task cannot take `batch` (one the data makes), or None. `loss_fn` takes samples (inputs...,
+        target): a dict (a Hugging Face dataset's) would reach the model as its keys, and fail deep inside it."""
+        if self.compute_loss is not None or (isinstance(batch, (tuple, list)) and len(batch) >= 2):
+            return None
+        if isinstance(batch, Mapping):
+            what = f"dicts (keys {', '.join(repr(k) for k in batch)})"
+        elif isinstance(batch, (tuple, list)):
+            what = f"{type(batch).__name__}s of {len(batch)} field, with no target"
+        else:
+            what = f"a {type(batch).__name__}, not (inputs..., target) tuples"
+        return (
+            f"the samples are {what}, but the task gives loss_fn, which calls model(*inputs) on samples "
+            "(inputs..., target). Give compute_loss instead, which gets the whole batch: e.g. "
+            "Task(model=..., optimizer=..., compute_loss=lambda m, b: m(**b).loss) for a Hugging Face model"
+        )
+
     def batch_loss(self, model: torch.nn.Module, batch: Batch) -> torch.Tensor:
         """The mean loss of `batch` under `model` (a replica, or a copy of it for the numerics check)."""
         if self.compute_loss is None:
             assert self.loss_fn is not None
+            problem = self.batch_problem(batch)
+            if problem is not None:  # bring-up checks the training data first; held-out data is checked here
+                raise InputValueError(problem)
             *inputs, target = batch
             return self.loss_fn(model(*inputs), target)
         loss = self.compute_loss(model, batch)
         if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
             got = f"a tensor of shape {tuple(loss.shape)}" if isinstance(loss, torch.Tensor) else type(loss).__name__
-            raise TypeError(
+            raise InputTypeError(
                 f"Task.compute_loss returned {got}; it must return the MEAN loss over the batch as a scalar "
                 "tensor (e.g. `return out.loss`, or `loss.mean()` for per-sample losses)"
             )
@@ -107,13 +129,13 @@ def recompute_activations(model: torch.nn.Module, types: tuple[type[torch.nn.Mod
     """Every submodule of `types` recomputes its activations in backward (Task.activation_checkpointing)."""
     bad = [t for t in types if not (isinstance(t, type) and issubclass(t, torch.nn.Module))]
     if bad:
-        raise TypeError(
+        raise InputTypeError(
             f"Task.activation_checkpointing={types!r}: give module classes, e.g. (nn.TransformerEncoderLayer,)"
         )
     found = [m for m in model.modules() if isinstance(m, types) and type(m) not in _RECOMPUTED.values()]
     if not found and not any(type(m) in _RECOMPUTED.values() for m in model.modules()):
         kinds = sorted({type(m).__name__ for m in model.modules()})
-        raise ValueError(
+        raise InputValueError(
             f"Task.activation_checkpointing={[t.__name__ for t in types]}: the model has no such module; "
             f"its module types are {', '.join(kinds)}"
         )
@@ -125,7 +147,7 @@ def build_task(factory: Callable[[], Task]) -> Task:
     """Call the user's factory and check what it returned."""
     task = factory()
     if not isinstance(task, Task):
-        raise TypeError(
+        raise InputTypeError(
             f"the task factory returned {type(task).__name__}; it must return mixtrain.Task(model=..., "
             "optimizer=..., loss_fn=...) or Task(model=..., optimizer=..., compute_loss=...)"
         )

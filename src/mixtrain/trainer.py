@@ -26,7 +26,7 @@ from mixtrain.core.tunables import Tunables
 from mixtrain.core.worker_group import WorkerGroup
 from mixtrain.data.sampling import Arrays, steps_per_epoch
 from mixtrain.data.sources import Loader, describe, known_length
-from mixtrain.errors import InputValueError
+from mixtrain.errors import InputTypeError, InputValueError
 from mixtrain.observe.progress import ProgressView, plan_table, probe_memory_line
 from mixtrain.observe.runlog import RunLog, check_tensorboard, make_run_dir
 from mixtrain.policies.planner import plan_record, resolve_shares
@@ -58,18 +58,18 @@ class Trainer:
         strategy: str | StrategyConfig = "allreduce",
     ) -> None:
         if not callable(task_factory):
-            raise TypeError(
+            raise InputTypeError(
                 "task_factory must be a callable that returns mixtrain.Task(model=..., optimizer=..., loss_fn=...)"
             )
         if not isinstance(global_batch, int) or global_batch < 1:
-            raise ValueError(f"global_batch={global_batch!r}: must be an integer >= 1")
+            raise InputValueError(f"global_batch={global_batch!r}: must be an integer >= 1")
         if isinstance(strategy, str):
             strategy = StrategyConfig(name=cast(StrategyName, strategy))  # checks the name
         if not isinstance(strategy, StrategyConfig):
-            raise TypeError(f"strategy={strategy!r}: give a name or a mixtrain.StrategyConfig")
+            raise InputTypeError(f"strategy={strategy!r}: give a name or a mixtrain.StrategyConfig")
         scaling = scaling or ScalingConfig()
         if scaling.shard_optimizer is not False and strategy.name != "allreduce":
-            raise ValueError(
+            raise InputValueError(
                 f"ScalingConfig.shard_optimizer with strategy={strategy.name!r}: a sharded optimizer needs "
                 "strategy='allreduce' (parameter servers already keep the optimizer off the workers; local SGD "
                 "steps a whole optimizer on each worker)"
@@ -92,7 +92,7 @@ class Trainer:
         RunConfig names another. Ctrl-C (or SIGTERM) stops at the next round boundary with a checkpoint and
         raises TrainingInterrupted, whose message is the resume command; a second one stops at once."""
         if not isinstance(epochs, int) or epochs < 1:
-            raise ValueError(f"epochs={epochs!r}: must be an integer >= 1")
+            raise InputValueError(f"epochs={epochs!r}: must be an integer >= 1")
         t_start = time.perf_counter()
         warnings: list[str] = []
         resumed = self._load_resume(resume, epochs, warnings) if resume is not None else None

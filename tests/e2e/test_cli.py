@@ -491,3 +491,48 @@ def test_a_second_ctrl_c_stops_at_once_and_the_last_checkpoint_stays_intact(tmp_
     for path in store.paths():
         store.verify(path)
     assert _processes_left(proc.pid) == []
+
+
+FAILING_JOBS = """
+import torch
+from torch import nn
+
+import mixtrain
+
+
+def raising_task():
+    raise RuntimeError("boom from the job's task factory")
+
+
+def nan_task():
+    model = nn.Linear(2, 2)
+    return mixtrain.Task(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+                         loss_fn=lambda out, y: nn.functional.cross_entropy(out, y) * float("nan"))
+
+
+def job(task) -> mixtrain.Job:
+    x = torch.randn(256, 2, generator=torch.Generator().manual_seed(0))
+    return mixtrain.Job(task, (x, (x[:, 0] > 0).long()), global_batch=32, epochs=3)
+
+
+def raising_job() -> mixtrain.Job:
+    return job(raising_task)
+
+
+def nan_job() -> mixtrain.Job:
+    return job(nan_task)
+"""
+
+
+@pytest.mark.parametrize("job,says", [("raising_job", "boom from the job's task factory"), ("nan_job", "NaN or Inf")])
+def test_a_run_that_fails_leaves_nothing_running(tmp_path, job, says):
+    # README ("Nothing lost"): nothing is left running afterwards, on any error, not only after a Ctrl-C: the
+    # embedded Ray's processes and the workers are gone when the command returns
+    (tmp_path / "failing.py").write_text(FAILING_JOBS)
+    proc = subprocess.Popen(
+        [MIXTRAIN, "train", f"failing:{job}", "--workers", "1", "--run-dir", "run", "--quiet"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=tmp_path, start_new_session=True,
+    )  # fmt: skip
+    _, err = proc.communicate(timeout=300)
+    assert proc.returncode == 1 and says in err, err[-3000:]
+    assert _processes_left(proc.pid, within=5.0) == []

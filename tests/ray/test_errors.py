@@ -100,3 +100,23 @@ def test_workers_that_build_different_models_are_refused_naming_the_parameter_an
     text = str(info.value)
     assert "its model differs from worker" in text and "0.weight is (" in text, text
     assert "(48, 20) float32" in text and "(32, 20) float32" in text, text
+
+
+def test_dict_samples_with_loss_fn_are_refused_before_any_step_with_the_fix(tmp_path):
+    # a Hugging Face dataset's dicts and a task with loss_fn: the worker called model(*batch) with the dict's
+    # keys, and the user saw "linear(): argument 'input' must be Tensor, not str" from deep inside the model
+    from tests.datasets import DictSamples
+
+    x, y = data("mlp", 64)
+    trainer = Trainer(
+        factory("mlp", "sgd"),
+        DictSamples(x, y),
+        global_batch=16,
+        run=RunConfig(run_dir=str(tmp_path), progress=False),
+    )
+    with pytest.raises(ValueError) as info:
+        trainer.fit()
+    message = str(info.value)
+    assert "\n" not in message and "the samples are dicts (keys 'x', 'y')" in message, message
+    assert "compute_loss=lambda m, b: m(**b).loss" in message and "Tensor, not str" not in message
+    assert not (tmp_path / "checkpoints").exists() or not any((tmp_path / "checkpoints").iterdir())

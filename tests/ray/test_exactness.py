@@ -16,16 +16,17 @@ NUM_SAMPLES = 64 * 29 + 20  # 30 steps; the last one is a partial batch of 20
 SEED = 7
 
 
-def reference(model: str, opt: str, x: torch.Tensor, y: torch.Tensor) -> dict[str, torch.Tensor]:
-    """Plain single-process PyTorch: batch 64 in the epoch's sample order."""
+def reference(model: str, opt: str, x: torch.Tensor, y: torch.Tensor, epochs: int = 1) -> dict[str, torch.Tensor]:
+    """Plain single-process PyTorch: batch 64 in each epoch's sample order."""
     torch.manual_seed(SEED)
     task = make_task(model, opt)
-    perm = torch.from_numpy(epoch_permutation(SEED, 0, len(y)))
-    for step in range(steps_per_epoch(len(y), GLOBAL_BATCH)):
-        idx = perm[step * GLOBAL_BATCH : (step + 1) * GLOBAL_BATCH]
-        task.optimizer.zero_grad()
-        task.loss_fn(task.model(x[idx]), y[idx]).backward()
-        task.optimizer.step()
+    for epoch in range(epochs):
+        perm = torch.from_numpy(epoch_permutation(SEED, epoch, len(y)))
+        for step in range(steps_per_epoch(len(y), GLOBAL_BATCH)):
+            idx = perm[step * GLOBAL_BATCH : (step + 1) * GLOBAL_BATCH]
+            task.optimizer.zero_grad()
+            task.loss_fn(task.model(x[idx]), y[idx]).backward()
+            task.optimizer.step()
     return task.model.state_dict()
 
 

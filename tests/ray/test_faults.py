@@ -3,6 +3,8 @@ worker, and checkpoints that resume exactly. Training must go on (or stop with t
 match single-process training, leave only checkpoints that verify, and never hang."""
 
 import functools
+import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -10,6 +12,8 @@ import torch
 from mixtrain import RunConfig, ScalingConfig, StrategyConfig, Trainer
 from mixtrain.checkpoint import CheckpointStore
 from mixtrain.core.controller import TrainingStopped
+from mixtrain.core.worker import TrainWorker
+from mixtrain.core.worker_group import WorkerGroup
 from tests.conftest import run_records
 from tests.models import data, factory, faulty_task, with_a_slow_first_step
 from tests.ray.test_exactness import GLOBAL_BATCH, NUM_SAMPLES, SEED, assert_same_weights, reference
@@ -103,6 +107,75 @@ def test_a_replacement_rejoins_at_a_round_boundary_with_the_current_state(tmp_pa
     assert joined["step"] > 4 and joined["worker"]["pid"] not in [w["pid"] for w in result.workers]
     assert_same_weights(result.state_dict, reference("mlp", "sgd", x, y))
     all_checkpoints_verify(result.run_dir)
+
+
+class DiesOnceWhenAdmitted(TrainWorker):
+    """A replacement (started outside the group, rank -1) whose process dies the first time it is in
+    `DIE_IN` (a laptop on a flapping Wi-Fi). It takes along the marker that faulty_task's survivors wait on, so
+    they wait for the next replacement, which joins. Its files are next to the run folder."""
+
+    DIE_IN = ""
+
+    def _setup(self, setup):
+        super()._setup(setup)
+        self._folder = Path(setup.log_to[0]).parent.parent if setup.log_to and setup.rank < 0 else None
+
+    def _die_once_in(self, method):
+        if self._folder is not None and method == self.DIE_IN and not (self._folder / "died").exists():
+            (self._folder / "died").touch()
+            (self._folder / "fired.replacement").unlink()
+            os._exit(1)
+
+    def load_data(self, *args):
+        self._die_once_in("load_data")
+        return super().load_data(*args)
+
+    def join(self, *args):
+        self._die_once_in("join")
+        return super().join(*args)
+
+
+class DiesInLoadData(DiesOnceWhenAdmitted):
+    DIE_IN = "load_data"
+
+
+class DiesInJoin(DiesOnceWhenAdmitted):
+    DIE_IN = "join"
+
+
+@pytest.mark.parametrize("worker_cls", [DiesInLoadData, DiesInJoin], ids=["loading-data", "forming-the-group"])
+def test_a_replacement_that_dies_while_being_admitted_is_dropped_and_training_goes_on(
+    tmp_path, monkeypatch, worker_cls
+):
+    # Worker 1 is SIGKILLed at its 5th step; its replacement's process dies while being admitted (Ray's
+    # RayActorError once escaped GroupOps.admit and ended the run). It is dropped with a note, the two others
+    # go on, and the next replacement joins; still single-process training.
+    monkeypatch.setenv("MIXTRAIN_RENDEZVOUS_TIMEOUT_S", "10")  # the survivors' wait for a peer that died joining
+
+    class Group(WorkerGroup):
+        pass
+
+    Group.worker_cls = worker_cls
+
+    class DyingReplacements(Trainer):
+        worker_group_cls = Group
+
+    x, y = data("mlp", NUM_SAMPLES)
+    task = functools.partial(faulty_task, "mlp", "sgd", "kill", 1, 5, str(tmp_path / "fired"), 0.0, 3)
+    result = DyingReplacements(
+        task,
+        (x, y),
+        global_batch=GLOBAL_BATCH,
+        scaling=ScalingConfig(num_workers=3, cpus_per_worker=0.5, leave_out_slow=False),
+        run=RunConfig(run_dir=str(tmp_path / "run"), seed=SEED, steps_per_round=2, progress=False),
+    ).fit(epochs=2)  # room for two replacements, one after the other, on a loaded machine
+    assert (tmp_path / "died").exists()
+    [dropped] = run_records(result.run_dir, "replacement_refused")
+    assert "dropped while" in dropped["reason"], dropped
+    widths = [len(r["shares"]) for r in result.history]
+    assert widths[0] == 3 and 2 in widths and widths[-1] == 3, widths
+    assert len(run_records(result.run_dir, "rejoined")) == 1
+    assert_same_weights(result.state_dict, reference("mlp", "sgd", x, y, epochs=2))
 
 
 def test_failure_budget_spent_stops_with_an_intact_checkpoint(tmp_path):

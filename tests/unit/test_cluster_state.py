@@ -4,6 +4,7 @@ recorded process-group id held by an unrelated program, which must never be sign
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -132,3 +133,28 @@ def test_a_group_whose_leader_exited_is_still_stopped(home, capsys):
     finally:
         if orphan.is_running():
             orphan.kill()
+
+
+def test_a_mixtrain_home_of_ours_that_others_can_enter_is_made_private_again(tmp_path, monkeypatch):
+    import stat
+
+    folder = tmp_path / "dot-mixtrain"
+    folder.mkdir(mode=0o755)
+    os.chmod(folder, 0o777)  # made by hand, or loosened later: anyone could plant cluster.json there
+    monkeypatch.setenv("MIXTRAIN_HOME", str(folder))
+    assert state.home() == folder and stat.S_IMODE(os.stat(folder).st_mode) == 0o700
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="making a folder another user's needs root")
+def test_a_mixtrain_home_another_user_owns_is_refused_and_nothing_signalled(tmp_path, monkeypatch, unrelated, capsys):
+    folder = tmp_path / "theirs"
+    folder.mkdir(mode=0o700)
+    monkeypatch.setenv("MIXTRAIN_HOME", str(folder))
+    _write(folder, pgid=unrelated.pid, boot_id=state.boot_id(), started_at=state.start_time(unrelated.pid))
+    os.chown(folder, 12345, 12345)  # its owner wrote a record naming a process of ours
+    with pytest.raises(state.ClusterError, match=r"theirs \(MIXTRAIN_HOME\) belongs to user id 12345, not to you"):
+        state.home()
+    assert main(["cluster", "down"]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "Set MIXTRAIN_HOME to a folder of your own" in err, err
+    assert unrelated.poll() is None  # not signalled

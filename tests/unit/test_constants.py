@@ -24,3 +24,15 @@ def test_good_bad_and_missing_values(monkeypatch):
         monkeypatch.setenv(COLLECTIVE_TIMEOUT_S[0], raw)
         with pytest.raises(ValueError, match="MIXTRAIN_COLLECTIVE_TIMEOUT_S"):
             env_float(COLLECTIVE_TIMEOUT_S)
+
+
+@pytest.mark.parametrize("raw", ["0.0009", "1e-7", "5e-324"])
+def test_a_timeout_under_a_millisecond_is_refused_naming_the_variable_and_the_fix(monkeypatch, raw):
+    # timedelta(seconds=0.0004) is 0 ms to torch's store and process group, which c10d may read as no timeout
+    monkeypatch.setenv(COLLECTIVE_TIMEOUT_S[0], raw)
+    with pytest.raises(ValueError, match=rf"MIXTRAIN_COLLECTIVE_TIMEOUT_S='{raw}' is under 1 ms.*0\.001 s or more"):
+        env_float(COLLECTIVE_TIMEOUT_S)
+    monkeypatch.setenv(COLLECTIVE_TIMEOUT_S[0], "0.001")
+    assert env_float(COLLECTIVE_TIMEOUT_S) == 0.001
+    monkeypatch.setenv("MIXTRAIN_BUCKET_MB", "0.0005")  # not a time: small is allowed
+    assert env_float(("MIXTRAIN_BUCKET_MB", 25.0)) == 0.0005

@@ -289,3 +289,120 @@ def test_cluster_up_on_a_mac_recommends_the_desktop_as_head(monkeypatch, capsys,
         monkeypatch.setattr(platform, "system", lambda s=system: s)
         assert main(["cluster", "up"]) == 0
         assert (headnode.MAC_HEAD_ADVICE in capsys.readouterr().out) is advised
+
+
+@pytest.fixture
+def fake_head(tmp_path, monkeypatch):
+    """`cluster up` with its outside calls faked: `ray start` is a real process leading its own group (`sleep`),
+    the head answers at once. Yields the spawned processes."""
+    import subprocess
+
+    monkeypatch.setenv("MIXTRAIN_HOME", str(tmp_path / "home"))
+    spawned: list[subprocess.Popen] = []
+
+    def spawn(args, env, log):
+        spawned.append(subprocess.Popen(["sleep", "60"], start_new_session=True))
+        return spawned[-1]
+
+    class Gcs:
+        def internal_kv_put(self, *args, **kwargs) -> None:
+            pass
+
+    monkeypatch.setattr(headnode, "_spawn", spawn)
+    monkeypatch.setattr(headnode, "apply_auth_env", lambda env: None)  # not this test process's Ray settings
+    monkeypatch.setattr(headnode, "check_reachable", lambda address, timeout_s=None: None)
+    monkeypatch.setattr(headnode, "_gcs", lambda address: Gcs())
+    monkeypatch.setattr(headnode, "prove_token_required", lambda address, token: None)
+    yield spawned
+    for proc in spawned:
+        proc.kill()
+        proc.wait()
+
+
+def _up():
+    return headnode.up(port=6379, interface=None, node_ip="10.0.0.1", num_cpus=None, temp_dir=None)
+
+
+@pytest.mark.parametrize("fails", ["token check", "record"])
+def test_a_failed_up_stops_the_head_and_keeps_the_token_this_machine_had(fake_head, monkeypatch, fails):
+    # the kept token may be another head's (this machine joined it before): a failed `up` must not rotate it,
+    # and a head whose start could not be recorded must not keep running where `down` cannot find it
+    auth.write_token(TOKEN)
+    if fails == "token check":
+        boom = headnode.ClusterError("token authentication is NOT enforced")
+        monkeypatch.setattr(headnode, "prove_token_required", lambda address, token: (_ for _ in ()).throw(boom))
+    else:
+        monkeypatch.setattr(headnode, "record", lambda **kw: (_ for _ in ()).throw(OSError(28, "No space left")))
+    with pytest.raises((headnode.ClusterError, OSError)):
+        _up()
+    [proc] = fake_head
+    assert proc.wait(timeout=30) is not None  # stopped
+    assert auth.token_path().read_text() == TOKEN and headnode.load_state() is None
+    assert [p.name for p in auth.token_path().parent.glob("auth_token*")] == ["auth_token"]
+
+
+def test_a_good_up_keeps_the_heads_token_once_it_is_recorded(fake_head):
+    auth.write_token(TOKEN)
+    state = _up()
+    [proc] = fake_head
+    assert proc.poll() is None and state.pgid == proc.pid and headnode.load_state() == state
+    kept = auth.token_path().read_text()
+    assert kept != TOKEN and kept == (auth.token_path().parent / headnode.HEAD_TOKEN).read_text()
+    assert stat.S_IMODE(os.stat(auth.token_path()).st_mode) == 0o600
+
+
+def _hanging_gcs() -> tuple[grpc.Server, str, object]:
+    """A gRPC server that gives a cluster id (so Ray's client connects) and then never answers a KV call:
+    a GCS that accepted the connection and hangs."""
+    import threading
+
+    from ray.core.generated import gcs_service_pb2
+
+    release = threading.Event()
+
+    def cluster_id(request: bytes, context: grpc.ServicerContext) -> bytes:
+        return gcs_service_pb2.GetClusterIdReply(cluster_id=os.urandom(28)).SerializeToString()
+
+    def hang(request: bytes, context: grpc.ServicerContext) -> bytes:
+        release.wait(120)
+        return b""
+
+    handlers = [
+        grpc.method_handlers_generic_handler(
+            "ray.rpc.NodeInfoGcsService", {"GetClusterId": grpc.unary_unary_rpc_method_handler(cluster_id)}
+        ),
+        grpc.method_handlers_generic_handler(
+            "ray.rpc.InternalKVGcsService",
+            {name: grpc.unary_unary_rpc_method_handler(hang) for name in ("InternalKVGet", "InternalKVPut")},
+        ),
+    ]
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=4), handlers=handlers)
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    return server, f"127.0.0.1:{port}", release
+
+
+def test_gcs_key_value_calls_give_up_after_the_connect_timeout(monkeypatch):
+    import threading
+
+    monkeypatch.setenv("MIXTRAIN_CONNECT_TIMEOUT_S", "1")
+    server, address, release = _hanging_gcs()
+    outcomes: list[BaseException | None] = []
+
+    def call(what) -> None:
+        try:
+            what(address)
+            outcomes.append(None)
+        except BaseException as exc:  # whatever it is, it must come
+            outcomes.append(exc)
+
+    try:
+        for what in (headnode.head_card, lambda address: headnode._put_card(address)):
+            thread = threading.Thread(target=call, args=(what,), daemon=True)
+            thread.start()
+            thread.join(timeout=15)
+            assert not thread.is_alive(), "a key-value call waited on a hanging GCS for more than 15 s"
+        assert all(exc is not None and "Deadline" in str(exc) for exc in outcomes), outcomes
+    finally:
+        release.set()  # type: ignore[attr-defined]
+        server.stop(None)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import replace
 
 import pytest
@@ -72,6 +73,13 @@ def test_numerics_verdict_names_the_device():
     assert lines == [
         "worker 1 (Apple M2 GPU (MPS)): gradient differs from the CPU's by 3.00e-01 (relative L2; tolerance 1e-03)"
     ]
+
+
+def test_a_nan_gradient_fails_the_numerics_check():
+    # NaN compares false with everything: `error > tolerance` let a device with NaN gradients pass
+    results = [NumericsResult(rank=r, error=e, tolerance=1e-3) for r, e in ((0, 0.0), (1, math.nan))]
+    lines, bad = preflight.numerics_verdict(results, [report(0), report(1)])
+    assert bad == [1] and "by nan" in lines[0], lines
 
 
 def test_backend_follows_the_device_set():

@@ -39,3 +39,68 @@ def test_a_worker_left_out_confirmed_and_taken_back_is_in_the_summary(tmp_path):
     assert "  left out CPU on 10.0.0.3: measured: faster without it" in summary
     assert "  leaving out CPU on 10.0.0.3 confirmed: without it 160, with it 90" in summary
     assert "  took back CPU on 10.0.0.3: taking it back" in summary
+
+
+def _a_run(run_dir):
+    workers = [{"samples": 64, "compute_s": 0.3, "wait_s": 0.0, "comm_s": 0.1}]
+    rounds = [
+        {"kind": "round", "time": 100.0 + t, "epoch": 0, "first_step": t, "num_steps": 1, "samples": 64,
+         "loss": 1.0, "samples_per_s": 160.0, "wall_s": 0.4, "shares": [64], "workers": workers}
+        for t in range(3)
+    ]  # fmt: skip
+    run_dir.mkdir(exist_ok=True)
+    (run_dir / "config.json").write_text(json.dumps({"num_samples": 192, "global_batch": 64, "epochs": 1}))
+    (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rounds))
+
+
+def test_report_never_writes_through_symlinks_planted_in_the_run_folder(tmp_path, capsys):
+    # someone else's run folder: its owner planted links to files of whoever runs `mixtrain report` on it
+    import os
+
+    from mixtrain.cli.main import main
+
+    run = tmp_path / "theirs"
+    _a_run(run)
+    victims = {name: tmp_path / f"victim-{name}" for name in ("summary.txt", "loss.png")}
+    for victim in victims.values():
+        victim.write_text("keep me")
+    (run / "report").mkdir()
+    for name, victim in victims.items():
+        (run / "report" / name).symlink_to(victim)
+    (run / "report" / "shares.png").symlink_to(tmp_path / "not-there")  # dangling: would be created
+    report = write_report(run)
+    assert all(victim.read_text() == "keep me" for victim in victims.values())
+    assert not (tmp_path / "not-there").exists()
+    for name in ("summary.txt", "loss.png", "shares.png", "throughput.png"):
+        path = run / "report" / name
+        assert path in report.files and not path.is_symlink() and os.stat(path).st_mode & 0o077 == 0
+
+    # report/ itself a link to a folder elsewhere: refused with one line, nothing written there
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    for folder in (run / "report", tmp_path / "out"):
+        if folder.exists():
+            for path in folder.iterdir():
+                path.unlink()
+            folder.rmdir()
+        folder.symlink_to(elsewhere)
+    assert main(["report", str(run)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"{run / 'report'} is a symlink (to {elsewhere}); refusing" in err, err
+    assert main(["report", str(run), "--out", str(tmp_path / "out")]) == 2
+    assert "out is a symlink" in capsys.readouterr().err and list(elsewhere.iterdir()) == []
+
+
+def test_a_folder_swapped_for_a_symlink_after_it_was_opened_is_not_followed(tmp_path):
+    from mixtrain._files import PrivateFolder
+
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    with PrivateFolder(tmp_path / "report") as folder:
+        (tmp_path / "report").rename(tmp_path / "moved")  # between the check and the writes
+        (tmp_path / "report").symlink_to(elsewhere)
+        folder.write("summary.txt", lambda f: f.write(b"text"))
+        assert folder.create("worker-0.log", b"log") and not folder.create("worker-0.log", b"again")
+    assert list(elsewhere.iterdir()) == []
+    assert (tmp_path / "moved" / "summary.txt").read_bytes() == b"text"
+    assert (tmp_path / "moved" / "worker-0.log").read_bytes() == b"log"

@@ -183,3 +183,19 @@ def test_a_tensor_source_keeps_the_zero_copy_path_and_narrows_float64_for_mps():
     assert TensorSource(arrays, supports_float64=False).fields[0].dtype == torch.float32
     _, y = TensorSource(arrays).read(0, np.array([3, 1]))
     assert y.tolist() == [3, 1]
+
+
+def test_loss_fn_with_samples_that_are_not_input_target_tuples_says_to_give_compute_loss():
+    task = linear_task(loss_fn=nn.functional.cross_entropy)
+    x, y = torch.randn(2, 4), torch.tensor([0, 1])
+    assert task.batch_problem((x, y)) is None and task.batch_problem([x, y]) is None
+    for batch, what in (
+        ({"input_ids": x, "labels": y}, "dicts (keys 'input_ids', 'labels')"),
+        ((x,), "tuples of 1 field, with no target"),
+        (x, "a Tensor, not (inputs..., target) tuples"),
+    ):
+        problem = task.batch_problem(batch)
+        assert problem is not None and what in problem and "compute_loss=lambda m, b: m(**b).loss" in problem
+        with pytest.raises(ValueError, match="Give compute_loss instead"):
+            task.batch_loss(task.model, batch)  # held-out batches too: one line, not an error inside the model
+    assert linear_task(compute_loss=lambda m, b: m(b["x"]).sum()).batch_problem({"x": x}) is None

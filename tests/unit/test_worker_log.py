@@ -58,3 +58,40 @@ def test_a_folder_another_user_made_or_a_symlink_is_not_used(tmp):
     theirs.symlink_to(tmp / "elsewhere")
     path = worker_log.log_path("/runs/b/logs", "driver-node", "this-node", "worker-1.log")
     assert not path.is_relative_to(theirs) and not (tmp / "elsewhere" / "b").exists()
+
+
+def test_a_remote_log_copy_is_private_and_never_written_through_a_planted_symlink(tmp_path, monkeypatch):
+    # the driver copies remote workers' logs into RUN_DIR/logs when the run ends; a dangling symlink planted
+    # at a worker's log name must not be followed (write_text created the file it pointed to)
+    from mixtrain.cluster.placement import WorkerSpec
+    from mixtrain.core import worker_group
+    from mixtrain.core.membership import Member, Membership
+    from mixtrain.core.tunables import Tunables
+    from mixtrain.core.worker_calls import WorkerCalls
+    from mixtrain.core.worker_group import WorkerGroup
+
+    class Remote:
+        def __init__(self, value):
+            self.value = value
+
+        def remote(self):
+            return self.value
+
+    class Actor:
+        def __init__(self, name):
+            self.log_text = Remote((name, f"output of {name}\n"))
+
+    monkeypatch.setattr(worker_group.ray, "wait", lambda refs, **kw: (refs, []))
+    monkeypatch.setattr(worker_group.ray, "get", lambda ref: ref)
+    logs = tmp_path / "run" / "logs"
+    logs.mkdir(parents=True)
+    (logs / "worker-1.log").symlink_to(tmp_path / "victim")  # dangling
+    group = WorkerGroup.__new__(WorkerGroup)
+    group.log_dir, group.tunables = logs, Tunables()
+    spec = WorkerSpec(rank=0, device="cpu", bundle={"CPU": 1.0}, label_selector={}, threads=1, precision="fp32")
+    names = ("worker-1.log", "worker-2.log", "../escaped.log")
+    group.members = Membership([Member(worker=WorkerCalls(Actor(n)), spec=spec) for n in names])
+    group._fetch_remote_logs()
+    assert not (tmp_path / "victim").exists() and (logs / "worker-1.log").is_symlink()
+    assert (logs / "worker-2.log").read_text() == "output of worker-2.log\n" and _mode(logs / "worker-2.log") == 0o600
+    assert not (tmp_path / "run" / "escaped.log").exists()

@@ -689,6 +689,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "env": cmd_env,
         "report": cmd_report,
     }
+    ray_was_up = "ray" in sys.modules and sys.modules["ray"].is_initialized()  # a caller's own (tests): theirs
     try:
         args, raw = _parse(raw)
         if args.command == "train":
@@ -715,6 +716,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"mixtrain: {str(exc) or 'stopped at once'}", file=sys.stderr, flush=True)
         stop_ray_uninterrupted()
         return 130
+    finally:  # however it ended: the Ray this command started (or joined) is stopped before it returns
+        if not ray_was_up and "ray" in sys.modules:
+            from mixtrain.cluster.connect import stop_ray_uninterrupted
+
+            stop_ray_uninterrupted()
 
 
 if __name__ == "__main__":

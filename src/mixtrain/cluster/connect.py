@@ -18,6 +18,7 @@ from typing import Any
 import ray
 
 from mixtrain._constants import CONNECT_TIMEOUT_S, env_float
+from mixtrain.errors import InputValueError
 
 SYSTEM_CONFIG: dict[str, Any] = {"free_objects_period_milliseconds": 10, "worker_niceness": 0}
 """Ray settings of the Ray mixtrain starts (embedded here; `cluster up/join` as RAY_<name> variables).
@@ -204,7 +205,7 @@ def check_reachable(address: str, timeout_s: float | None = None) -> None:
         return
     host, sep, port = address.rpartition(":")
     if not sep or not port.isdigit():
-        raise ValueError(f"address={address!r}: use HOST:PORT of the Ray head (e.g. 192.168.1.10:6379), or 'auto'")
+        raise InputValueError(f"address={address!r}: use HOST:PORT of the Ray head (e.g. 192.168.1.10:6379), or 'auto'")
     timeout = env_float(CONNECT_TIMEOUT_S) if timeout_s is None else timeout_s
     deadline = time.monotonic() + timeout
     while True:

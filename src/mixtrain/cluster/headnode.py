@@ -22,7 +22,8 @@ from pathlib import Path
 from typing import Any
 
 from mixtrain import compat
-from mixtrain._constants import RAY_READY_TIMEOUT_S, env_float
+from mixtrain._constants import CONNECT_TIMEOUT_S, RAY_READY_TIMEOUT_S, env_float
+from mixtrain._files import atomic_write
 from mixtrain.cluster import exposure
 from mixtrain.cluster.auth import (
     apply_auth_env,
@@ -31,6 +32,7 @@ from mixtrain.cluster.auth import (
     require_token_auth,
     token_path,
     use_cluster_token,
+    write_token,
 )
 from mixtrain.cluster.connect import check_reachable, device_resources, system_env
 from mixtrain.cluster.state import (
@@ -62,6 +64,8 @@ __all__ = [
 ]
 
 CARD_KEY, CARD_NS = b"head", b"mixtrain"
+HEAD_TOKEN = "auth_token.head"
+"""In $MIXTRAIN_HOME: the token the running head's Ray processes read (the same as auth_token once `up` succeeded)."""
 MAC_HEAD_ADVICE = (
     "note: this Mac is the head. If it sleeps (lid closed, idle), the whole cluster stops, and Ray runs "
     "macOS nodes in a multi-node cluster only at your own risk: where you can, make the Linux or Windows "
@@ -174,10 +178,26 @@ def _common_args(node_ip: str, num_cpus: int | None, temp_dir: str | None) -> li
 
 
 def _gcs(address: str) -> Any:
-    """Ray's GCS client (internal API, used by Ray's own CLI): KV access without starting a driver."""
+    """Ray's GCS client (internal API, used by Ray's own CLI): KV access without starting a driver. Connecting
+    waits at most MIXTRAIN_CONNECT_TIMEOUT_S (Ray's GcsClient waits 30 s); give each call `timeout=kv_timeout()`,
+    since without one a GCS that accepted the connection and then hangs is waited on for ever."""
     import ray._raylet
 
-    return ray._raylet.GcsClient(address=address)  # type: ignore[attr-defined]
+    inner = getattr(ray._raylet, "InnerGcsClient", None)
+    if inner is None:  # not in this Ray: its own client, which connects within 30 s
+        return ray._raylet.GcsClient(address=address)  # type: ignore[attr-defined]
+    return inner.standalone(address, None, int(kv_timeout() * 1000))
+
+
+def kv_timeout() -> float:
+    """Seconds one call to the GCS may take."""
+    return env_float(CONNECT_TIMEOUT_S)
+
+
+def _put_card(address: str) -> None:
+    """Record this machine's versions on the head (`join` compares its own with them)."""
+    card = json.dumps({**compat.versions(), "os": platform.system()}).encode()
+    _gcs(address).internal_kv_put(CARD_KEY, card, True, CARD_NS, timeout=kv_timeout())
 
 
 def _refuse_if_running() -> None:
@@ -221,39 +241,53 @@ def up(
     temp_dir: str | None,
     dashboard: bool = False,
 ) -> NodeState:
+    """Start this machine's Ray head with a new token. The token this machine keeps (token_path(): the one
+    `join` and drivers use, maybe another head's) is replaced only once the head runs, demands the token and is
+    recorded; until then the head reads it from a file of its own. Any failure stops the head: nothing runs
+    that `down` does not know of, and a failed `up` leaves the kept token as it was."""
+    import ray.exceptions
+
     require_token_auth()
     _refuse_if_running()
     ip = pick_node_ip(interface, node_ip, None)
     token = secrets.token_hex(24)
-    env = {**auth_env(token), **node_env(interface, head=True)}
+    head_token = home() / HEAD_TOKEN  # Ray's processes read it when they start, the head's workers later too
+    atomic_write(head_token, lambda f: f.write(token.encode()))  # a new file, 0600
+    token_env = {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": str(head_token)}
     log = home() / "ray-head.log"
     args = ["start", "--head", f"--port={port}", *exposure.ray_start_args(head=True, dashboard=dashboard)]
-    proc = _spawn([*args, *_common_args(ip, num_cpus, temp_dir)], env, log)
     address = f"{ip}:{port}"
-    apply_auth_env(auth_env())
 
     def ready() -> bool:
         try:
             check_reachable(address, timeout_s=0.5)
-            gcs = _gcs(address)
-            card = json.dumps({**compat.versions(), "os": platform.system()}).encode()
-            gcs.internal_kv_put(CARD_KEY, card, True, CARD_NS)
+            _put_card(address)
             return True
-        except (ConnectionError, RuntimeError, OSError):
+        except (ConnectionError, RuntimeError, OSError, ray.exceptions.RayError):
             return False
 
-    _wait_started(proc, log, ready)
+    proc = None
     try:
+        proc = _spawn(
+            [*args, *_common_args(ip, num_cpus, temp_dir)], {**token_env, **node_env(interface, head=True)}, log
+        )
+        apply_auth_env(token_env)
+        _wait_started(proc, log, ready)
         prove_token_required(address, token)
+        state = record(role="head", address=address, node_ip=ip, pid=proc.pid, log=str(log))
+        write_token(token)
+        return state
     except BaseException:
-        kill_started(proc)
+        if proc is not None:
+            kill_started(proc)
+            forget()  # recorded already, or a stale record _refuse_if_running let go of
+        head_token.unlink(missing_ok=True)
         raise
-    return record(role="head", address=address, node_ip=ip, pid=proc.pid, log=str(log))
 
 
 def head_card(address: str) -> dict[str, str]:
     """The versions `cluster up` recorded on the head."""
-    raw = _gcs(address).internal_kv_get(CARD_KEY, CARD_NS)
+    raw = _gcs(address).internal_kv_get(CARD_KEY, CARD_NS, timeout=kv_timeout())
     if raw is None:
         raise ClusterError(
             f"{address} is a Ray head but was not started by `mixtrain cluster up` (no version card); "
@@ -327,7 +361,10 @@ def down() -> tuple[NodeState, str | None] | None:
     state = load_state()
     if state is None:
         return None
-    return state, stop(state)
+    why = stop(state)
+    if state.role == "head":
+        (home() / HEAD_TOKEN).unlink(missing_ok=True)
+    return state, why
 
 
 def node_report() -> dict:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import stat
 import subprocess
 import time
 from dataclasses import asdict, dataclass, fields
@@ -30,9 +31,24 @@ class ClusterError(RuntimeError):
 
 
 def home() -> Path:
-    """$MIXTRAIN_HOME (default ~/.mixtrain); created private (0700): it holds the cluster token."""
+    """$MIXTRAIN_HOME (default ~/.mixtrain): this user's own folder, private (0700), made so if it is not. It holds
+    the cluster token, and `cluster down` signals the processes recorded there: a folder someone else owns (or
+    could write to) would let them choose both, so one owned by another user is refused."""
     path = Path(os.environ.get("MIXTRAIN_HOME", Path.home() / ".mixtrain"))
     path.mkdir(mode=0o700, parents=True, exist_ok=True)
+    info = path.stat()
+    if not stat.S_ISDIR(info.st_mode):
+        raise ClusterError(
+            f"{path} (MIXTRAIN_HOME) is not a folder; remove it or set MIXTRAIN_HOME to a folder of yours"
+        )
+    if hasattr(os, "getuid") and info.st_uid != os.getuid():
+        raise ClusterError(
+            f"{path} (MIXTRAIN_HOME) belongs to user id {info.st_uid}, not to you (user id {os.getuid()}): its "
+            "owner could plant the cluster token and the processes `cluster down` stops. Set MIXTRAIN_HOME to a "
+            "folder of your own, or remove that one"
+        )
+    if stat.S_IMODE(info.st_mode) & 0o077:  # ours but loosened (made by hand, or by an umask): private again
+        os.chmod(path, 0o700)
     return path
 
 

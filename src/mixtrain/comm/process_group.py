@@ -9,6 +9,7 @@ from datetime import timedelta
 import torch.distributed as dist
 
 from mixtrain.comm.netif import unreachable_hint
+from mixtrain.errors import InputValueError
 
 
 class RendezvousError(RuntimeError):
@@ -37,13 +38,13 @@ def choose_backend(
     own (`shared_gpu`: two workers that share one card, which NCCL refuses: "Duplicate GPU detected")."""
     all_cuda = all(k == "cuda" for k in kinds)
     if requested == "nccl" and not (all_cuda and nccl_available):
-        raise ValueError(
+        raise InputValueError(
             f"backend='nccl' needs every worker on CUDA with NCCL available, but the devices are {kinds}"
             f"{'' if nccl_available else ' and this torch has no NCCL'}; use backend='gloo' or 'auto'"
         )
     if requested == "nccl" and shared_gpu is not None:
         a, b = shared_gpu
-        raise ValueError(
+        raise InputValueError(
             f"backend='nccl': workers {a} and {b} share one GPU, and NCCL takes one worker per GPU; give each "
             "worker a GPU of its own (resources_per_worker={'GPU': 1}), or use backend='gloo' or 'auto' "
             "(which use gloo for workers that share a card)"

@@ -211,6 +211,7 @@ class Changes:
         joined = self.port.admit(self.settings.global_batch)
         for note in joined.refused:
             self.view.log(note)
+            self.log.write("replacement_refused", {"epoch": at[0], "step": at[1], "reason": note})
         if not joined.members:
             return
         for member in joined.members:

@@ -110,6 +110,8 @@ class DataReport:
     num_eval: int
     train_fingerprint: str = ""
     eval_fingerprint: str = ""
+    problem: str = ""
+    """Why the task cannot train on these samples (Task.batch_problem), or ""."""
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -8,6 +8,7 @@ from collections.abc import Sequence
 
 from mixtrain.compat import version_mismatches
 from mixtrain.core.messages import BuildReport, DataReport, NumericsResult, WorkerInfo
+from mixtrain.errors import InputValueError
 
 
 class PreflightError(RuntimeError):
@@ -93,11 +94,12 @@ def check(driver: dict[str, str], reports: Sequence[BuildReport]) -> None:
 
 
 def numerics_verdict(results: Sequence[NumericsResult], reports: Sequence[BuildReport]) -> tuple[list[str], list[int]]:
-    """Lines for the devices whose gradient disagreed with the CPU's, and their ranks."""
+    """Lines for the devices whose gradient disagreed with the CPU's, and their ranks. A NaN error (a NaN or
+    infinite gradient) fails too: it compares false with everything, so it must not be the failing comparison."""
     names = {r.rank: r.device.name for r in reports if r.device is not None}
     lines, bad = [], []
     for res in results:
-        if res.error > res.tolerance:
+        if not res.error <= res.tolerance:
             bad.append(res.rank)
             lines.append(
                 f"worker {res.rank} ({names.get(res.rank, '?')}): gradient differs from the CPU's by "
@@ -109,8 +111,12 @@ def numerics_verdict(results: Sequence[NumericsResult], reports: Sequence[BuildR
 def check_data(reports: Sequence[DataReport], infos: Sequence[WorkerInfo]) -> DataReport:
     """Every worker must hold the same data (it may have been built on each machine from its own files):
     the same sample counts and, where built there, the same fingerprint of a few samples. Returns rank 0's
-    report, or raises PreflightError with a table naming each worker and what differs."""
+    report, or raises PreflightError with a table naming each worker and what differs; ValueError when the task
+    cannot take the samples (the same job everywhere: one line)."""
     first = reports[0]
+    problems = [r.problem for r in reports if r.problem]
+    if problems:
+        raise InputValueError(problems[0])
     fields = ("num_train", "train_fingerprint", "num_eval", "eval_fingerprint")
     differ = [f for f in fields if any(getattr(r, f) != getattr(first, f) for r in reports)]
     if not differ:

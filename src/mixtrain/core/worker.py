@@ -367,7 +367,11 @@ class TrainWorker:
         (built here when given as a function) read lazily through a DataLoader."""
         self.data.close()
         self.data = WorkerData.open(train, evaluation, self.seed, self.kind)
-        return self.data.report(self.rank)
+        report = self.data.report(self.rank)
+        if self._task is not None:  # one sample as the task will see it: a mismatch said now, not deep in the model
+            problem = self._task.batch_problem(self.data.train.read(0, np.arange(1)))
+            report = replace(report, problem=problem or "")
+        return report
 
     # ---- training ---------------------------------------------------------------------------
     def run_round(self, plan: RoundPlan) -> WorkerReport:

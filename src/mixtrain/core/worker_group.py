@@ -23,6 +23,7 @@ from mixtrain.core.messages import BuildReport, WorkerSetup
 from mixtrain.core.tunables import Tunables
 from mixtrain.core.worker import TrainWorker
 from mixtrain.core.worker_calls import Pending, WorkerCalls
+from mixtrain.observe import worker_log
 
 T = TypeVar("T")
 
@@ -52,8 +53,22 @@ def open_stream(actor: Any, what: str) -> Any:
     return WorkerCalls(actor).stream(what, STREAM_AHEAD)
 
 
+def error_text(exc: BaseException) -> str:
+    """What a Ray error says, without the terminal colours Ray puts in."""
+    return _ANSI.sub("", str(exc))
+
+
+def _log_copy(ref: Any) -> tuple[str, str] | None:
+    """A worker's (log file name, its end), or None: its log is in the run folder already, or it died (its
+    file stays on its machine)."""
+    try:
+        return ray.get(ref)
+    except ray.exceptions.RayError:
+        return None
+
+
 def _describe(rank: int, method: str, exc: Exception) -> str:
-    text = _ANSI.sub("", str(exc))
+    text = error_text(exc)
     message = f"worker {rank} failed in {method}():\n{text}"
     if "ModuleNotFoundError" in text or "No module named" in text:
         message += (
@@ -65,7 +80,7 @@ def _describe(rank: int, method: str, exc: Exception) -> str:
 
 
 def lost_reason(exc: Exception) -> str:
-    return f"its process died or its node left ({_ANSI.sub('', str(exc)).splitlines()[0][:160]})"
+    return f"its process died or its node left ({error_text(exc).splitlines()[0][:160]})"
 
 
 class WorkerGroup:
@@ -388,13 +403,9 @@ class WorkerGroup:
             return
         refs = [m.worker.log_text().ref for m in self.members]
         ready, _ = ray.wait(refs, num_returns=len(refs), timeout=self.tunables.shutdown_wait_s)
-        for ref in ready:
-            try:
-                got = ray.get(ref)
-            except ray.exceptions.RayError:
-                continue  # a dead worker: its file stays on its machine
-            if got is not None and not (self.log_dir / got[0]).exists():
-                (self.log_dir / got[0]).write_text(got[1])
+        copies = [got for got in map(_log_copy, ready) if got is not None]
+        if copies:
+            worker_log.save_copies(self.log_dir, copies)
 
     def _keep(self, members: list[Member], ready: list[Any], refs: list[Any]) -> bool:
         """Hand the workers and their bundles to warm_workers, in the order they started, if every bundle still

@@ -15,7 +15,9 @@ from pathlib import Path
 from statistics import fmean
 from typing import Any
 
+from mixtrain._files import PrivateFolder
 from mixtrain.core.rounds import device_samples_per_s, time_split, worker_name
+from mixtrain.errors import InputValueError
 from mixtrain.observe.progress import format_bytes
 from mixtrain.observe.runlog import samples_seen
 
@@ -32,7 +34,7 @@ def read_run(run_dir: str | Path) -> tuple[dict[str, Any], list[dict[str, Any]]]
     run = Path(run_dir)
     metrics = run / "metrics.jsonl"
     if not metrics.is_file():
-        raise ValueError(f"report {str(run_dir)!r}: no metrics.jsonl there; give the folder a run wrote")
+        raise InputValueError(f"report {str(run_dir)!r}: no metrics.jsonl there; give the folder a run wrote")
     config = json.loads((run / "config.json").read_text()) if (run / "config.json").is_file() else {}
     records = []
     lines = metrics.read_text().splitlines()
@@ -43,10 +45,10 @@ def read_run(run_dir: str | Path) -> tuple[dict[str, Any], list[dict[str, Any]]]
             records.append(json.loads(line))
         except json.JSONDecodeError:  # a run killed mid-write leaves a partial last line
             if n != len(lines):
-                raise ValueError(f"{metrics}: line {n} is not JSON") from None
+                raise InputValueError(f"{metrics}: line {n} is not JSON") from None
     rounds = [r for r in records if r["kind"] == "round"]
     if not rounds:
-        raise ValueError(f"report {str(run_dir)!r}: the run has no finished round yet; nothing to plot")
+        raise InputValueError(f"report {str(run_dir)!r}: the run has no finished round yet; nothing to plot")
     return config, records
 
 
@@ -55,34 +57,36 @@ def write_report(run_dir: str | Path, out: str | Path | None = None) -> Report:
 
     matplotlib.use("Agg")  # files only, no display needed
     config, records = read_run(run_dir)
-    folder = Path(out) if out is not None else Path(run_dir) / "report"
-    folder.mkdir(parents=True, exist_ok=True)
     size = (int(config.get("num_samples", 0)), int(config.get("global_batch", 1)))
     rounds = [r for r in records if r["kind"] == "round"]
     evals = [r for r in records if r["kind"] == "eval"]
     events = [r for r in records if r["kind"] in ("failure", "left_out", "rejoined", "readmitted")]
     t0 = rounds[0]["time"] - rounds[0]["wall_s"]
     report = Report(files=[], summary="")
-    _plot_loss(folder / "loss.png", rounds, evals, size, report)
-    _plot_throughput(folder / "throughput.png", rounds, events, t0, report)
-    _plot_shares(folder / "shares.png", rounds, t0, report)
-    report.summary = summarize(Path(run_dir), config, records)
-    (folder / "summary.txt").write_text(report.summary + "\n")
-    report.files.append(folder / "summary.txt")
+    # The run folder may be someone else's: nothing in it is followed (a symlinked report/ is refused, a
+    # symlink planted at a file's name is replaced), and every file is written whole or not at all.
+    with PrivateFolder(Path(out) if out is not None else Path(run_dir) / "report") as folder:
+        _plot_loss(folder, rounds, evals, size, report)
+        _plot_throughput(folder, rounds, events, t0, report)
+        _plot_shares(folder, rounds, t0, report)
+        report.summary = summarize(Path(run_dir), config, records)
+        text = (report.summary + "\n").encode()
+        report.files.append(folder.write("summary.txt", lambda f: f.write(text)))
     return report
 
 
-def _save(fig: Any, path: Path, report: Report) -> None:
+def _save(fig: Any, folder: PrivateFolder, name: str, report: Report) -> None:
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    report.panels[path.name] = [ax.get_title() for ax in fig.axes if ax.get_title()]
-    report.files.append(path)
+    report.files.append(folder.write(name, lambda f: fig.savefig(f, dpi=110, format="png")))
+    report.panels[name] = [ax.get_title() for ax in fig.axes if ax.get_title()]
     import matplotlib.pyplot as plt
 
     plt.close(fig)
 
 
-def _plot_loss(path: Path, rounds: list[dict], evals: list[dict], size: tuple[int, int], report: Report) -> None:
+def _plot_loss(
+    folder: PrivateFolder, rounds: list[dict], evals: list[dict], size: tuple[int, int], report: Report
+) -> None:
     import matplotlib.pyplot as plt
 
     has_acc = any("accuracy" in e for e in evals)
@@ -102,7 +106,7 @@ def _plot_loss(path: Path, rounds: list[dict], evals: list[dict], size: tuple[in
         ax.annotate(f"best {best[1]:.4f}", best, textcoords="offset points", xytext=(-8, -16), ha="right")
         ax.set(title="Held-out accuracy vs. samples seen", xlabel="samples seen", ylabel="accuracy")
         ax.grid(alpha=0.3)
-    _save(fig, path, report)
+    _save(fig, folder, "loss.png", report)
 
 
 def _per_worker(rounds: list[dict], value: Any) -> dict[str, list[tuple[dict, float]]]:
@@ -128,7 +132,7 @@ def _legend_right(fig: Any, ax: Any) -> None:
     ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0)
 
 
-def _plot_throughput(path: Path, rounds: list[dict], events: list[dict], t0: float, report: Report) -> None:
+def _plot_throughput(folder: PrivateFolder, rounds: list[dict], events: list[dict], t0: float, report: Report) -> None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(12, 4.5))
@@ -150,10 +154,10 @@ def _plot_throughput(path: Path, rounds: list[dict], events: list[dict], t0: flo
     )
     ax.grid(alpha=0.3)
     _legend_right(fig, ax)
-    _save(fig, path, report)
+    _save(fig, folder, "throughput.png", report)
 
 
-def _plot_shares(path: Path, rounds: list[dict], t0: float, report: Report) -> None:
+def _plot_shares(folder: PrivateFolder, rounds: list[dict], t0: float, report: Report) -> None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(12, 4.5))
@@ -173,7 +177,7 @@ def _plot_shares(path: Path, rounds: list[dict], t0: float, report: Report) -> N
     ax.set_ylim(0, max(sum(r["shares"]) for r in rounds) * 1.05)
     ax.grid(alpha=0.3)
     _legend_right(fig, ax)
-    _save(fig, path, report)
+    _save(fig, folder, "shares.png", report)
 
 
 def summarize(run_dir: Path, config: dict[str, Any], records: list[dict[str, Any]]) -> str:

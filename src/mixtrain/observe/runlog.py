@@ -136,7 +136,7 @@ def _summary_writer_class() -> Any:
 def check_tensorboard(wanted: bool | None) -> None:
     """Fail before anything starts when TensorBoard files are required but cannot be written."""
     if wanted and _summary_writer_class() is None:
-        raise ValueError(
+        raise InputValueError(
             "RunConfig.tensorboard=True (--tensorboard) but neither tensorboardX nor tensorboard is installed: "
             "pip install 'mixtrain[tensorboard]', or leave tensorboard at None (write when installed)"
         )

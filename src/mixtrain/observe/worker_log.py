@@ -17,6 +17,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+from mixtrain._files import PrivateFolder
+
 log = logging.getLogger("mixtrain.worker")
 MAX_FETCH = 4 * 2**20
 """Bytes of a remote worker's log copied back (its end)."""
@@ -104,6 +106,23 @@ def restore_output() -> None:
     os.dup2(_original[1], 2)
     logger = logging.getLogger("mixtrain")
     logger.handlers, logger.level, logger.propagate = list(_original[2][0]), _original[2][1], _original[2][2]
+
+
+def save_copies(log_dir: Path, copies: list[tuple[str, str]]) -> None:
+    """Copies of remote workers' logs, (file name, text), into `log_dir` (the run folder's logs): new files,
+    0600, never through a symlink (one planted at the name, dangling or not, is left alone, and so is a file
+    already there). A name that is not a plain file name is skipped."""
+    try:
+        folder = PrivateFolder(log_dir)
+    except (ValueError, OSError) as exc:  # at shutdown: say so, and let the workers be stopped
+        log.warning("the remote workers' logs were not copied: %s", exc)
+        return
+    with folder:
+        for name, text in copies:
+            try:
+                folder.create(name, text.encode("utf-8", errors="replace"))
+            except (ValueError, OSError) as exc:  # a name with a folder in it, a full disk
+                log.warning("worker log %r not copied: %s", name, exc)
 
 
 def read_tail(path: Path) -> str:
