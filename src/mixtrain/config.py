@@ -501,3 +501,13 @@ class StrategyConfig:
         extra = {"ps-async": f" (staleness {self.staleness})", "local-sgd": f" (H={self.local_steps}{overlapped})"}
         wire = f", {self.compress} on the wire" if self.compress != "none" else ""
         return f"{self.name}{extra.get(self.name, '')}{wire}"
+
+
+def check_together(scaling: ScalingConfig, strategy: StrategyConfig) -> None:
+    """What the configs ask of each other (each checks itself on construction)."""
+    if scaling.shard_optimizer is not False and strategy.name != "allreduce":
+        raise InputValueError(
+            f"ScalingConfig.shard_optimizer with strategy={strategy.name!r}: a sharded optimizer needs "
+            "strategy='allreduce' (parameter servers already keep the optimizer off the workers; local SGD "
+            "steps a whole optimizer on each worker)"
+        )

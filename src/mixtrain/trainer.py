@@ -17,7 +17,7 @@ from mixtrain.checkpoint import MANIFEST, CheckpointMeta, CheckpointStore, save_
 from mixtrain.cluster import connect
 from mixtrain.comm.state_transfer import pack, unpack
 from mixtrain.comm.strategy import tensor_bytes
-from mixtrain.config import RunConfig, ScalingConfig, StrategyConfig, StrategyName
+from mixtrain.config import RunConfig, ScalingConfig, StrategyConfig, StrategyName, check_together
 from mixtrain.core.bringup import Bringup, Phases, bring_up
 from mixtrain.core.controller import Controller, Policies
 from mixtrain.core.interrupt import GracefulStop
@@ -68,12 +68,7 @@ class Trainer:
         if not isinstance(strategy, StrategyConfig):
             raise InputTypeError(f"strategy={strategy!r}: give a name or a mixtrain.StrategyConfig")
         scaling = scaling or ScalingConfig()
-        if scaling.shard_optimizer is not False and strategy.name != "allreduce":
-            raise InputValueError(
-                f"ScalingConfig.shard_optimizer with strategy={strategy.name!r}: a sharded optimizer needs "
-                "strategy='allreduce' (parameter servers already keep the optimizer off the workers; local SGD "
-                "steps a whole optimizer on each worker)"
-            )
+        check_together(scaling, strategy)
         run = run or RunConfig()
         check_tensorboard(run.tensorboard)
         if not scaling.is_auto:  # check now; with groups="auto" the worker count comes from the cluster

@@ -23,15 +23,17 @@ Command lines:
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import sys
+import typing
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn
 
 from mixtrain.cli.saved_command import COMMAND_FILE, NOW_ONLY, REDIRECTS, read_command, redirect_error, save_command
-from mixtrain.config import BACKENDS, COMPRESSION, MAX_SEED, NUMERICS_CHECKS, PRECISIONS, STRATEGY_NAMES
+from mixtrain.config import MAX_SEED, RunConfig, ScalingConfig, StrategyConfig
 from mixtrain.errors import InputError, InputValueError
 
 BUG_REPORT = (
@@ -119,6 +121,39 @@ def _text(text: str) -> str:
     return text
 
 
+FLAG_FIELDS: dict[str, tuple[type, str]] = {
+    "checkpoint_every": (RunConfig, "checkpoint_every_s"),
+    "max_failures": (RunConfig, "max_failures"),
+    "seed": (RunConfig, "seed"),
+    "workers": (ScalingConfig, "num_workers"),
+    "cpus_per_worker": (ScalingConfig, "cpus_per_worker"),
+    "shares": (ScalingConfig, "shares"),
+    "precision": (ScalingConfig, "precision"),
+    "backend": (ScalingConfig, "backend"),
+    "numerics": (ScalingConfig, "numerics_check"),
+    "strategy": (StrategyConfig, "name"),
+    "compress": (StrategyConfig, "compress"),
+    "staleness": (StrategyConfig, "staleness"),
+    "local_steps": (StrategyConfig, "local_steps"),
+    "outer_lr": (StrategyConfig, "outer_lr"),
+    "outer_momentum": (StrategyConfig, "outer_momentum"),
+    "pace": (StrategyConfig, "pace"),
+}
+"""Flags whose default (and, for a field that takes a fixed set of names, whose choices) is the config field's own:
+a default is written once, in config.py, and help texts show it through argparse's %(default)s."""
+
+
+def _field(dest: str) -> dict[str, Any]:
+    """add_argument's default= (and choices=) for the flag `dest`, from its config field."""
+    cls, name = FLAG_FIELDS[dest]
+    field = next(f for f in dataclasses.fields(cls) if f.name == name)
+    out: dict[str, Any] = {"default": field.default}
+    hint = typing.get_type_hints(cls)[name]
+    if typing.get_origin(hint) is typing.Literal:
+        out["choices"] = typing.get_args(hint)
+    return out
+
+
 class _Parser(argparse.ArgumentParser):
     """Every parser of the CLI: no abbreviated flags. argparse takes any unambiguous prefix by default, so a saved
     `--trust` would have meant --trust-job, and a flag added later could change what an old prefix means."""
@@ -169,13 +204,16 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument(
         "--checkpoint-every",
         type=_number(0, finite=False),
-        default=60.0,
+        **_field("checkpoint_every"),
         metavar="SECONDS",
-        help="write a checkpoint after the round that ends this long after the last one (default 60; 0: every "
+        help="write a checkpoint after the round that ends this long after the last one (default %(default)g; 0: every "
         "round); one is also written before each held-out evaluation and after the last epoch",
     )
     train.add_argument(
-        "--max-failures", type=_non_negative_int, default=3, help="lost workers survived before stopping (default 3)"
+        "--max-failures",
+        type=_non_negative_int,
+        **_field("max_failures"),
+        help="lost workers survived per hour before stopping (default %(default)s)",
     )
     train.add_argument("--quiet", action="store_true", help="no live progress")
     train.add_argument(
@@ -228,16 +266,21 @@ def _job_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--workers",
         type=_workers,
-        default=2,
-        help="a number of CPU workers (default 2), auto (one per GPU in the cluster, CPUs on GPU-less nodes), "
-        "or groups such as cuda:1,mps:1,cpu:2",
+        **_field("workers"),
+        help="a number of CPU workers (default %(default)s), auto (one per GPU in the cluster, CPUs on GPU-less "
+        "nodes), or groups such as cuda:1,mps:1,cpu:2",
     )
-    p.add_argument("--cpus-per-worker", type=_positive, default=1.0, help="Ray CPUs reserved per worker (default 1)")
+    p.add_argument(
+        "--cpus-per-worker",
+        type=_positive,
+        **_field("cpus_per_worker"),
+        help="Ray CPUs reserved per worker (default %(default)g)",
+    )
     p.add_argument("--global-batch", type=_positive_int, help="samples per step over all workers")
     p.add_argument(
         "--shares",
         type=_shares,
-        default="auto",
+        **_field("shares"),
         help="auto (default: follow measured speed), equal (fixed equal split), or samples per worker, e.g. 40,24",
     )
     p.add_argument(
@@ -258,26 +301,25 @@ def _job_flags(p: argparse.ArgumentParser) -> None:
         help="never leave a worker out, even when the job is predicted faster without it",
     )
     p.add_argument("--lr", type=_positive, help="learning rate")
-    p.add_argument("--seed", type=_seed, default=0, help="seed for initialisation and sample order")
+    p.add_argument(
+        "--seed", type=_seed, **_field("seed"), help="seed for initialisation and sample order (default %(default)s)"
+    )
     p.add_argument("--address", type=_text, help="Ray cluster address (default: an embedded local Ray)")
     p.add_argument(
         "--precision",
-        choices=PRECISIONS,
-        default="fp32",
+        **_field("precision"),
         help="fp32 (default, exact) or auto: bf16/fp16 autocast on GPUs, fp32 on CPUs",
     )
-    p.add_argument("--backend", choices=BACKENDS, default="auto", help="collective backend")
+    p.add_argument("--backend", **_field("backend"), help="collective backend (default %(default)s)")
     p.add_argument(
         "--numerics",
-        choices=NUMERICS_CHECKS,
-        default="warn",
+        **_field("numerics"),
         help="start-up gradient check of each device against the CPU: warn, strict (leave bad devices out), off",
     )
     p.add_argument("--interface", type=_text, help="network interface for the collectives on every node (e.g. eth0)")
     p.add_argument(
         "--strategy",
-        choices=STRATEGY_NAMES,
-        default="allreduce",
+        **_field("strategy"),
         help="allreduce (default: gradients summed every step), ps (parameter servers, the same math), "
         "ps-async (parameter servers, workers up to --staleness updates ahead), local-sgd (average every "
         "--local-steps steps, DiLoCo outer step), auto (measure the link at start-up and pick allreduce, or "
@@ -285,29 +327,34 @@ def _job_flags(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--compress",
-        choices=COMPRESSION,
-        default="none",
-        help="send gradients (allreduce, ps) or deltas (local-sgd) as bf16 or fp16 (default none: fp32); "
+        **_field("compress"),
+        help="send gradients (allreduce, ps) or deltas (local-sgd) as bf16 or fp16 (default %(default)s: fp32); "
         "local-sgd also int8 or int4 (per-block scales, error feedback)",
     )
     p.add_argument(
         "--staleness",
         type=_non_negative_int,
-        default=2,
-        help="ps-async: updates a worker may run ahead (default 2; 0: synchronous)",
+        **_field("staleness"),
+        help="ps-async: updates a worker may run ahead (default %(default)s; 0: synchronous)",
     )
-    p.add_argument("--local-steps", type=_positive_int, default=8, help="local-sgd: steps between averages (default 8)")
+    p.add_argument(
+        "--local-steps",
+        type=_positive_int,
+        **_field("local_steps"),
+        help="local-sgd: steps between averages (default %(default)s)",
+    )
     p.add_argument(
         "--outer-lr",
         type=_positive,
-        default=1.0,
-        help="local-sgd: learning rate of the outer step on the averaged delta (default 1.0: plain averaging)",
+        **_field("outer_lr"),
+        help="local-sgd: learning rate of the outer step on the averaged delta (default %(default)s: plain averaging)",
     )
     p.add_argument(
         "--outer-momentum",
         type=_number(0, below=1),
-        default=0.0,
-        help="local-sgd: Nesterov momentum of the outer step (default 0; DiLoCo: --outer-lr 0.7 --outer-momentum 0.9)",
+        **_field("outer_momentum"),
+        help="local-sgd: Nesterov momentum of the outer step (default %(default)s; DiLoCo: --outer-lr 0.7 "
+        "--outer-momentum 0.9)",
     )
     p.add_argument(
         "--overlap",
@@ -317,8 +364,7 @@ def _job_flags(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--pace",
-        choices=["balanced", "per-device"],
-        default="balanced",
+        **_field("pace"),
         help="local-sgd on unequal devices: balanced (default: the same steps everywhere, batches sized by speed) "
         "or per-device (the same batch everywhere, a faster device takes more inner steps per exchange)",
     )
@@ -387,55 +433,49 @@ def _task(args: argparse.Namespace) -> tuple[str, str]:
 def _trainer(
     args: argparse.Namespace, run_dir: str | None = None, steps_per_round: int | None = None
 ) -> tuple[Job, Trainer]:
-    from mixtrain import RunConfig, ScalingConfig, StrategyConfig
+    """The job the flags name, and its Trainer: each flag in FLAG_FIELDS goes to its config field as it is; the
+    rest say more than one field (--workers: a count or groups) or the opposite of one (--keep-all-devices)."""
     from mixtrain.cluster.headnode import use_cluster_token
     from mixtrain.job import load_job
 
     if args.address:
         use_cluster_token(args.address)
-    num_workers = args.workers if isinstance(args.workers, int) else 2
+    given = {
+        c: {f: getattr(args, d) for d, (k, f) in FLAG_FIELDS.items() if k is c and hasattr(args, d)} for c in _CONFIGS
+    }
+    counted = isinstance(args.workers, int)
     micro = args.max_micro_batch
-    if micro is not None and len(micro) == 1 and isinstance(args.workers, int):
-        micro = micro * num_workers  # one value for every worker
+    if micro is not None and len(micro) == 1 and counted:
+        micro = micro * args.workers  # one value for every worker
     target, flag = _task(args)
     job = load_job(target, lr=args.lr, seed=args.seed, data_dir=args.data_dir, args=args.job_args, flag=flag)
+    scaling = {
+        **given[ScalingConfig],
+        "num_workers": args.workers if counted else ScalingConfig.num_workers,
+        "groups": None if counted else args.workers,
+        "max_micro_batch": micro,
+        "leave_out_slow": not args.keep_all_devices,
+        "shard_optimizer": args.shard_optimizer,
+        "address": args.address,
+        "network_interface": args.interface,
+    }
+    run = {
+        **given[RunConfig],
+        "run_dir": run_dir,
+        "steps_per_round": steps_per_round,
+        "progress": not getattr(args, "quiet", True),
+        "tensorboard": True if getattr(args, "tensorboard", False) else None,
+    }
+    strategy = {**given[StrategyConfig], "overlap": args.overlap, "ps_shards": args.ps_shards or "auto"}
     return job, job.trainer(
         args.global_batch,
-        scaling=ScalingConfig(
-            num_workers=num_workers,
-            groups=None if isinstance(args.workers, int) else args.workers,
-            cpus_per_worker=args.cpus_per_worker,
-            shares=args.shares,
-            max_micro_batch=micro,
-            leave_out_slow=not args.keep_all_devices,
-            shard_optimizer=args.shard_optimizer,
-            address=args.address,
-            precision=args.precision,
-            backend=args.backend,
-            numerics_check=args.numerics,
-            network_interface=args.interface,
-        ),
-        strategy=StrategyConfig(
-            name=args.strategy,
-            compress=args.compress,
-            staleness=args.staleness,
-            local_steps=args.local_steps,
-            overlap=args.overlap,
-            pace=args.pace,
-            outer_lr=args.outer_lr,
-            outer_momentum=args.outer_momentum,
-            ps_shards=args.ps_shards or "auto",
-        ),
-        run=RunConfig(
-            run_dir=run_dir,
-            seed=args.seed,
-            steps_per_round=steps_per_round,
-            progress=not getattr(args, "quiet", True),
-            checkpoint_every_s=getattr(args, "checkpoint_every", 60.0),
-            max_failures=getattr(args, "max_failures", 3),
-            tensorboard=True if getattr(args, "tensorboard", False) else None,
-        ),
+        scaling=ScalingConfig(**scaling),
+        strategy=StrategyConfig(**strategy),
+        run=RunConfig(**run),
     )
+
+
+_CONFIGS = (ScalingConfig, RunConfig, StrategyConfig)
 
 
 def _resumed(raw: list[str], given: argparse.Namespace) -> tuple[argparse.Namespace, dict[str, Any]]:
