@@ -22,7 +22,7 @@ from mixtrain.config import ScalingConfig, StrategyConfig
 from mixtrain.core import preflight
 from mixtrain.core.group_ops import GroupOps, user_cap
 from mixtrain.core.membership import Membership
-from mixtrain.core.messages import LeftOut, ProbeResult, WorkerInfo
+from mixtrain.core.messages import BuildReport, LeftOut, ProbeResult, WorkerInfo
 from mixtrain.core.worker_group import WorkerGroup
 from mixtrain.data.sampling import Arrays
 from mixtrain.data.sources import Loader
@@ -95,24 +95,19 @@ def bring_up(
 ) -> Bringup:
     """Build, check, ship the data, measure, form, plan: everything before the first step. Each member's report,
     probe, speed, memory cap and share are recorded in the membership."""
-    members, wait_s = group.members, group.tunables.setup_s
+    members = group.members
     phases = phases or Phases()
     requested = strategy
     if strategy.name == "auto":  # measured as all-reduce (the exact math), kept unless the link is slow for it
         strategy = strategy.as_allreduce()
     notes: list[str] = []
     left_out: list[LeftOut] = []
-    # Build before forming the group, so a factory that raises fails at once instead of
-    # leaving its peers waiting out the rendezvous timeout.
-    for member, report in zip(members, group.each(lambda w: w.build(task_factory), timeout_s=wait_s)):
-        member.report = report
+    reports = _build(group, task_factory)
     phases.mark("worker processes and replicas")
-    reports = [m.report for m in members if m.report is not None]
-    checks: dict[str, Any] = {"reports": list(reports), "numerics": [], "probes": [], "left_out": []}
-    preflight.check(compat.versions(), reports)
-    _refresh_infos(group)
+    checks: dict[str, Any] = {"reports": reports, "numerics": [], "probes": [], "left_out": []}
     data_refs = (ray.put(train), ray.put(evaluation) if evaluation is not None else None)  # once; read zero-copy
-    data = preflight.check_data(group.each(lambda w: w.load_data(*data_refs), timeout_s=wait_s), members.infos())
+    reports_data = group.each(lambda w: w.load_data(*data_refs), timeout_s=group.tunables.setup_s)
+    data = preflight.check_data(reports_data, members.infos())
     phases.mark("data")
     checks["numerics"] = _check_numerics(group, left_out, notes)
     checks["probes"] = _probe(group, global_batch)
@@ -126,16 +121,9 @@ def bring_up(
     phases.mark("link and plan")
     checks["left_out"] = [{"rank": w.worker.rank, "reason": w.reason} for w in left_out]
     workers = _refresh_infos(group)
-    compute_s = plan.predicted_step_s - (plan.comm_s if len(members) > 1 else 0.0)
-    advice = suggest(compute_s, exchange_s, exchange_bytes, strategy, len(members))
-    if requested.name == "auto":
-        chosen = choose(compute_s, exchange_s, requested, len(members), exchange_bytes)  # the options asked for
-        if chosen != strategy:
-            plan, exchange_s, exchange_bytes = _switch(ops, chosen, global_batch, exchanged)
-            strategy = chosen
-        advice = f"auto chose {strategy.describe()}: {advice}"
+    plan, advice, exchange_s, exchange_bytes = _advise(ops, requested, plan, exchange_s, exchange_bytes, exchanged)
     checks["strategy"] = {
-        "name": strategy.describe(),
+        "name": ops.strategy.describe(),
         "requested": requested.name,
         "exchange_s": exchange_s,
         "exchange_bytes": exchange_bytes,
@@ -154,6 +142,38 @@ def bring_up(
         phases=phases,
         probes=[m.probe for m in members if m.probe is not None],
     )
+
+
+def _build(group: WorkerGroup, task_factory: Callable[[], Task]) -> list[BuildReport]:
+    """Every worker builds its replica (before any group forms, so a factory that raises fails at once instead of
+    leaving its peers waiting out the rendezvous timeout); the reports must agree (preflight)."""
+    built = group.each(lambda w: w.build(task_factory), timeout_s=group.tunables.setup_s)
+    for member, report in zip(group.members, built):
+        member.report = report
+    preflight.check(compat.versions(), built)
+    _refresh_infos(group)
+    return built
+
+
+def _advise(
+    ops: GroupOps,
+    requested: StrategyConfig,
+    plan: Plan,
+    exchange_s: float,
+    exchange_bytes: int,
+    exchanged: int,
+) -> tuple[Plan, str, float, int]:
+    """What the measured compute and link suggest; with `--strategy auto`, the strategy they call for is adopted
+    (the group re-forms with it and the plan is made again). Returns (plan, advice, exchange s, exchange bytes)."""
+    n, strategy = len(ops.members), ops.strategy
+    compute_s = plan.predicted_step_s - (plan.comm_s if n > 1 else 0.0)
+    advice = suggest(compute_s, exchange_s, exchange_bytes, strategy, n)
+    if requested.name != "auto":
+        return plan, advice, exchange_s, exchange_bytes
+    chosen = choose(compute_s, exchange_s, requested, n, exchange_bytes)  # the options asked for
+    if chosen != strategy:
+        plan, exchange_s, exchange_bytes = _switch(ops, chosen, plan, exchanged)
+    return plan, f"auto chose {ops.strategy.describe()}: {advice}", exchange_s, exchange_bytes
 
 
 def _refresh_infos(group: WorkerGroup) -> list[WorkerInfo]:
@@ -215,14 +235,14 @@ def _measure_exchange(ops: GroupOps, exchanged: int) -> tuple[float, int]:
     return max(m[0] for m in measured), max(m[1] for m in measured)
 
 
-def _switch(ops: GroupOps, chosen: StrategyConfig, global_batch: int, exchanged: int) -> tuple[Plan, float, int]:
+def _switch(ops: GroupOps, chosen: StrategyConfig, plan: Plan, exchanged: int) -> tuple[Plan, float, int]:
     """`--strategy auto` adopting another strategy than the all-reduce it measured: the group re-forms with it
     (nothing trained yet: every replica holds rank 0's weights), its exchange is measured, and the shares are
     planned again with that cost (the workers stay those the all-reduce plan kept)."""
     ops.strategy = chosen
     ops.reform()
     exchange_s, exchange_bytes = _measure_exchange(ops, exchanged)
-    plan, _ = _first_plan(ops.group, global_batch, exchange_s / chosen.steps_per_exchange)
+    plan, _ = _first_plan(ops.group, sum(plan.shares), exchange_s / chosen.steps_per_exchange)
     return plan, exchange_s, exchange_bytes
 
 

@@ -1,61 +1,45 @@
 """The Ray side of the workers: one actor per worker, gang-scheduled in a placement group, called SPMD-style through
-typed calls (core/worker_calls.py), with one rule for deadlines and errors. Who is in is the membership's
-(core/membership.py): this starts, stops and renumbers the processes the membership lists."""
+typed calls (core/worker_calls.py) with one rule for deadlines and errors (core/group_calls.py). Who is in is the
+membership's (core/membership.py): this starts, stops and renumbers the processes the membership lists."""
 
 from __future__ import annotations
 
-import re
-import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import ray
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from mixtrain.cluster import connect, placement
-from mixtrain.comm import state_transfer
 from mixtrain.config import ScalingConfig
 from mixtrain.core import emulation, warm_workers
+from mixtrain.core.group_calls import (
+    STREAM_AHEAD,
+    GroupCalls,
+    WorkerError,
+    WorkerTimeout,
+    error_text,
+    lost_reason,
+    open_stream,
+)
 from mixtrain.core.membership import Member, Membership, Status
 from mixtrain.core.messages import BuildReport, WorkerSetup
 from mixtrain.core.tunables import Tunables
 from mixtrain.core.worker import TrainWorker
-from mixtrain.core.worker_calls import Pending, WorkerCalls
+from mixtrain.core.worker_calls import WorkerCalls
 from mixtrain.observe import worker_log
 
-T = TypeVar("T")
-
-
-class WorkerError(RuntimeError):
-    """A worker failed; the message names its rank and node and carries its traceback."""
-
-
-class WorkerTimeout(WorkerError):
-    """Workers did not answer in time (stopped, asleep, hung, or on a link slower than the deadline allows)."""
-
-    def __init__(self, message: str, ranks: list[int]) -> None:
-        super().__init__(message)
-        self.ranks = ranks
-
-
-_ANSI = re.compile(r"\x1b\[[0-9;]*m")
-STREAM_AHEAD = 128
-"""A streamed state's pieces a worker sends ahead of what the driver has read (128 x 64 KB: 8 MB). Unbounded, a
-worker runs through the whole state at once and the pieces the driver has not read yet pile up in both processes:
-rank 0's peak was 20-100 MB higher and the driver's 60-200 MB on a 12.6M-parameter AdamW state. It costs little:
-150 MB took 0.6-0.7 s instead of 0.3-0.6 s on one machine."""
-
-
-def open_stream(actor: Any, what: str) -> Any:
-    """actor.stream(what) as Ray's streaming generator, at most STREAM_AHEAD pieces ahead of the reader."""
-    return WorkerCalls(actor).stream(what, STREAM_AHEAD)
-
-
-def error_text(exc: BaseException) -> str:
-    """What a Ray error says, without the terminal colours Ray puts in."""
-    return _ANSI.sub("", str(exc))
+__all__ = [
+    "STREAM_AHEAD",
+    "WorkerError",
+    "WorkerGroup",
+    "WorkerTimeout",
+    "error_text",
+    "lost_reason",
+    "open_stream",
+]
 
 
 def _log_copy(ref: Any) -> tuple[str, str] | None:
@@ -67,23 +51,7 @@ def _log_copy(ref: Any) -> tuple[str, str] | None:
         return None
 
 
-def _describe(rank: int, method: str, exc: Exception) -> str:
-    text = error_text(exc)
-    message = f"worker {rank} failed in {method}():\n{text}"
-    if "ModuleNotFoundError" in text or "No module named" in text:
-        message += (
-            "\nFix: the task factory (and what it imports) must be importable on every worker: define it in an "
-            "installed package, or in a module under the folder you start from (local workers share your working "
-            "directory), or set PYTHONPATH for the Ray nodes."
-        )
-    return message
-
-
-def lost_reason(exc: Exception) -> str:
-    return f"its process died or its node left ({error_text(exc).splitlines()[0][:160]})"
-
-
-class WorkerGroup:
+class WorkerGroup(GroupCalls):
     """The actors of one run. `worker_cls` is a class attribute so tests can inject a failing subclass."""
 
     worker_cls: type = TrainWorker
@@ -203,106 +171,6 @@ class WorkerGroup:
             return None
         self.log_dir.mkdir(parents=True, exist_ok=True)
         return str(self.log_dir), ray.get_runtime_context().get_node_id()
-
-    # ---- calls ----------------------------------------------------------------------------------
-    def each(
-        self, call: Callable[[WorkerCalls], Pending[T]], *, timeout_s: float, ranks: Iterable[int] | None = None
-    ) -> list[T]:
-        """`call(worker)` on the given ranks (all by default); the results in rank order."""
-        active = self.members.active
-        ranks = range(len(active)) if ranks is None else ranks
-        return self.gather({r: call(active[r].worker) for r in ranks}, timeout_s)
-
-    def gather(self, pending: dict[int, Pending[T]], timeout_s: float) -> list[T]:
-        """Wait for every call (by rank) within `timeout_s`, but raise at the FIRST failure rather than after the
-        slowest rank: WorkerTimeout names who did not answer, WorkerError who failed and how."""
-        rank_of = {p.ref: r for r, p in pending.items()}
-        method = next(iter(pending.values())).method if pending else ""
-        results: dict[int, T] = {}
-        waiting = list(rank_of)
-        deadline = time.monotonic() + timeout_s
-        while waiting:
-            ready, waiting = ray.wait(waiting, num_returns=1, timeout=max(0.0, deadline - time.monotonic()))
-            if not ready:
-                missing = sorted(rank_of[p] for p in waiting)
-                raise WorkerTimeout(
-                    f"worker(s) {missing} did not finish {method}() within {timeout_s:g} s; see the timeouts "
-                    "MIXTRAIN_*_TIMEOUT_S in the README",
-                    missing,
-                )
-            try:
-                results[rank_of[ready[0]]] = ray.get(ready[0])
-            except ray.exceptions.RayError as exc:
-                raise WorkerError(_describe(rank_of[ready[0]], method, exc)) from exc
-        return [results[r] for r in sorted(results)]
-
-    def tolerant(
-        self, call: Callable[[WorkerCalls], Pending[T]], *, timeout_s: float, grace_s: float, peer_grace_s: float
-    ) -> tuple[dict[int, T], dict[int, str]]:
-        """`call(worker)` on every rank, surviving lost workers: returns (results by rank, the lost ranks with what
-        happened). A worker is lost when its process died or, once another worker has died, it has not answered
-        within `grace_s` (stopped, asleep or hung); once another worker reported a silent peer (its collective timed
-        out: the silent one had that long already), within `peer_grace_s`. Any other error in a worker is raised as
-        WorkerError: that is a bug or a device error, not a loss."""
-        pending = {r: call(m.worker) for r, m in enumerate(self.members)}
-        rank_of = {p.ref: r for r, p in pending.items()}
-        results: dict[int, T] = {}
-        lost: dict[int, str] = {}
-        waiting = list(rank_of)
-        deadline = time.monotonic() + timeout_s
-        waited = timeout_s
-        while waiting:
-            ready, waiting = ray.wait(waiting, num_returns=1, timeout=max(0.0, deadline - time.monotonic()))
-            if not ready:
-                break
-            rank = rank_of[ready[0]]
-            try:
-                results[rank] = ray.get(ready[0])
-            except ray.exceptions.RayActorError as exc:  # the process died or its node is gone
-                lost[rank] = lost_reason(exc)
-            except ray.exceptions.RayError as exc:
-                raise WorkerError(_describe(rank, pending[rank].method, exc)) from exc
-            wait = self._grace(results.get(rank), bool(lost), grace_s, peer_grace_s)
-            if wait is not None:
-                deadline, waited = min(deadline, time.monotonic() + wait), min(waited, wait)
-        for ref in waiting:
-            lost[rank_of[ref]] = (
-                f"did not answer within {waited:g} s after a peer failed (stopped, asleep or hung; "
-                "MIXTRAIN_COLLECTIVE_TIMEOUT_S, MIXTRAIN_LOST_GRACE_S)"
-            )
-        return results, lost
-
-    @staticmethod
-    def _grace(result: Any, any_lost: bool, grace_s: float, peer_grace_s: float) -> float | None:
-        """How long the rest get after this answer: `grace_s` once a worker died; after a report of a failed
-        collective, `peer_grace_s` when it timed out (a silent peer had the whole timeout already), else `grace_s`
-        (a peer that died or left on purpose says nothing of the rest, which may still compute on a loaded
-        machine). None: no change."""
-        if any_lost:
-            return grace_s
-        if result is not None and bool(getattr(result, "peer_lost", "")):
-            return peer_grace_s if getattr(result, "peer_silent", False) else grace_s
-        return None
-
-    def receive(self, rank: int, what: str, *, stall_s: float) -> Any:
-        """`what` (a TrainWorker.stream name) from worker `rank`, streamed in small pieces: no deadline for the
-        whole (a large model on a slow link takes as long as it takes), but a peer silent for `stall_s` between
-        two pieces is WorkerTimeout, and a dead one WorkerError."""
-        gen = self.members[rank].worker.stream(what, STREAM_AHEAD)
-
-        def pieces() -> Iterator[Any]:
-            while True:
-                ready, _ = ray.wait([gen], timeout=stall_s)
-                if not ready:
-                    raise WorkerTimeout(f"worker {rank} sent nothing of {what} for {stall_s:g} s", [rank])
-                try:
-                    yield ray.get(next(gen))
-                except StopIteration:
-                    return
-                except ray.exceptions.RayError as exc:
-                    raise WorkerError(_describe(rank, f"stream({what!r})", exc)) from exc
-
-        return state_transfer.receive(pieces())
 
     # ---- who is in --------------------------------------------------------------------------------
     def drop(self, ranks: Iterable[int], *, lost: bool = False) -> None:
