@@ -5,13 +5,16 @@ from __future__ import annotations
 
 import functools
 import ipaddress
+import os
+import subprocess
+import sys
 import threading
 
 import psutil
 import pytest
 
 from mixtrain import RunConfig, ScalingConfig, Trainer
-from tests.conftest import run_cluster_script
+from tests.conftest import REPO, run_cluster_script
 from tests.models import _wait_for, data, factory, paused_in_training
 
 
@@ -72,3 +75,26 @@ def test_a_run_on_one_machine_listens_on_loopback_only_and_its_store_is_closed_o
     # each worker: Ray's gRPC server and gloo's listener; rank 0 no more than the others (its store is closed)
     per_worker = [sorted(s["port"] for s in seen if s["pid"] == w["pid"]) for w in result.workers]
     assert len(per_worker) == 2 and len(per_worker[0]) == len(per_worker[1]) >= 2, (per_worker, seen)
+
+
+CONNECT = """
+import sys
+import ray
+from mixtrain.cluster import connect
+connect.ensure_ray(sys.argv[1], 1)
+print(ray.get(ray.remote(lambda: ray.util.get_node_ip_address()).remote(), timeout=60))
+"""
+
+
+def test_another_process_connects_to_the_embedded_ray_at_its_loopback_address(ray_address):
+    # `mixtrain train --address` to a Ray that listens on loopback only: Ray's driver would replace 127.0.0.1
+    # with the machine's LAN address, where nothing answers, and wait for minutes
+    assert ipaddress.ip_address(ray_address.rpartition(":")[0]).is_loopback
+    proc = subprocess.run(
+        [sys.executable, "-c", CONNECT, ray_address],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+    )
+    assert proc.returncode == 0 and proc.stdout.strip() == "127.0.0.1", proc.stderr[-2000:]

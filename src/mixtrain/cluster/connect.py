@@ -76,7 +76,8 @@ def ensure_ray(address: str | None, num_cpus_needed: float) -> None:
     quiet: dict[str, Any] = {"logging_level": logging.ERROR, "log_to_driver": False}
     if address is not None:
         check_reachable(address)
-        ray.init(address=address, **quiet)
+        with _loopback_as_given():
+            ray.init(address=address, **quiet)
         return
     cpus = os.cpu_count() or 1
     if num_cpus_needed > cpus:
@@ -97,6 +98,24 @@ def start_embedded(**init_args: Any) -> None:
             _system_config=SYSTEM_CONFIG,
             **init_args,
         )
+
+
+@contextmanager
+def _loopback_as_given() -> Iterator[None]:
+    """A loopback address given to `ray.init` in this block (another process's embedded Ray, which listens on
+    LOCAL_NODE_IP only) connected to as given: Ray replaces it with the machine's LAN address, where nothing
+    answers, and waits for minutes."""
+    from ray._private import services
+
+    resolve = getattr(services, "resolve_ip_for_localhost", None)
+    if resolve is None:
+        yield
+        return
+    setattr(services, "resolve_ip_for_localhost", lambda host: host)  # noqa: B010
+    try:
+        yield
+    finally:
+        setattr(services, "resolve_ip_for_localhost", resolve)  # noqa: B010
 
 
 @contextmanager
