@@ -183,6 +183,26 @@ def with_a_slow_first_step(make: Callable[[], Task], rank: int, seconds: float) 
     return Task(model=task.model, optimizer=task.optimizer, loss_fn=loss_fn)
 
 
+def paused_in_training(make: Callable[[], Task], marker: str) -> Task:
+    """make()'s task, whose worker 0 in its first training loss (the group formed, every worker in it) creates
+    `marker` and waits until `marker`.go exists: a test looks at the running workers meanwhile."""
+
+    import torch.distributed as dist
+
+    task = make()
+    inner, first = task.loss_fn, [True]
+    assert inner is not None, "a task with a loss_fn"
+
+    def loss_fn(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        if dist.is_initialized() and dist.get_rank() == 0 and first[0]:
+            first[0] = False
+            open(marker, "w").close()
+            _wait_for(marker + ".go")
+        return inner(out, target)
+
+    return Task(model=task.model, optimizer=task.optimizer, loss_fn=loss_fn)
+
+
 def one_worker_builds_another_model(marker: str) -> Task:
     """The first process to build takes a wider first layer (a node with other code): the preflight must
     name the parameter and both shapes."""

@@ -91,7 +91,9 @@ for os_name in ("linux", "mac"):
         platform.system = lambda: "Darwin"
     main(["cluster", "join", f"{peer}:7000", "--token-file", token])
     try:
-        join_group(rank=1, world_size=2, host=peer, port=7000, rendezvous_timeout_s=1, collective_timeout_s=1)
+        join_group(
+            rank=1, world_size=2, host=peer, port=7000, prefix='p', rendezvous_timeout_s=1, collective_timeout_s=1
+        )
     except RendezvousError as exc:
         print("WORKER:", exc, file=sys.stderr)
 """

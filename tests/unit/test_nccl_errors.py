@@ -23,10 +23,11 @@ def test_joining_an_nccl_group_sets_errors_to_be_raised_not_to_end_the_process(m
             world_size=1,
             host="127.0.0.1",
             port=rendezvous.port,
+            prefix=rendezvous.prefix,
             rendezvous_timeout_s=5,
             collective_timeout_s=5,
             backend="nccl",
-            store=rendezvous.store,
+            rendezvous=rendezvous,
         )
     except RendezvousError:
         assert not dist.is_nccl_available()  # only a torch without NCCL may refuse
@@ -44,9 +45,10 @@ def test_a_gloo_group_leaves_the_nccl_settings_alone(monkeypatch):
         world_size=1,
         host="127.0.0.1",
         port=rendezvous.port,
+        prefix=rendezvous.prefix,
         rendezvous_timeout_s=5,
         collective_timeout_s=5,
-        store=rendezvous.store,
+        rendezvous=rendezvous,
     )
     dist.destroy_process_group()
     assert "TORCH_NCCL_ASYNC_ERROR_HANDLING" not in os.environ

@@ -47,6 +47,14 @@ waits for: 1.0-1.4 s on a 2-core machine. It serves Ray's job submission, state 
 mixtrain's drivers use; `mixtrain cluster up --dashboard` is the way to have them."""
 
 
+LOCAL_NODE_IP = "127.0.0.1"
+"""The embedded Ray's node address. Ray binds its gRPC servers (GCS, raylet, every worker process, the driver)
+and its agents to this address when it is loopback, and to every interface otherwise: started with the
+machine's LAN address (what `ray.init` picks on Linux), a laptop-only run had 10 of Ray's listeners open to the
+network (`ss -ltnp`, Ray 2.60, 2026-11-26); on loopback, none. On macOS and Windows Ray picks loopback itself. The
+workers' collectives follow: all on one node, they meet on loopback too (process_group.Rendezvous)."""
+
+
 REGISTER_POLL_S = 10.0
 """How long the embedded Ray's start asks every 20 ms whether its raylet has registered (0.5-0.6 s on an idle
 2-core machine, seconds on a loaded one) before leaving the wait to Ray, which asks once a second."""
@@ -68,7 +76,8 @@ def ensure_ray(address: str | None, num_cpus_needed: float) -> None:
     quiet: dict[str, Any] = {"logging_level": logging.ERROR, "log_to_driver": False}
     if address is not None:
         check_reachable(address)
-        ray.init(address=address, **quiet)
+        with _loopback_as_given():
+            ray.init(address=address, **quiet)
         return
     cpus = os.cpu_count() or 1
     if num_cpus_needed > cpus:
@@ -82,7 +91,7 @@ def start_embedded(**init_args: Any) -> None:
     """A new local Ray for this process (`ray.init` keywords in `init_args`), with mixtrain's settings and
     without the processes of LEAN_HEAD."""
     # Ctrl-C in the terminal must reach the driver only, not Ray's own processes
-    with _signals_ignored(signal.SIGINT), _lean_head():
+    with _signals_ignored(signal.SIGINT), _node_params(), _lean_head():
         ray.init(
             address="local",  # a new embedded Ray, even where a `ray start` cluster runs on this machine
             include_dashboard=False,
@@ -92,26 +101,58 @@ def start_embedded(**init_args: Any) -> None:
 
 
 @contextmanager
-def _lean_head() -> Iterator[None]:
-    """LEAN_HEAD for the node parameters `ray.init` builds in this block, no API server, and the wait for the
-    raylet to register asked every 20 ms instead of every second. Those are internal to Ray: where they are
-    missing (another Ray release), Ray starts as it would by itself."""
-    from ray._private import node, parameter, services, state
+def _loopback_as_given() -> Iterator[None]:
+    """A loopback address given to `ray.init` in this block (another process's embedded Ray, which listens on
+    LOCAL_NODE_IP only) connected to as given: Ray replaces it with the machine's LAN address, where nothing
+    answers, and waits for minutes."""
+    from ray._private import services
 
-    base = parameter.RayParams
-    start_api_server = getattr(node.Node, "start_api_server", None)
-    get_node = getattr(services, "get_node", None)
-    if (
-        not set(LEAN_HEAD) <= set(inspect.signature(base.__init__).parameters)
-        or start_api_server is None
-        or get_node is None
-    ):
+    resolve = getattr(services, "resolve_ip_for_localhost", None)
+    if resolve is None:
         yield
         return
+    setattr(services, "resolve_ip_for_localhost", lambda host: host)  # noqa: B010
+    try:
+        yield
+    finally:
+        setattr(services, "resolve_ip_for_localhost", resolve)  # noqa: B010
 
-    class LeanParams(base):  # type: ignore[misc, valid-type]
+
+@contextmanager
+def _node_params() -> Iterator[None]:
+    """The node parameters `ray.init` builds in this block with LOCAL_NODE_IP as the node's address, and where
+    this Ray has them, LEAN_HEAD. (`ray.init(_node_ip_address="127.0.0.1")` is not the same: Ray replaces a
+    loopback address given there with the LAN address.)"""
+    from ray._private import parameter
+
+    base = parameter.RayParams
+    lean = LEAN_HEAD if set(LEAN_HEAD) <= set(inspect.signature(base.__init__).parameters) else {}
+
+    class NodeParams(base):  # type: ignore[misc, valid-type]
         def __init__(self, *args: Any, **kwargs: Any) -> None:
-            super().__init__(*args, **{**LEAN_HEAD, **kwargs})
+            kwargs = {**lean, **kwargs}
+            if kwargs.get("node_ip_address") is None:
+                kwargs["node_ip_address"] = LOCAL_NODE_IP
+            super().__init__(*args, **kwargs)
+
+    setattr(parameter, "RayParams", NodeParams)  # noqa: B010  (mypy: a class is not assignable)
+    try:
+        yield
+    finally:
+        setattr(parameter, "RayParams", base)  # noqa: B010
+
+
+@contextmanager
+def _lean_head() -> Iterator[None]:
+    """No API server, and the wait for the raylet to register asked every 20 ms instead of every second. Those
+    are internal to Ray: where they are missing (another Ray release), Ray starts as it would by itself."""
+    from ray._private import node, services, state
+
+    start_api_server = getattr(node.Node, "start_api_server", None)
+    get_node = getattr(services, "get_node", None)
+    if start_api_server is None or get_node is None:
+        yield
+        return
 
     def no_api_server(self: Any, *, include_dashboard: bool | None, **kwargs: Any) -> None:
         if include_dashboard:
@@ -134,7 +175,6 @@ def _lean_head() -> Iterator[None]:
         return get_node(gcs_address, node_id)
 
     patches = [
-        (parameter, "RayParams", LeanParams),
         (node.Node, "start_api_server", no_api_server),
         (services, "get_node", get_node_once_registered),
     ]

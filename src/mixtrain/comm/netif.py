@@ -3,7 +3,8 @@
 Without GLOO_SOCKET_IFNAME, gloo picks its interface by resolving the machine's hostname,
 and many Linux installs map the hostname to 127.0.1.1 in /etc/hosts: gloo then listens on
 loopback and peers on other machines hang. mixtrain names the interface that holds the
-node's Ray address instead, unless the user set one.
+node's Ray address instead, unless the user set one; and loopback when every worker is on one
+node, so that gloo (which has no authentication) is not reachable from the network.
 """
 
 from __future__ import annotations
@@ -35,15 +36,34 @@ def interface_for(ip: str) -> str | None:
     return next((name for name, ips in ipv4_addresses().items() if ip in ips), None)
 
 
+LOOPBACK = "127.0.0.1"
+
+
+def is_loopback(ip: str) -> bool:
+    try:
+        return ipaddress.ip_address(ip).is_loopback
+    except ValueError:  # a host name
+        return False
+
+
+_pinned: dict[str, str] = {}
+"""What pin_interface set in this process, by variable: a value still equal to it is mixtrain's to change."""
+
+
 def pin_interface(ip: str, backend: str) -> str | None:
-    """Set GLOO_SOCKET_IFNAME (and NCCL_SOCKET_IFNAME for NCCL) to the interface of `ip` unless
-    already set (by the user or the network_interface setting); returns the name in use."""
+    """Set GLOO_SOCKET_IFNAME (and NCCL_SOCKET_IFNAME for NCCL) to the interface of `ip` unless the user set
+    it (or the network_interface setting did); returns the name in use. Called at every formation: one all on
+    this node uses loopback, the next may span nodes."""
     var = "NCCL_SOCKET_IFNAME" if backend == "nccl" else "GLOO_SOCKET_IFNAME"
-    if os.environ.get(var):
-        return os.environ[var]
+    current = os.environ.get(var)
+    if current and current != _pinned.get(var):
+        return current
     name = interface_for(ip)
-    if name is not None:
-        os.environ[var] = name
+    if name is None:
+        os.environ.pop(var, None)
+        _pinned.pop(var, None)
+    else:
+        os.environ[var] = _pinned[var] = name
     return name
 
 

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import logging
 import os
+import secrets
+import socket
 from datetime import timedelta
 
 import torch.distributed as dist
@@ -17,18 +19,38 @@ class RendezvousError(RuntimeError):
 
 
 class Rendezvous:
-    """Rank 0's side: a TCPStore on a free port that the other ranks connect to.
+    """Rank 0's side of one formation: a TCPStore server that the ranks (rank 0 too) connect to, listening on
+    `host` only (127.0.0.1 when every worker is on one node), and a random key prefix for this formation.
 
-    Opening the store before anyone joins lets the OS pick the port, so there is no
-    window in which another process can take it.
-    """
+    TCPStore has no authentication, and given a port it listens on every interface whatever `host` says; so the
+    socket is made here, bound to `host` on a port the OS picks (no window in which another process can take it),
+    and handed to the store. The prefix travels to the other ranks through Ray (which checks its token), so keys
+    written blindly (the fixed names of before, mixtrain/arrived/N) count for nothing; one connected while the
+    store is open can still list its keys (TCPStore serves that to anyone) and so learn the prefix: what keeps
+    strangers out is the address (loopback when it can be) and the short time it is open. close() stops the
+    server: the group no longer needs it once every rank has formed it (join_group)."""
 
     def __init__(self, host: str, timeout_s: float) -> None:
-        self.store = dist.TCPStore(
-            host, 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=timeout_s)
-        )
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        with socket.socket(family, socket.SOCK_STREAM) as listener:
+            listener.bind((host, 0))
+            listener.listen(128)
+            self.port: int = listener.getsockname()[1]
+            self._server: dist.TCPStore | None = dist.TCPStore(
+                host,
+                self.port,
+                is_master=True,
+                wait_for_workers=False,
+                timeout=timedelta(seconds=timeout_s),
+                master_listen_fd=listener.fileno(),
+            )
+            listener.detach()  # the store's now: it closes it when it stops
         self.host = host
-        self.port = self.store.port
+        self.prefix = secrets.token_hex(16)
+
+    def close(self) -> None:
+        """Stop the server (its port closes; the ranks' connections to it end). Safe to call twice."""
+        self._server = None
 
 
 def choose_backend(
@@ -94,29 +116,42 @@ def join_group(
     world_size: int,
     host: str,
     port: int,
+    prefix: str,
     rendezvous_timeout_s: float,
     collective_timeout_s: float,
     backend: str = "gloo",
-    store: dist.Store | None = None,
+    rendezvous: Rendezvous | None = None,
 ) -> None:
-    """Join the default process group; raises RendezvousError within the timeout if a peer is missing."""
+    """Join the default process group through rank 0's store at host:port, under this formation's key `prefix`;
+    raises RendezvousError within the timeout if a peer is missing. Rank 0 passes its `rendezvous`, which is
+    closed here once every rank has formed the group (gloo needs the store no more; NCCL may, to set up
+    communicators later, so its store stays open until the worker leaves), or when forming failed."""
     if dist.is_initialized():
         dist.destroy_process_group()
     if backend == "nccl":
         nccl_errors_as_exceptions()
+    store, timeout = None, timedelta(seconds=rendezvous_timeout_s)
     try:
-        if store is None:
-            store = dist.TCPStore(
-                host, port, world_size=None, is_master=False, timeout=timedelta(seconds=rendezvous_timeout_s)
-            )
+        # every rank connects as a client, rank 0 too: the group holds no reference to the server, which can
+        # then be stopped while the group lives on
+        store = dist.TCPStore(host, port, world_size=None, is_master=False, timeout=timeout)
+        keys = dist.PrefixStore(f"mixtrain/{prefix}", store)
         # Every rank announces itself and waits for all: a missing peer fails here, within
         # the rendezvous timeout, instead of inside the first collective.
-        store.set(f"mixtrain/arrived/{rank}", "1")
-        store.wait([f"mixtrain/arrived/{r}" for r in range(world_size)], timedelta(seconds=rendezvous_timeout_s))
+        keys.set(f"arrived/{rank}", "1")
+        keys.wait([f"arrived/{r}" for r in range(world_size)], timeout)
         dist.init_process_group(
-            backend, store=store, rank=rank, world_size=world_size, timeout=timedelta(seconds=collective_timeout_s)
+            backend, store=keys, rank=rank, world_size=world_size, timeout=timedelta(seconds=collective_timeout_s)
         )
+        # A rank done with init_process_group reads no more keys; the last one to finish may still be reading
+        # its peers' addresses while the others are done, so rank 0 waits for all before it stops the store.
+        keys.set(f"formed/{rank}", "1")
+        if rendezvous is not None and backend != "nccl":
+            keys.wait([f"formed/{r}" for r in range(world_size)], timeout)
+            rendezvous.close()
     except (RuntimeError, dist.DistStoreError) as exc:  # DistStoreError is a RuntimeError; named for clarity
+        if rendezvous is not None:
+            rendezvous.close()
         hint = unreachable_hint(host, port) if store is None else None  # only when rank 0 was never reached
         advice = hint or f"Check that every node can reach {host}:{port} (firewall, wrong interface)"
         raise RendezvousError(

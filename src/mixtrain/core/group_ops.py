@@ -73,10 +73,16 @@ class GroupOps:
         """Rendezvous at rank 0, join the collective group, set up the strategy (rank 0's weights go to all)."""
         t = self.tunables
         rank0 = self.members[0].worker
-        host, port = self.group.gather({0: rank0.open_rendezvous(t.rendezvous_timeout_s)}, t.rendezvous_timeout_s)[0]
+        # every worker on one node (an embedded Ray, a one-machine cluster): the store and the collectives, which
+        # have no authentication, listen on loopback only. Asked now: a replacement reports who it is after this
+        infos = self.group.each(lambda w: w.info(), timeout_s=t.rendezvous_timeout_s)
+        local = len({info.node_id for info in infos}) == 1
+        opened = rank0.open_rendezvous(t.rendezvous_timeout_s, local)
+        host, port, prefix = self.group.gather({0: opened}, t.rendezvous_timeout_s)[0]
         request = JoinRequest(
             host=host,
             port=port,
+            prefix=prefix,
             rendezvous_timeout_s=t.rendezvous_timeout_s,
             collective_timeout_s=t.collective_timeout_s,
             strategy=self.strategy,

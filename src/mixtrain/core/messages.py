@@ -33,6 +33,8 @@ class JoinRequest:
     host: str
     """Rank 0's rendezvous address, and its port."""
     port: int
+    prefix: str
+    """This formation's random key prefix in the store: only who got it through Ray can write the keys it reads."""
     rendezvous_timeout_s: float
     collective_timeout_s: float
     strategy: Any

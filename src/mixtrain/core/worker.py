@@ -302,16 +302,27 @@ class TrainWorker:
         if self._strategy is not None:
             self._strategy.close()
         process_group.leave_group()
+        self._close_rendezvous()
 
-    def open_rendezvous(self, timeout_s: float) -> tuple[str, int]:
-        self._rendezvous = process_group.Rendezvous(self.host, timeout_s)
-        return self.host, self._rendezvous.port
+    def open_rendezvous(self, timeout_s: float, local: bool) -> tuple[str, int, str]:
+        """Rank 0: the store of a new formation, on loopback when every worker is on this node (`local`), else on
+        this node's address; (host, port, key prefix) for every rank's JoinRequest."""
+        self._close_rendezvous()
+        host = netif.LOOPBACK if local else self.host
+        self._rendezvous = process_group.Rendezvous(host, timeout_s)
+        return host, self._rendezvous.port, self._rendezvous.prefix
+
+    def _close_rendezvous(self) -> None:
+        if self._rendezvous is not None:
+            self._rendezvous.close()
+            self._rendezvous = None
 
     def join(self, request: JoinRequest) -> None:
         """Join the collective group at rank 0's rendezvous and set the strategy up on it, keeping what the
         strategy held (a re-formed group) unless a state was just loaded."""
-        store = self._rendezvous.store if self.rank == 0 and self._rendezvous is not None else None
-        netif.pin_interface(self.host, request.backend)
+        rendezvous = self._rendezvous if self.rank == 0 else None
+        # a store on loopback: every worker is on this node, and the collectives stay on loopback too
+        netif.pin_interface(request.host if netif.is_loopback(request.host) else self.host, request.backend)
         if request.backend == "nccl":
             self.kind.make_current(self.device.index or 0)
         process_group.join_group(
@@ -320,9 +331,10 @@ class TrainWorker:
             world_size=self.world_size,
             host=request.host,
             port=request.port,
+            prefix=request.prefix,
             rendezvous_timeout_s=request.rendezvous_timeout_s,
             collective_timeout_s=request.collective_timeout_s,
-            store=store,
+            rendezvous=rendezvous,
         )
         previous, self._strategy = self._strategy, registry.make(request.strategy)
         loaded, self._loaded = self._loaded, None

@@ -63,8 +63,8 @@ class WorkerCalls:
     def leave(self) -> Pending[None]:
         return Pending(self.actor.leave.remote(), "leave")
 
-    def open_rendezvous(self, timeout_s: float) -> Pending[tuple[str, int]]:
-        return Pending(self.actor.open_rendezvous.remote(timeout_s), "open_rendezvous")
+    def open_rendezvous(self, timeout_s: float, local: bool) -> Pending[tuple[str, int, str]]:
+        return Pending(self.actor.open_rendezvous.remote(timeout_s, local), "open_rendezvous")
 
     def join(self, request: JoinRequest) -> Pending[None]:
         return Pending(self.actor.join.remote(request), "join")
