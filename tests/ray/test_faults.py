@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from mixtrain import RunConfig, ScalingConfig, StrategyConfig, Trainer
-from mixtrain.checkpoint import CheckpointStore
+from mixtrain.checkpoint import MANIFEST_SHA256, CheckpointStore, _manifest_digest
 from mixtrain.core.controller import TrainingStopped
 from mixtrain.core.worker import TrainWorker
 from mixtrain.core.worker_group import WorkerGroup
@@ -270,6 +270,7 @@ def test_resuming_at_the_very_end_of_an_epoch_evaluates_it_and_goes_on(tmp_path)
     manifest = json.loads((end / "manifest.json").read_text())
     assert (manifest["epoch"], manifest["step"]) == (1, 0)
     manifest["epoch"], manifest["step"] = 0, 30  # the same global step: epoch 0 after its last (30th) step
+    manifest[MANIFEST_SHA256] = _manifest_digest(manifest)  # (the manifest's own hash, as mixtrain would write it)
     (end / "manifest.json").write_text(json.dumps(manifest))
     resumed = trainer(tmp_path / "resumed").fit(epochs=2, resume=end)
     assert [r["epoch"] for r in run_records(resumed.run_dir, "eval")] == [0, 1]
