@@ -16,6 +16,7 @@ from typing import Any, TextIO
 
 from mixtrain._constants import CONNECT_TIMEOUT_S, env_float
 from mixtrain._files import atomic_write
+from mixtrain.cluster import ray_shim
 from mixtrain.cluster.state import ClusterError, home, load_state
 from mixtrain.errors import InputValueError
 
@@ -88,9 +89,7 @@ def require_token_auth() -> str:
     import ray
 
     parts = tuple(int(p) for p in re.findall(r"\d+", ray.__version__)[:2])
-    try:
-        from ray._raylet import AuthenticationTokenLoader  # type: ignore[attr-defined]  # noqa: F401  (2.52+)
-    except ImportError:
+    if not ray_shim.token_auth_available():
         parts = (0, 0)
     if parts < MIN_RAY:
         want = ".".join(map(str, MIN_RAY))
@@ -105,11 +104,8 @@ def apply_auth_env(env: dict[str, str]) -> None:
     """Put the token settings into this process. Ray reads them once, when it is imported, so its config
     and token cache are reloaded too (as Ray's own test utilities do)."""
     require_token_auth()
-    from ray._raylet import AuthenticationTokenLoader, Config  # type: ignore[attr-defined]
-
     os.environ.update(env)
-    Config.initialize("")
-    AuthenticationTokenLoader.instance().reset_cache()
+    ray_shim.reload_auth_config()
 
 
 def use_cluster_token(address: str) -> None:

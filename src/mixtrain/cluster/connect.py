@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import errno
-import inspect
 import logging
 import math
 import os
@@ -18,6 +17,7 @@ from typing import Any
 import ray
 
 from mixtrain._constants import CONNECT_TIMEOUT_S, env_float
+from mixtrain.cluster import ray_shim
 from mixtrain.errors import InputValueError
 
 SYSTEM_CONFIG: dict[str, Any] = {"free_objects_period_milliseconds": 10, "worker_niceness": 0}
@@ -76,7 +76,7 @@ def ensure_ray(address: str | None, num_cpus_needed: float) -> None:
     quiet: dict[str, Any] = {"logging_level": logging.ERROR, "log_to_driver": False}
     if address is not None:
         check_reachable(address)
-        with _loopback_as_given():
+        with ray_shim.loopback_as_given():
             ray.init(address=address, **quiet)
         return
     cpus = os.cpu_count() or 1
@@ -91,101 +91,17 @@ def start_embedded(**init_args: Any) -> None:
     """A new local Ray for this process (`ray.init` keywords in `init_args`), with mixtrain's settings and
     without the processes of LEAN_HEAD."""
     # Ctrl-C in the terminal must reach the driver only, not Ray's own processes
-    with _signals_ignored(signal.SIGINT), _node_params(), _lean_head():
+    with (
+        _signals_ignored(signal.SIGINT),
+        ray_shim.node_params(LOCAL_NODE_IP, LEAN_HEAD),
+        ray_shim.lean_head(REGISTER_POLL_S),
+    ):
         ray.init(
             address="local",  # a new embedded Ray, even where a `ray start` cluster runs on this machine
             include_dashboard=False,
-            _system_config=SYSTEM_CONFIG,
+            **ray_shim.init_kwargs(SYSTEM_CONFIG),
             **init_args,
         )
-
-
-@contextmanager
-def _loopback_as_given() -> Iterator[None]:
-    """A loopback address given to `ray.init` in this block (another process's embedded Ray, which listens on
-    LOCAL_NODE_IP only) connected to as given: Ray replaces it with the machine's LAN address, where nothing
-    answers, and waits for minutes."""
-    from ray._private import services
-
-    resolve = getattr(services, "resolve_ip_for_localhost", None)
-    if resolve is None:
-        yield
-        return
-    setattr(services, "resolve_ip_for_localhost", lambda host: host)  # noqa: B010
-    try:
-        yield
-    finally:
-        setattr(services, "resolve_ip_for_localhost", resolve)  # noqa: B010
-
-
-@contextmanager
-def _node_params() -> Iterator[None]:
-    """The node parameters `ray.init` builds in this block with LOCAL_NODE_IP as the node's address, and where
-    this Ray has them, LEAN_HEAD. (`ray.init(_node_ip_address="127.0.0.1")` is not the same: Ray replaces a
-    loopback address given there with the LAN address.)"""
-    from ray._private import parameter
-
-    base = parameter.RayParams
-    lean = LEAN_HEAD if set(LEAN_HEAD) <= set(inspect.signature(base.__init__).parameters) else {}
-
-    class NodeParams(base):  # type: ignore[misc, valid-type]
-        def __init__(self, *args: Any, **kwargs: Any) -> None:
-            kwargs = {**lean, **kwargs}
-            if kwargs.get("node_ip_address") is None:
-                kwargs["node_ip_address"] = LOCAL_NODE_IP
-            super().__init__(*args, **kwargs)
-
-    setattr(parameter, "RayParams", NodeParams)  # noqa: B010  (mypy: a class is not assignable)
-    try:
-        yield
-    finally:
-        setattr(parameter, "RayParams", base)  # noqa: B010
-
-
-@contextmanager
-def _lean_head() -> Iterator[None]:
-    """No API server, and the wait for the raylet to register asked every 20 ms instead of every second. Those
-    are internal to Ray: where they are missing (another Ray release), Ray starts as it would by itself."""
-    from ray._private import node, services, state
-
-    start_api_server = getattr(node.Node, "start_api_server", None)
-    get_node = getattr(services, "get_node", None)
-    if start_api_server is None or get_node is None:
-        yield
-        return
-
-    def no_api_server(self: Any, *, include_dashboard: bool | None, **kwargs: Any) -> None:
-        if include_dashboard:
-            start_api_server(self, include_dashboard=include_dashboard, **kwargs)
-
-    def get_node_once_registered(gcs_address: str, node_id: str) -> Any:
-        # Ray's get_node blocks, asking the GCS once a second, until the new raylet has registered (0.5-0.6 s
-        # after it starts, on an idle 2-core machine): nearly a second lost at every start. Asked every 20 ms
-        # first, its one question finds the node. Any trouble here leaves the wait to Ray's own.
-        table = state.GlobalState()
-        try:
-            table._initialize_global_state(services._get_gcs_client_options(gcs_address))
-            deadline = time.monotonic() + REGISTER_POLL_S
-            while time.monotonic() < deadline and all(n.get("NodeID") != node_id for n in table.node_table()):
-                time.sleep(0.02)
-        except Exception:  # an optimisation only: Ray's own wait below decides
-            pass
-        finally:
-            table.disconnect()
-        return get_node(gcs_address, node_id)
-
-    patches = [
-        (node.Node, "start_api_server", no_api_server),
-        (services, "get_node", get_node_once_registered),
-    ]
-    saved = [(owner, name, getattr(owner, name)) for owner, name, _ in patches]
-    for owner, name, replacement in patches:
-        setattr(owner, name, replacement)
-    try:
-        yield
-    finally:
-        for owner, name, original in saved:
-            setattr(owner, name, original)
 
 
 def stop_ray_uninterrupted() -> None:

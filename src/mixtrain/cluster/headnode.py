@@ -24,7 +24,7 @@ from typing import Any
 from mixtrain import compat
 from mixtrain._constants import CONNECT_TIMEOUT_S, RAY_READY_TIMEOUT_S, env_float
 from mixtrain._files import atomic_write
-from mixtrain.cluster import exposure
+from mixtrain.cluster import exposure, ray_shim
 from mixtrain.cluster.auth import (
     apply_auth_env,
     auth_env,
@@ -181,12 +181,7 @@ def _gcs(address: str) -> Any:
     """Ray's GCS client (internal API, used by Ray's own CLI): KV access without starting a driver. Connecting
     waits at most MIXTRAIN_CONNECT_TIMEOUT_S (Ray's GcsClient waits 30 s); give each call `timeout=kv_timeout()`,
     since without one a GCS that accepted the connection and then hangs is waited on for ever."""
-    import ray._raylet
-
-    inner = getattr(ray._raylet, "InnerGcsClient", None)
-    if inner is None:  # not in this Ray: its own client, which connects within 30 s
-        return ray._raylet.GcsClient(address=address)  # type: ignore[attr-defined]
-    return inner.standalone(address, None, int(kv_timeout() * 1000))
+    return ray_shim.gcs_client(address, kv_timeout())
 
 
 def kv_timeout() -> float:

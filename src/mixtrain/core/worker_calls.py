@@ -9,6 +9,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from typing import Any, Generic, TypeVar
 
+from mixtrain.cluster import ray_shim
 from mixtrain.core.messages import (
     BuildReport,
     DataReport,
@@ -105,5 +106,4 @@ class WorkerCalls:
 
     def stream(self, what: str, ahead: int) -> Iterator[Any]:
         """TrainWorker.stream as Ray's streaming generator, at most `ahead` pieces ahead of the reader."""
-        method = self.actor.stream.options(num_returns="streaming", _generator_backpressure_num_objects=ahead)
-        return method.remote(what)
+        return ray_shim.streaming(self.actor.stream, ahead).remote(what)

@@ -1,0 +1,153 @@
+"""Every use of Ray's private interfaces, in one place, each with what it needs from Ray and what happens without.
+
+mixtrain needs Ray 2.52+ (the first that can require a token). Ray's internals move between releases, so each
+function here checks for what it uses and, where that is missing, does what Ray does by itself (or raises, where
+nothing safe can be done without it). tests/unit/test_ray_shim.py tests each on this Ray and with the internal
+taken away (the behaviour of a Ray without it).
+
+| function | Ray internal | without it |
+|---|---|---|
+| node_params | ray._private.parameter.RayParams (2.x) | required: an embedded Ray could not be kept on loopback |
+| lean_head | node.Node.start_api_server, services.get_node, state.GlobalState (2.4x-2.6x) | Ray's own start |
+| loopback_as_given | services.resolve_ip_for_localhost (2.x) | Ray's own resolution |
+| gcs_client | ray._raylet.InnerGcsClient (2.5x-2.6x), else ray._raylet.GcsClient | Ray's client (30 s connect) |
+| token_auth_available, reload_auth_config | ray._raylet AuthenticationTokenLoader, Config (2.52+) | refused |
+| streaming | the actor option _generator_backpressure_num_objects (2.10+) | unbounded streaming |
+| init_kwargs | ray.init(_system_config=...) (2.x) | required |
+"""
+
+from __future__ import annotations
+
+import inspect
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+
+@contextmanager
+def node_params(node_ip: str, extra: dict[str, Any]) -> Iterator[None]:
+    """The node parameters `ray.init` builds in this block get `node_ip` as the node's address (unless given) and
+    `extra` where this Ray's RayParams takes all of them. (`ray.init(_node_ip_address="127.0.0.1")` is not the
+    same: Ray replaces a loopback address given there with the LAN address.)"""
+    from ray._private import parameter
+
+    base = parameter.RayParams
+    lean = extra if set(extra) <= set(inspect.signature(base.__init__).parameters) else {}
+
+    class NodeParams(base):  # type: ignore[misc, valid-type]
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            kwargs = {**lean, **kwargs}
+            if kwargs.get("node_ip_address") is None:
+                kwargs["node_ip_address"] = node_ip
+            super().__init__(*args, **kwargs)
+
+    setattr(parameter, "RayParams", NodeParams)  # noqa: B010  (mypy: a class is not assignable)
+    try:
+        yield
+    finally:
+        setattr(parameter, "RayParams", base)  # noqa: B010
+
+
+@contextmanager
+def lean_head(poll_s: float) -> Iterator[None]:
+    """No API server (the dashboard's head process, which `ray.init` starts even without a dashboard), and the wait
+    for the new raylet to register asked every 20 ms for up to `poll_s` instead of every second. Where this Ray
+    lacks either internal, it starts as it would by itself."""
+    from ray._private import node, services, state
+
+    start_api_server = getattr(node.Node, "start_api_server", None)
+    get_node = getattr(services, "get_node", None)
+    if start_api_server is None or get_node is None:
+        yield
+        return
+
+    def no_api_server(self: Any, *, include_dashboard: bool | None, **kwargs: Any) -> None:
+        if include_dashboard:
+            start_api_server(self, include_dashboard=include_dashboard, **kwargs)
+
+    def get_node_once_registered(gcs_address: str, node_id: str) -> Any:
+        # Ray's get_node blocks, asking the GCS once a second, until the new raylet has registered (0.5-0.6 s
+        # after it starts, on an idle 2-core machine): nearly a second lost at every start. Asked every 20 ms
+        # first, its one question finds the node. Any trouble here leaves the wait to Ray's own.
+        table = state.GlobalState()
+        try:
+            table._initialize_global_state(services._get_gcs_client_options(gcs_address))
+            deadline = time.monotonic() + poll_s
+            while time.monotonic() < deadline and all(n.get("NodeID") != node_id for n in table.node_table()):
+                time.sleep(0.02)
+        except Exception:  # an optimisation only: Ray's own wait below decides
+            pass
+        finally:
+            table.disconnect()
+        return get_node(gcs_address, node_id)
+
+    with _patched([(node.Node, "start_api_server", no_api_server), (services, "get_node", get_node_once_registered)]):
+        yield
+
+
+@contextmanager
+def loopback_as_given() -> Iterator[None]:
+    """A loopback address given to `ray.init` in this block (another process's embedded Ray, which listens on
+    loopback only) is connected to as given: Ray replaces it with the machine's LAN address, where nothing
+    answers, and waits for minutes."""
+    from ray._private import services
+
+    if getattr(services, "resolve_ip_for_localhost", None) is None:
+        yield
+        return
+    with _patched([(services, "resolve_ip_for_localhost", lambda host: host)]):
+        yield
+
+
+@contextmanager
+def _patched(patches: list[tuple[Any, str, Callable[..., Any]]]) -> Iterator[None]:
+    """Ray's functions replaced for the block, and put back afterwards whatever happens."""
+    saved = [(owner, name, getattr(owner, name)) for owner, name, _ in patches]
+    for owner, name, replacement in patches:
+        setattr(owner, name, replacement)
+    try:
+        yield
+    finally:
+        for owner, name, original in saved:
+            setattr(owner, name, original)
+
+
+def gcs_client(address: str, timeout_s: float) -> Any:
+    """Ray's GCS client (what Ray's own CLI uses): key-value access without starting a driver, connecting within
+    `timeout_s`. Without InnerGcsClient, Ray's GcsClient, which connects within 30 s."""
+    import ray._raylet
+
+    inner = getattr(ray._raylet, "InnerGcsClient", None)
+    if inner is None:
+        return ray._raylet.GcsClient(address=address)  # type: ignore[attr-defined]
+    return inner.standalone(address, None, int(timeout_s * 1000))
+
+
+def token_auth_available() -> bool:
+    """This Ray can require a token (AuthenticationTokenLoader: Ray 2.52+)."""
+    try:
+        from ray._raylet import AuthenticationTokenLoader  # type: ignore[attr-defined]  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def reload_auth_config() -> None:
+    """Ray reads its token settings once, when it is imported: read them again from the environment (as Ray's own
+    test utilities do), after the token variables changed."""
+    from ray._raylet import AuthenticationTokenLoader, Config  # type: ignore[attr-defined]
+
+    Config.initialize("")
+    AuthenticationTokenLoader.instance().reset_cache()
+
+
+def streaming(method: Any, ahead: int) -> Any:
+    """An actor method as Ray's streaming generator, at most `ahead` pieces ahead of the reader (a private actor
+    option; a Ray without it streams unbounded)."""
+    return method.options(num_returns="streaming", _generator_backpressure_num_objects=ahead)
+
+
+def init_kwargs(system_config: dict[str, Any]) -> dict[str, Any]:
+    """ray.init's keywords for Ray's internal settings of the Ray mixtrain starts."""
+    return {"_system_config": system_config}

@@ -1,0 +1,99 @@
+"""Ray's private interfaces live in cluster/ray_shim.py (issue 34). Each shim is tested on the Ray installed here
+(2.60, in the range mixtrain supports: 2.52+) and with the internal it uses taken away, as a Ray release without it
+would be: it falls back to what Ray does by itself, or refuses where nothing safe can be done. No Ray starts here
+(tests/ray/test_embedded.py starts one through these shims)."""
+
+from __future__ import annotations
+
+import pathlib
+
+import pytest
+import ray
+import ray._raylet
+from ray._private import node, parameter, services
+
+from mixtrain.cluster import ray_shim
+
+
+def test_this_ray_is_in_the_supported_range_and_has_every_internal_the_shims_use():
+    major, minor = (int(p) for p in ray.__version__.split(".")[:2])
+    assert (major, minor) >= (2, 52)
+    assert hasattr(parameter, "RayParams") and hasattr(node.Node, "start_api_server")
+    assert hasattr(services, "get_node") and hasattr(services, "resolve_ip_for_localhost")
+    assert hasattr(ray._raylet, "InnerGcsClient") and ray_shim.token_auth_available()
+
+
+def test_node_params_give_the_node_address_and_the_extra_fields_this_ray_takes_and_put_ray_back():
+    original = parameter.RayParams
+    with ray_shim.node_params("127.0.0.1", {"no_monitor": True}):
+        params = parameter.RayParams()
+        assert params.node_ip_address == "127.0.0.1" and params.no_monitor is True
+        assert parameter.RayParams(node_ip_address="10.0.0.5").node_ip_address == "10.0.0.5"  # given: kept
+    assert parameter.RayParams is original
+    with ray_shim.node_params("127.0.0.1", {"a_field_this_ray_lacks": 1}):  # an older RayParams: left out
+        assert parameter.RayParams().node_ip_address == "127.0.0.1"
+
+
+def test_lean_head_patches_only_while_ray_starts_and_falls_back_without_the_internals(monkeypatch):
+    start, get_node = node.Node.start_api_server, services.get_node
+    with ray_shim.lean_head(1.0):
+        assert node.Node.start_api_server is not start and services.get_node is not get_node
+    assert node.Node.start_api_server is start and services.get_node is get_node
+    monkeypatch.delattr(services, "get_node")  # a Ray without it: nothing is patched
+    with ray_shim.lean_head(1.0):
+        assert node.Node.start_api_server is start
+
+
+def test_loopback_is_kept_as_given_only_in_the_block_and_without_the_internal_nothing_changes(monkeypatch):
+    resolve = services.resolve_ip_for_localhost
+    with ray_shim.loopback_as_given():
+        assert services.resolve_ip_for_localhost("127.0.0.1") == "127.0.0.1"
+    assert services.resolve_ip_for_localhost is resolve
+    monkeypatch.delattr(services, "resolve_ip_for_localhost")
+    with ray_shim.loopback_as_given():
+        assert not hasattr(services, "resolve_ip_for_localhost")
+
+
+def test_the_gcs_client_uses_the_connect_timeout_and_falls_back_to_rays_own(monkeypatch):
+    calls = []
+
+    class Inner:
+        @staticmethod
+        def standalone(address, cluster_id, timeout_ms):
+            calls.append((address, timeout_ms))
+            return "inner"
+
+    monkeypatch.setattr(ray._raylet, "InnerGcsClient", Inner)
+    assert ray_shim.gcs_client("10.0.0.1:6379", 2.5) == "inner" and calls == [("10.0.0.1:6379", 2500)]
+    monkeypatch.delattr(ray._raylet, "InnerGcsClient")  # an older Ray: its GcsClient
+    monkeypatch.setattr(ray._raylet, "GcsClient", lambda address: f"gcs {address}")
+    assert ray_shim.gcs_client("10.0.0.1:6379", 2.5) == "gcs 10.0.0.1:6379"
+
+
+def test_a_ray_without_token_auth_is_refused(monkeypatch):
+    from mixtrain.cluster import auth
+    from mixtrain.cluster.state import ClusterError
+
+    monkeypatch.delattr(ray._raylet, "AuthenticationTokenLoader")
+    assert not ray_shim.token_auth_available()
+    with pytest.raises(ClusterError, match="cannot require a token"):
+        auth.require_token_auth()
+
+
+def test_streaming_asks_for_backpressure():
+    class Method:
+        def options(self, **kwargs):
+            return kwargs
+
+    assert ray_shim.streaming(Method(), 7) == {"num_returns": "streaming", "_generator_backpressure_num_objects": 7}
+    assert ray_shim.init_kwargs({"x": 1}) == {"_system_config": {"x": 1}}
+
+
+def test_no_other_module_reaches_into_ray_internals():
+    src = pathlib.Path(ray_shim.__file__).parent.parent
+    for path in src.rglob("*.py"):
+        if path.name == "ray_shim.py":
+            continue
+        text = path.read_text()
+        for internal in ("ray._private", "ray._raylet", "_generator_backpressure", "_system_config"):
+            assert internal not in text, (path, internal)
