@@ -224,3 +224,15 @@ def test_the_cli_refuses_a_resume_with_another_seed_in_one_line_before_ray(tmp_p
     assert main(["train", "--resume", str(run), "--seed", "1"]) == 2
     err = capsys.readouterr().err.strip()
     assert "\n" not in err and "trained with seed 0" in err and "Resume with --seed 0" in err, err
+
+
+def test_the_cli_under_a_dangling_default_runs_folder_says_what_is_in_the_way(tmp_path, monkeypatch, capsys):
+    from mixtrain.cli.main import main
+    from mixtrain.trainer import Trainer
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "mixtrain_runs").symlink_to(tmp_path / "gone")
+    monkeypatch.setattr(Trainer, "fit", lambda *a, **k: pytest.fail("training started"))
+    assert main(["train", "digits"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "'mixtrain_runs' is a symbolic link to" in err and "remove the link" in err

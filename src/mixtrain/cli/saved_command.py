@@ -74,7 +74,9 @@ def save_command(raw: list[str], run_dir: Path, target: str, config: dict[str, A
     if isinstance(config.get("data_dir", config.get("data-dir")), str):
         key = "data_dir" if "data_dir" in config else "data-dir"
         config[key] = str(Path(config[key]).expanduser().resolve())
-    run_dir.mkdir(parents=True, exist_ok=True)
+    from mixtrain.observe.runlog import make_folder
+
+    make_folder(run_dir, "--run-dir")  # a file or a dangling link in the way is one clear line
     record: dict[str, Any] = {"argv": keep, "job": target, "job_file": module_file(target)}
     if config:
         record["config"] = config

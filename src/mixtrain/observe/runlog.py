@@ -50,11 +50,11 @@ def make_run_dir(run: RunConfig, resuming: bool = False) -> Path:
         if not resuming:
             check_new_run_dir(path)
         what = f"RunConfig.run_dir={run.run_dir!r}" if run.run_dir is not None else f"RunConfig.name={run.name!r}"
-        _make_folder(path, what)
+        make_folder(path, what)
         _check_checkpoints_folder(path)
         return path.resolve()
     storage = Path(run.storage_dir)
-    _make_folder(storage, f"RunConfig.storage_dir={run.storage_dir!r}")
+    make_folder(storage, f"RunConfig.storage_dir={run.storage_dir!r}")
     for _ in range(NEW_NAME_TRIES):  # a default name is never reused, even by a run started at the same moment
         path = storage / new_run_name()
         try:
@@ -68,7 +68,7 @@ def make_run_dir(run: RunConfig, resuming: bool = False) -> Path:
     )
 
 
-def _make_folder(path: Path, what: str) -> None:
+def make_folder(path: Path, what: str) -> None:
     """mkdir -p, and a clear InputValueError where something other than a folder is in the way: mkdir reports a file
     or a dangling symbolic link there as FileExistsError, which is no name clash."""
     try:
