@@ -238,3 +238,14 @@ def test_a_leave_out_confirmed_by_the_wall_clock_ends_the_check():
     for rate in (3000.0, 7400.0, 7600.0):
         assert check.observe(rate) == Noop()
     assert check.done
+
+
+def test_a_nan_streak_over_an_epochs_end_names_where_it_began():
+    streak = NonFiniteStreak(4)
+    names = ["worker 0", "worker 1"]
+    assert isinstance(
+        streak.observe(epoch=0, steps=range(6, 8), skipped_steps=[6, 7], nonfinite_steps=[[6], []], names=names), Noop
+    )
+    decision = streak.observe(epoch=1, steps=range(0, 2), skipped_steps=[0, 1], nonfinite_steps=[[0], []], names=names)
+    assert isinstance(decision, Stop)
+    assert "4 steps in a row (epoch 0 step 6 to epoch 1 step 1)" in decision.reason, decision.reason

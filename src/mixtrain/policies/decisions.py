@@ -292,6 +292,7 @@ class NonFiniteStreak:
         self.max_steps = max_steps
         self.streak = 0
         self._culprits: dict[int, int] = {}  # rank -> first step of the current streak with a NaN/Inf loss
+        self._first = (0, 0)  # (epoch, step) where the current streak began
 
     def observe(
         self,
@@ -308,14 +309,19 @@ class NonFiniteStreak:
                 self.streak, self._culprits = 0, {}
                 continue
             self.streak += 1
+            if self.streak == 1:
+                self._first = (epoch, step)
             for rank, bad in enumerate(nonfinite_steps):
                 if step in bad:
                     self._culprits.setdefault(rank, step)
             if self.streak >= self.max_steps:
-                first = step - self.streak + 1
+                first_epoch, first = self._first  # a streak may span an epoch's end, where steps start at 0 again
+                where = f"epoch {epoch}, steps {first}-{step}"
+                if first_epoch != epoch:
+                    where = f"epoch {first_epoch} step {first} to epoch {epoch} step {step}"
                 who = "; ".join(f"{names[r]} from step {s}" for r, s in sorted(self._culprits.items()))
                 return Stop(
-                    f"{self.streak} steps in a row (epoch {epoch}, steps {first}-{step}) had a NaN or Inf gradient "
+                    f"{self.streak} steps in a row ({where}) had a NaN or Inf gradient "
                     f"and were skipped on every worker. Non-finite loss: "
                     f"{who or 'none (the summed gradients themselves overflowed)'}"
                 )
