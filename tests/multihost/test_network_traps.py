@@ -45,8 +45,8 @@ from mixtrain.cluster import headnode
 real = headnode.auth_env
 
 
-def ignored(token=None):  # a Ray that starts without token authentication whatever it is told
-    return {**real(token), "RAY_AUTH_MODE": "disabled"}
+def ignored(token=None, path=None):  # a Ray that starts without token authentication whatever it is told
+    return {**real(token, path), "RAY_AUTH_MODE": "disabled"}
 
 
 headnode.auth_env = ignored

@@ -30,16 +30,16 @@ def token_path() -> Path:
     return home() / "auth_token"
 
 
-def write_token(token: str) -> Path:
-    """Keep `token` in token_path(), mode 0600 whatever was there before: a new private file is written and
-    renamed over the old one (a symlink planted there is replaced, never written through)."""
+def write_token(token: str, path: Path | None = None) -> Path:
+    """Keep `token` in token_path() (or `path`), mode 0600 whatever was there before: a new private file is
+    written and renamed over the old one (a symlink planted there is replaced, never written through)."""
     token = token.strip()
     if not _TOKEN.fullmatch(token):
         raise ClusterError(
             "that is not a cluster token (16 to 512 printable characters without spaces); copy the file "
             "that `mixtrain cluster up` names (its auth_token) to this machine and pass --token-file"
         )
-    return atomic_write(token_path(), lambda f: f.write(token.encode()))  # a new file, 0600
+    return atomic_write(path or token_path(), lambda f: f.write(token.encode()))  # a new file, 0600
 
 
 def read_token_arg(token: str | None, token_file: str | None, stdin: TextIO) -> str | None:
@@ -68,12 +68,13 @@ def read_token_arg(token: str | None, token_file: str | None, stdin: TextIO) -> 
     return getpass.getpass("cluster token (the head's auth_token file; not echoed): ")
 
 
-def auth_env(token: str | None = None) -> dict[str, str]:
+def auth_env(token: str | None = None, path: Path | None = None) -> dict[str, str]:
     """Environment for a Ray process or driver of this cluster: token mode, the token read from our file
-    (RAY_AUTH_TOKEN_PATH, so the token itself is in no process's arguments or environment)."""
+    (RAY_AUTH_TOKEN_PATH, so the token itself is in no process's arguments or environment). `path`: another file
+    than the one this machine keeps (a new head's, until it is known to work)."""
     if token is not None:
-        write_token(token)
-    path = token_path()
+        write_token(token, path)
+    path = path or token_path()
     if not path.exists():
         raise ClusterError(
             f"no cluster token in {path}: on the head, run `mixtrain cluster up`; elsewhere give the head's "

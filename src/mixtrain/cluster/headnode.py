@@ -23,7 +23,6 @@ from typing import Any
 
 from mixtrain import compat
 from mixtrain._constants import CONNECT_TIMEOUT_S, RAY_READY_TIMEOUT_S, env_float
-from mixtrain._files import atomic_write
 from mixtrain.cluster import exposure, ray_shim
 from mixtrain.cluster.auth import (
     apply_auth_env,
@@ -247,8 +246,7 @@ def up(
     ip = pick_node_ip(interface, node_ip, None)
     token = secrets.token_hex(24)
     head_token = home() / HEAD_TOKEN  # Ray's processes read it when they start, the head's workers later too
-    atomic_write(head_token, lambda f: f.write(token.encode()))  # a new file, 0600
-    token_env = {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": str(head_token)}
+    token_env = auth_env(token, head_token)  # a new file, 0600
     log = home() / "ray-head.log"
     args = ["start", "--head", f"--port={port}", *exposure.ray_start_args(head=True, dashboard=dashboard)]
     address = f"{ip}:{port}"
