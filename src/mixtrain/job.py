@@ -129,6 +129,12 @@ def module_file(target: str) -> str | None:
     return str(Path(spec.origin).resolve()) if spec is not None and spec.origin else None
 
 
+def import_target(target: str, flag: str) -> Callable[..., Any]:
+    """The function `package.module:function` names, imported as a job function is (the current folder on the path;
+    a user's own module travels to the workers by value)."""
+    return _import(target, flag)
+
+
 def _import(target: str, flag: str) -> Callable[..., Any]:
     module_name, _, attr = target.partition(":")
     if not module_name or not attr:

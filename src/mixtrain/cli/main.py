@@ -229,6 +229,9 @@ def build_parser() -> argparse.ArgumentParser:
         "and why), and stop.",
     )
     _job_flags(plan)
+    from mixtrain.cli import run as run_command
+
+    run_command.add_parser(sub, _worker_flags)
 
     sub.add_parser("devices", help="list this machine's devices", description="List this machine's devices.")
     env = sub.add_parser(
@@ -263,26 +266,8 @@ def _job_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", metavar="FILE.toml", help="read the flags from a TOML file (flags given here win)")
     p.add_argument("--data-dir", help="data folder for jobs that read files (the mnist example: its IDX files)")
     p.set_defaults(job_args={})
-    p.add_argument(
-        "--workers",
-        type=_workers,
-        **_field("workers"),
-        help="a number of CPU workers (default %(default)s), auto (one per GPU in the cluster, CPUs on GPU-less "
-        "nodes), or groups such as cuda:1,mps:1,cpu:2",
-    )
-    p.add_argument(
-        "--cpus-per-worker",
-        type=_positive,
-        **_field("cpus_per_worker"),
-        help="Ray CPUs reserved per worker (default %(default)g)",
-    )
+    _worker_flags(p)
     p.add_argument("--global-batch", type=_positive_int, help="samples per step over all workers")
-    p.add_argument(
-        "--shares",
-        type=_shares,
-        **_field("shares"),
-        help="auto (default: follow measured speed), equal (fixed equal split), or samples per worker, e.g. 40,24",
-    )
     p.add_argument(
         "--max-micro-batch",
         type=_micro_batches,
@@ -302,21 +287,15 @@ def _job_flags(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--lr", type=_positive, help="learning rate")
     p.add_argument(
-        "--seed", type=_seed, **_field("seed"), help="seed for initialisation and sample order (default %(default)s)"
-    )
-    p.add_argument("--address", type=_text, help="Ray cluster address (default: an embedded local Ray)")
-    p.add_argument(
         "--precision",
         **_field("precision"),
         help="fp32 (default, exact) or auto: bf16/fp16 autocast on GPUs, fp32 on CPUs",
     )
-    p.add_argument("--backend", **_field("backend"), help="collective backend (default %(default)s)")
     p.add_argument(
         "--numerics",
         **_field("numerics"),
         help="start-up gradient check of each device against the CPU: warn, strict (leave bad devices out), off",
     )
-    p.add_argument("--interface", type=_text, help="network interface for the collectives on every node (e.g. eth0)")
     p.add_argument(
         "--strategy",
         **_field("strategy"),
@@ -369,6 +348,35 @@ def _job_flags(p: argparse.ArgumentParser) -> None:
         "or per-device (the same batch everywhere, a faster device takes more inner steps per exchange)",
     )
     p.add_argument("--ps-shards", type=_positive_int, help="ps, ps-async: parameter-server actors (default: by size)")
+
+
+def _worker_flags(p: argparse.ArgumentParser) -> None:
+    """Which workers, where, and the data order: shared by `train`, `plan` and `run`."""
+    p.add_argument(
+        "--workers",
+        type=_workers,
+        **_field("workers"),
+        help="a number of CPU workers (default %(default)s), auto (one per GPU in the cluster, CPUs on GPU-less "
+        "nodes), or groups such as cuda:1,mps:1,cpu:2",
+    )
+    p.add_argument(
+        "--cpus-per-worker",
+        type=_positive,
+        **_field("cpus_per_worker"),
+        help="Ray CPUs reserved per worker (default %(default)g)",
+    )
+    p.add_argument(
+        "--shares",
+        type=_shares,
+        **_field("shares"),
+        help="auto (default: follow measured speed), equal (fixed equal split), or samples per worker, e.g. 40,24",
+    )
+    p.add_argument(
+        "--seed", type=_seed, **_field("seed"), help="seed for initialisation and sample order (default %(default)s)"
+    )
+    p.add_argument("--address", type=_text, help="Ray cluster address (default: an embedded local Ray)")
+    p.add_argument("--backend", **_field("backend"), help="collective backend (default %(default)s)")
+    p.add_argument("--interface", type=_text, help="network interface for the collectives on every node (e.g. eth0)")
 
 
 def _add_cluster_parser(sub: argparse._SubParsersAction) -> None:
@@ -521,7 +529,13 @@ def _resumed(raw: list[str], given: argparse.Namespace) -> tuple[argparse.Namesp
 
 def _parse(raw: list[str]) -> tuple[argparse.Namespace, list[str]]:
     """Parse, reading a TOML config (`--config FILE` or a TASK ending in .toml) into the defaults first.
-    `args.job_args` is the config's [args] table; `args.config_data` its other keys (saved in command.json)."""
+    `args.job_args` is the config's [args] table; `args.config_data` its other keys (saved in command.json).
+    `mixtrain run script.py ... -- ARGS`: what follows `--` is the script's, not mixtrain's."""
+    if raw[:1] == ["run"] and "--" in raw:
+        cut = raw.index("--")
+        args = build_parser().parse_args(raw[:cut])
+        args.script_args = raw[cut + 1 :]
+        return args, raw
     args = build_parser().parse_args(raw)
     args.config_data = {}
     if args.command == "train" and args.resume:
@@ -611,6 +625,12 @@ def cmd_plan(args: argparse.Namespace) -> int:
     for note in up.notes:
         print(note)
     return 0
+
+
+def _cmd_run(args: argparse.Namespace) -> int:
+    from mixtrain.cli.run import cmd_run
+
+    return cmd_run(args)
 
 
 def cmd_devices(args: argparse.Namespace) -> int:
@@ -724,6 +744,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     raw = list(sys.argv[1:] if argv is None else argv)
     commands: dict[str, Callable[[argparse.Namespace], int]] = {
         "plan": cmd_plan,
+        "run": _cmd_run,
         "devices": cmd_devices,
         "cluster": cmd_cluster,
         "env": cmd_env,

@@ -1,8 +1,9 @@
 """EMULATION, for tests and benchmarks only (off by default): a worker that computes N times slower than its
-device, as a slower device would. ScalingConfig.emulate_slowdown (or MIXTRAIN_EMULATE_SLOWDOWN=RANK:FACTOR[@ROUND])
-asks for it; the worker group then starts its workers from `slowed(worker_cls, table)`, a subclass that stretches
-each step's own forward and backward passes (a GPU's queued kernels included) by sleeping, whatever the load, and
-whose start-up probe reports the slower speed. The production worker carries none of it."""
+device, as a slower device would (mixtrain's step loop, or a user's loop through mixtrain.train).
+ScalingConfig.emulate_slowdown (or MIXTRAIN_EMULATE_SLOWDOWN=RANK:FACTOR[@ROUND]) asks for it; the worker group then
+starts its workers from `slowed(worker_cls, table)`, a subclass that stretches each step's own forward and
+backward passes (a GPU's queued kernels included) by sleeping, whatever the load, and whose start-up probe reports
+the slower speed. The production worker carries none of it."""
 
 from __future__ import annotations
 
@@ -47,6 +48,14 @@ class _SlowedMixin:
         self._slow_now = self._factor if plan.round_index >= self._from_round else 1.0
         report: WorkerReport = super().run_round(plan)  # type: ignore[misc]
         return report
+
+    def _new_session(self, *args: Any) -> Any:
+        """A user's loop (LoopWorker): each step's compute stretched the same way, where the loader hands out the
+        next batch."""
+        session = super()._new_session(*args)  # type: ignore[misc]
+        if self._factor > 1.0:
+            session.after_compute.append(lambda seconds: time.sleep((self._factor - 1.0) * seconds))
+        return session
 
     def _compute(self, *args: Any) -> Any:
         t0 = time.perf_counter()

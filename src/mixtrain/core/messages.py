@@ -210,3 +210,37 @@ class WorkerReport:
     committed_steps: int = 0
     """How many of the round's steps stand should the round turn out failed (a peer lost): this replica's
     committed steps; all of them after a round it finished; 0 under parameter servers (rounds are redone whole)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class LoopRequest:
+    """A user's training loop to run on every worker (mixtrain.train): the function, its config, and what the
+    loop's session needs."""
+
+    fn: Any
+    """train_loop_per_worker: called as fn(config) when it takes a parameter, else fn()."""
+    config: dict[str, Any] | None
+    seed: int
+    shares: Any
+    """ScalingConfig.shares."""
+    bucket_bytes: int
+    sink: Any
+    """The driver's report sink (a Ray actor)."""
+    checkpoint: Any = None
+    """The files of the checkpoint get_checkpoint() returns (an object ref to {relative path: bytes}), or None."""
+    experiment_name: str = ""
+    attempt: int = 0
+    """How many times the loop was started before (restarts after lost workers)."""
+    places: dict[int, tuple[int, int, int]] = field(default_factory=dict)
+    """rank -> (local rank, workers on its node, node rank)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class LoopOutcome:
+    """How a worker's loop ended: "finished", "stopped" (Ctrl-C, at a report), "peer_lost" (a collective failed:
+    another worker was lost) or "error" (the loop raised; `error` is its traceback)."""
+
+    rank: int
+    status: str
+    error: str = ""
+    error_type: str = ""

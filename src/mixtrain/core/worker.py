@@ -317,9 +317,8 @@ class TrainWorker:
             self._rendezvous.close()
             self._rendezvous = None
 
-    def join(self, request: JoinRequest) -> None:
-        """Join the collective group at rank 0's rendezvous and set the strategy up on it, keeping what the
-        strategy held (a re-formed group) unless a state was just loaded."""
+    def _join_group(self, request: JoinRequest) -> None:
+        """Join the collective group at rank 0's rendezvous (the store rank 0 opened, under the request's prefix)."""
         rendezvous = self._rendezvous if self.rank == 0 else None
         # a store on loopback: every worker is on this node, and the collectives stay on loopback too
         netif.pin_interface(request.host if netif.is_loopback(request.host) else self.host, request.backend)
@@ -336,6 +335,11 @@ class TrainWorker:
             collective_timeout_s=request.collective_timeout_s,
             rendezvous=rendezvous,
         )
+
+    def join(self, request: JoinRequest) -> None:
+        """Join the collective group at rank 0's rendezvous and set the strategy up on it, keeping what the
+        strategy held (a re-formed group) unless a state was just loaded."""
+        self._join_group(request)
         previous, self._strategy = self._strategy, registry.make(request.strategy)
         loaded, self._loaded = self._loaded, None
         # A re-formed group keeps the strategy's state (the same on every rank), unless state was just loaded

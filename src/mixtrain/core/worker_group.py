@@ -55,6 +55,8 @@ class WorkerGroup(GroupCalls):
     """The actors of one run. `worker_cls` is a class attribute so tests can inject a failing subclass."""
 
     worker_cls: type = TrainWorker
+    calls_cls: type[WorkerCalls] = WorkerCalls
+    """The typed proxy the members' processes are called through (a worker class with more methods has its own)."""
 
     def __init__(self, scaling: ScalingConfig, seed: int, tunables: Tunables | None = None) -> None:
         self.scaling = scaling
@@ -125,7 +127,7 @@ class WorkerGroup(GroupCalls):
         """Take a kept set of workers: each resets itself for this run. False (and the set freed) when one
         does not answer: new workers start instead."""
         self.pg, self._fits = idle.pg, idle.fits + 1
-        self.members = Membership([Member(worker=WorkerCalls(a), spec=s) for a, s in zip(idle.actors, specs)])
+        self.members = Membership([Member(worker=self.calls_cls(a), spec=s) for a, s in zip(idle.actors, specs)])
         try:
             self.gather(
                 {m.spec.rank: m.worker.reuse(self._setup(m.spec, m.spec.rank, len(specs))) for m in self.members},
@@ -152,7 +154,7 @@ class WorkerGroup(GroupCalls):
             runtime_env={"env_vars": env} if env else None,
             scheduling_strategy=PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=spec.rank),
         ).remote(self._setup(spec, rank, world_size))
-        return WorkerCalls(actor)
+        return self.calls_cls(actor)
 
     def _setup(self, spec: placement.WorkerSpec, rank: int, world_size: int) -> WorkerSetup:
         return WorkerSetup(

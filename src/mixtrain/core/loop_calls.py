@@ -1,0 +1,17 @@
+"""Typed calls to a LoopWorker: WorkerCalls and the three methods a loop run adds (core/loop_worker.py)."""
+
+from __future__ import annotations
+
+from mixtrain.core.messages import JoinRequest, LoopOutcome, LoopRequest, WorkerInfo
+from mixtrain.core.worker_calls import Pending, WorkerCalls
+
+
+class LoopCalls(WorkerCalls):
+    def prepare_device(self) -> Pending[WorkerInfo]:
+        return Pending(self.actor.prepare_device.remote(), "prepare_device")
+
+    def join_loop(self, request: JoinRequest) -> Pending[None]:
+        return Pending(self.actor.join_loop.remote(request), "join_loop")
+
+    def run_loop(self, request: LoopRequest) -> Pending[LoopOutcome]:
+        return Pending(self.actor.run_loop.remote(request), "run_loop")

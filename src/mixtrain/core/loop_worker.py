@@ -1,0 +1,102 @@
+"""The worker that runs a user's own training loop (mixtrain.train): the same process as TrainWorker (device,
+logs, rendezvous), with the loop in place of mixtrain's step loop. The loop's calls to mixtrain.train
+(prepare_model, prepare_data_loader, report, get_context, get_checkpoint) find this worker through the session."""
+
+from __future__ import annotations
+
+import inspect
+import shutil
+import tempfile
+import traceback
+from pathlib import Path
+from typing import Any
+
+import ray
+
+from mixtrain import devices
+from mixtrain.comm import process_group
+from mixtrain.core.messages import JoinRequest, LoopOutcome, LoopRequest, WorkerInfo
+from mixtrain.core.worker import TrainWorker
+from mixtrain.train import _session
+from mixtrain.train.checkpoint import Checkpoint, write_files
+
+
+class LoopWorker(TrainWorker):
+    def prepare_device(self) -> WorkerInfo:
+        """Resolve the device where this actor landed (CUDA, else MPS, else CPU, as asked)."""
+        self.kind = devices.resolve(self.device_request)
+        self.device = self.kind.torch_device(0)
+        if self.kind.kind == "cuda":
+            self.kind.make_current(0)
+        return self.info()
+
+    def join_loop(self, request: JoinRequest) -> None:
+        """Join the collective group the loop's prepared models exchange their gradients over."""
+        self._join_group(request)
+
+    def run_loop(self, request: LoopRequest) -> LoopOutcome:
+        """Run the user's loop with this worker's session; how it ended, never an exception for a loop that
+        raised (the driver names the worker and stops the others at once)."""
+        folder = None
+        checkpoint = None
+        if request.checkpoint is not None:
+            folder = Path(tempfile.mkdtemp(prefix="mixtrain-checkpoint-"))
+            files = ray.get(request.checkpoint)
+            write_files(files, folder)
+            checkpoint = Checkpoint(folder)
+        _session.start(self._new_session(request, checkpoint))
+        try:
+            _call(request.fn, request.config)
+        except _session.LoopStopped:
+            return LoopOutcome(rank=self.rank, status="stopped")
+        except SystemExit as exc:  # a script's sys.exit() (argparse's too): its status is the outcome
+            if exc.code in (None, 0):
+                return LoopOutcome(rank=self.rank, status="finished")
+            return LoopOutcome(
+                rank=self.rank, status="error", error=f"the loop exited with status {exc.code}", error_type="SystemExit"
+            )
+        except Exception as exc:
+            if process_group.is_peer_failure(exc):
+                return LoopOutcome(rank=self.rank, status="peer_lost", error=str(exc).splitlines()[0][:300])
+            return LoopOutcome(
+                rank=self.rank, status="error", error=traceback.format_exc(), error_type=type(exc).__name__
+            )
+        finally:
+            _session.end()
+            if folder is not None:
+                shutil.rmtree(folder, ignore_errors=True)
+        return LoopOutcome(rank=self.rank, status="finished")
+
+    def _new_session(self, request: LoopRequest, checkpoint: Checkpoint | None) -> _session.LoopSession:
+        local_rank, local_world_size, node_rank = request.places.get(self.rank, (0, 1, 0))
+        context = _session.TrainContext(
+            world_rank=self.rank,
+            world_size=self.world_size,
+            local_rank=local_rank,
+            local_world_size=local_world_size,
+            node_rank=node_rank,
+            device=self.device,
+            experiment_name=request.experiment_name,
+        )
+        sink = request.sink
+        session = _session.LoopSession(
+            context=context,
+            seed=request.seed,
+            shares=request.shares,
+            bucket_bytes=request.bucket_bytes,
+            report_to=lambda rank, index, metrics, files: ray.get(sink.report.remote(rank, index, metrics, files)),
+            plan_to=lambda record: sink.event.remote("plan", record),
+            checkpoint=checkpoint,
+        )
+        context = _session.TrainContext(**{**context.__dict__, "_session": session})
+        session.context = context
+        return session
+
+
+def _call(fn: Any, config: dict[str, Any] | None) -> Any:
+    """fn(config) when it takes a parameter (Ray Train's train_loop_per_worker(config)), else fn()."""
+    try:
+        takes = bool(inspect.signature(fn).parameters)
+    except (TypeError, ValueError):
+        takes = config is not None
+    return fn(config if config is not None else {}) if takes else fn()

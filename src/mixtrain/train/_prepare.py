@@ -1,0 +1,196 @@
+"""prepare_model and prepare_data_loader: a user's model and DataLoader, ready for a loop on mixtrain's workers.
+
+The prepared model is DDP's counterpart (`.module`, `no_sync()`): its backward sums the gradients over the
+workers, each weighted by its share of the step's global batch (comm/loop_grads.py), so `.grad` after `backward()`
+is the gradient one process would compute on the whole global batch. The prepared loader keeps the user's dataset,
+collate function, loader processes and pin_memory, and replaces the sampler by mixtrain's step-indexed one: the
+global batch is the loader's batch_size times the number of workers (Ray Train's meaning), each epoch's seeded
+permutation (or the dataset's order, without shuffle) cut into global batches, each split by the workers' shares.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import numpy as np
+import torch
+from torch.utils.data import DataLoader, IterableDataset, SequentialSampler
+
+from mixtrain.comm import replicas
+from mixtrain.comm.loop_grads import LoopGrads
+from mixtrain.data.sampling import epoch_permutation, step_size, worker_indices
+from mixtrain.data.sources import _Seeded, to_device
+from mixtrain.errors import InputTypeError, InputValueError
+from mixtrain.policies.planner import balanced_shares, equal_shares, largest_remainder
+from mixtrain.train._session import LoopSession
+
+
+class PreparedModel(torch.nn.Module):
+    """The user's model on this worker's device, its gradients exchanged during backward (`.module` is the model)."""
+
+    def __init__(self, module: torch.nn.Module, session: LoopSession) -> None:
+        super().__init__()
+        self.module = module.to(session.context.device)
+        self._session = session
+        self._sync = True
+        self._grads: LoopGrads | None = None
+        self._buffers_sync: list[torch.Tensor] = []
+        if session.context.world_size > 1:
+            replicas.broadcast_state(self.module)  # every replica starts from rank 0's weights (as DDP)
+            params = [p for p in self.module.parameters() if p.requires_grad]
+            self._grads = LoopGrads(params, session.bucket_bytes, replicas.comm_device())
+            session.grads.append(self._grads)
+            self._buffers_sync = [b for b in self.module.buffers() if b.is_floating_point()]
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        if self._grads is not None and torch.is_grad_enabled():
+            if self._sync and self._buffers_sync and self.training:
+                replicas.broadcast_tensors(self._buffers_sync, 0)  # BatchNorm statistics are rank 0's (as DDP)
+            self._grads.before_forward(self._session.weight, self._sync)
+        return self.module(*args, **kwargs)
+
+    @contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Backwards in this block only accumulate (each weighted by its batch's share); the next backward outside
+        it sums the lot over the workers, as DDP's no_sync()."""
+        before, self._sync = self._sync, False
+        try:
+            yield
+        finally:
+            self._sync = before
+
+
+class StepSampler:
+    """What `loader.sampler` is after prepare_data_loader: `set_epoch(epoch)` picks the epoch whose order the next
+    iteration takes (as DistributedSampler's). Without it, each iteration takes the next epoch (as a DataLoader
+    with shuffle=True reshuffles at every pass)."""
+
+    def __init__(self) -> None:
+        self._next = 0
+        self._set: int | None = None
+
+    def set_epoch(self, epoch: int) -> None:
+        if not isinstance(epoch, int) or isinstance(epoch, bool) or epoch < 0:
+            raise InputValueError(f"sampler.set_epoch({epoch!r}): give the epoch, an integer >= 0")
+        self._set = epoch
+
+    def take_epoch(self) -> int:
+        epoch = self._set if self._set is not None else self._next
+        self._set, self._next = None, epoch + 1
+        return epoch
+
+
+_LOADER_OPTIONS = (
+    "num_workers",
+    "collate_fn",
+    "pin_memory",
+    "timeout",
+    "worker_init_fn",
+    "multiprocessing_context",
+    "persistent_workers",
+)
+
+
+class PreparedLoader:
+    """A DataLoader's batches for this worker: its share of each step's global batch, on its device."""
+
+    def __init__(self, loader: DataLoader, session: LoopSession, move_to_device: bool = True) -> None:
+        _check_loader(loader)
+        self.dataset = loader.dataset
+        self.batch_size = int(loader.batch_size or 0)  # (checked: not None)
+        self.drop_last = loader.drop_last
+        self.shuffle = not isinstance(loader.sampler, SequentialSampler)
+        self.sampler = StepSampler()
+        self._session = session
+        self._move = move_to_device
+        self._options = {k: getattr(loader, k) for k in _LOADER_OPTIONS}
+        if loader.num_workers > 0:
+            self._options["prefetch_factor"] = loader.prefetch_factor
+        self._seeded = _Seeded(self.dataset, session.seed)
+
+    @property
+    def global_batch(self) -> int:
+        return self.batch_size * self._session.context.world_size
+
+    def __len__(self) -> int:
+        n, b = len(self.dataset), self.global_batch  # type: ignore[arg-type]
+        return n // b if self.drop_last else -(-n // b)
+
+    def __iter__(self) -> Iterator[Any]:
+        session, ctx = self._session, self._session.context
+        epoch = self.sampler.take_epoch()
+        num = len(self.dataset)  # type: ignore[arg-type]
+        shares = plan_shares(session, self.global_batch)
+        session.share = shares[ctx.world_rank]
+        order = epoch_permutation(session.seed, epoch, num) if self.shuffle else np.arange(num)
+        steps = [worker_indices(order, self.global_batch, t, shares, ctx.world_rank) for t in range(len(self))]
+        sizes = [step_size(num, self.global_batch, t) for t in range(len(self))]
+        batches = [[(epoch, int(i)) for i in idx] for idx in steps]
+        loader = DataLoader(self._seeded, batch_sampler=[b for b in batches if b], **self._options)
+        reads = iter(loader)
+        try:
+            for batch_ids, size in zip(batches, sizes):
+                batch = next(reads) if batch_ids else self._empty(epoch, order)
+                session.begin_batch(len(batch_ids), size)
+                yield to_device(batch, ctx.device) if self._move else batch
+        finally:
+            session.end_epoch()
+
+    def _empty(self, epoch: int, order: np.ndarray) -> Any:
+        """A batch of no samples, shaped as the others (the last step of an epoch may hold fewer samples than
+        there are workers): its gradient counts for nothing, as its weight is 0."""
+        one = self._options["collate_fn"]([self._seeded[(epoch, int(order[0]))]])
+        return _slice_empty(one)
+
+
+def _slice_empty(batch: Any) -> Any:
+    if isinstance(batch, torch.Tensor):
+        return batch[:0]
+    if isinstance(batch, dict):
+        return {k: _slice_empty(v) for k, v in batch.items()}
+    if isinstance(batch, (list, tuple)):
+        return type(batch)(_slice_empty(v) for v in batch)
+    return batch
+
+
+def _check_loader(loader: Any) -> None:
+    if not isinstance(loader, DataLoader):
+        raise InputTypeError(
+            f"prepare_data_loader({type(loader).__name__}): give a torch.utils.data.DataLoader over a map-style "
+            "Dataset, e.g. DataLoader(dataset, batch_size=32, shuffle=True)"
+        )
+    if isinstance(loader.dataset, IterableDataset):
+        raise InputValueError(
+            "prepare_data_loader: the DataLoader reads an IterableDataset (a stream, e.g. Hugging Face "
+            "streaming=True), whose samples cannot be indexed: mixtrain splits each step's samples by index to keep "
+            "the math of one big batch. Use a map-style Dataset (datasets.load_dataset without streaming, or a "
+            "Dataset with __len__ and __getitem__)"
+        )
+    if loader.batch_size is None:
+        raise InputValueError(
+            "prepare_data_loader: the DataLoader has a batch_sampler of its own (batch_size=None); give it "
+            "batch_size=N and shuffle=True/False instead: mixtrain samples each step's global batch itself"
+        )
+
+
+def plan_shares(session: LoopSession, global_batch: int) -> list[int]:
+    """Each worker's samples of a global batch of `global_batch`: fixed (rescaled), equal, or (shares="auto") in
+    proportion to each worker's measured speed, the same on every worker (the speeds are gathered)."""
+    n, shares = session.context.world_size, session.shares
+    if isinstance(shares, (list, tuple)):
+        if len(shares) != n:
+            raise InputValueError(f"ScalingConfig.shares={list(shares)}: {len(shares)} entries for {n} workers")
+        return (
+            list(shares) if sum(shares) == global_batch else largest_remainder([float(s) for s in shares], global_batch)
+        )
+    if shares == "equal" or n == 1:
+        return equal_shares(global_batch, n)
+    speeds = session.gather(session.speed())
+    if min(speeds) <= 0:
+        return equal_shares(global_batch, n)  # nothing measured yet (the first epoch)
+    planned = balanced_shares(speeds, global_batch)
+    if session.context.world_rank == 0:
+        session.plan_to({"global_batch": global_batch, "shares": planned, "speeds": speeds})
+    return planned

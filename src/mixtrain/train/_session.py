@@ -1,0 +1,181 @@
+"""The worker's side of a loop run: what `get_context()`, `report()`, `get_checkpoint()` and the prepared model and
+loaders ask, for the one loop that runs in this worker process. Set by LoopWorker.run_loop for the loop's length."""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from mixtrain.errors import InputValueError
+from mixtrain.train.checkpoint import Checkpoint
+
+
+class LoopStopped(BaseException):
+    """Raised from `report()` on every worker when the run is to stop there (Ctrl-C): a BaseException, so a loop's
+    own `except Exception` lets it through."""
+
+
+@dataclass(frozen=True)
+class TrainContext:
+    """Who this worker is in the run (Ray Train's TrainContext, and what mixtrain adds: the device, the share)."""
+
+    world_rank: int
+    world_size: int
+    local_rank: int
+    local_world_size: int
+    node_rank: int
+    device: torch.device
+    experiment_name: str
+    _session: LoopSession | None = field(default=None, repr=False, compare=False)
+
+    def get_world_rank(self) -> int:
+        return self.world_rank
+
+    def get_world_size(self) -> int:
+        return self.world_size
+
+    def get_local_rank(self) -> int:
+        return self.local_rank
+
+    def get_local_world_size(self) -> int:
+        return self.local_world_size
+
+    def get_node_rank(self) -> int:
+        return self.node_rank
+
+    def get_experiment_name(self) -> str:
+        return self.experiment_name
+
+    def get_trial_name(self) -> str:
+        return self.experiment_name
+
+    def get_device(self) -> torch.device:
+        return self.device
+
+    def get_share(self) -> int:
+        """This worker's samples of each global batch in the epoch under way (its last prepared loader's)."""
+        return self._session.share if self._session is not None else 0
+
+
+@dataclass
+class LoopSession:
+    """One loop's state on this worker. `report_to(rank, index, metrics, files)` hands a report to the driver and
+    answers whether the run is to stop; `plan_to(record)` tells it a new split."""
+
+    context: TrainContext
+    seed: int
+    shares: Any
+    """ScalingConfig.shares: "auto" (follow measured speed), "equal", or fixed relative sizes per rank."""
+    bucket_bytes: int
+    report_to: Callable[[int, int, dict[str, Any], dict[str, bytes] | None], bool]
+    plan_to: Callable[[dict[str, Any]], None]
+    checkpoint: Checkpoint | None = None
+    after_compute: list[Callable[[float], None]] = field(default_factory=list)
+    """Called with each step's compute seconds (EMULATION of a slower device hooks in here, core/emulation.py)."""
+    weight: float = 1.0
+    """The share of its step's global batch of the batch this worker holds now (each rank's gradient is weighted
+    by it). Without a prepared loader: 1 / world size, DDP's average."""
+    share: int = 0
+    grads: list[Any] = field(default_factory=list)
+    """The prepared models' LoopGrads (their time in the exchange is not compute)."""
+    _reports: int = 0
+    _last_batch: tuple[float, float, int] | None = None  # (perf_counter, exchange seconds so far, samples)
+    _compute_s: float = 0.0
+    _samples: int = 0
+
+    def __post_init__(self) -> None:
+        self.weight = 1.0 / self.context.world_size
+
+    # ---- speed, measured from one batch to the next -----------------------------------------------
+    def begin_batch(self, samples: int, step_samples: int) -> None:
+        """A prepared loader hands out a batch of `samples` of its step's `step_samples`: the time since the last
+        one, less the time spent in the exchange, is the last batch's compute."""
+        now, comm = time.perf_counter(), self._exchange_s()
+        if self._last_batch is not None:
+            t0, comm0, done = self._last_batch
+            compute = max(0.0, now - t0 - (comm - comm0))
+            self._compute_s += compute
+            self._samples += done
+            for hook in self.after_compute:  # (time they take counts as the next batch's compute)
+                hook(compute)
+        self._last_batch = (now, comm, samples)
+        self.weight = samples / step_samples if step_samples else 0.0
+
+    def end_epoch(self) -> None:
+        self._last_batch = None  # the time between epochs (evaluation, a checkpoint) is not a step's
+
+    def speed(self) -> float:
+        """Samples per compute second over what this worker has trained so far (0: nothing measured yet)."""
+        return self._samples / self._compute_s if self._compute_s > 0 else 0.0
+
+    def _exchange_s(self) -> float:
+        return sum(g.comm_s for g in self.grads)
+
+    # ---- agreeing on a split ------------------------------------------------------------------------
+    def gather(self, value: float) -> list[float]:
+        """`value` from every rank (one small collective; every rank calls it at the same point of its loop)."""
+        if self.context.world_size == 1:
+            return [value]
+        mine = torch.tensor([value], dtype=torch.float64)
+        everyone = [torch.zeros_like(mine) for _ in range(self.context.world_size)]
+        dist.all_gather(everyone, mine)
+        return [float(t) for t in everyone]
+
+    # ---- reports ------------------------------------------------------------------------------------
+    def report(self, metrics: dict[str, Any], checkpoint: Checkpoint | None = None) -> None:
+        """Hand `metrics` (and the checkpoint's files) to the driver; every rank stops here together when the run
+        is to stop (the answer is rank 0's, sent to all)."""
+        if not isinstance(metrics, dict):
+            raise InputValueError(f"report(metrics={metrics!r}): give a dict of names to numbers")
+        if checkpoint is not None and not isinstance(checkpoint, Checkpoint):
+            raise InputValueError(f"report(checkpoint={checkpoint!r}): give a mixtrain.train.Checkpoint or None")
+        self._reports += 1
+        files = checkpoint.files() if checkpoint is not None else None
+        stop = self.report_to(self.context.world_rank, self._reports, _plain(metrics), files)
+        if self.context.world_size > 1:
+            flag = torch.tensor([1.0 if stop else 0.0])
+            dist.broadcast(flag, 0)
+            stop = bool(flag.item())
+        if stop:
+            raise LoopStopped()
+
+
+def _plain(metrics: dict[str, Any]) -> dict[str, Any]:
+    """Numbers (tensors of one element read out), strings and bools; anything else by its repr."""
+    out: dict[str, Any] = {}
+    for key, value in metrics.items():
+        if isinstance(value, torch.Tensor) and value.numel() == 1:
+            value = value.item()
+        if isinstance(value, float) and not math.isfinite(value):
+            value = str(value)
+        out[str(key)] = value if isinstance(value, (int, float, str, bool)) or value is None else repr(value)
+    return out
+
+
+_current: LoopSession | None = None
+
+
+def current(what: str) -> LoopSession:
+    """The loop running in this process; a clear error for a call outside one."""
+    if _current is None:
+        raise RuntimeError(
+            f"mixtrain.train.{what}() is for inside a training loop that mixtrain runs on its workers: pass the "
+            "function to mixtrain.train.torch.TorchTrainer(train_func, ...).fit(), or run it with `mixtrain run`"
+        )
+    return _current
+
+
+def start(session: LoopSession) -> None:
+    global _current
+    _current = session
+
+
+def end() -> None:
+    global _current
+    _current = None

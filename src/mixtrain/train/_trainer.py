@@ -1,0 +1,360 @@
+"""TorchTrainer: the user's training loop on every worker, on mixtrain's devices, shares and recovery.
+
+One attempt: start (or restart) a process in every bundle, resolve each one's device, form the collective group,
+run the loop on all of them, and read their reports while they run. A worker lost (its process died, its node left)
+ends the attempt: the others, stuck in a collective with it, are stopped at once, and the loop starts again on every
+bundle that can hold a worker, from the last checkpoint the run reported (get_checkpoint()), up to
+FailureConfig.max_failures within an hour. A loop that raises ends the run with the worker's traceback; Ctrl-C
+stops every worker at its next report.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import ray
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+from mixtrain.cluster import connect
+from mixtrain.comm.process_group import choose_backend
+from mixtrain.config import ScalingConfig
+from mixtrain.core.interrupt import GracefulStop, TrainingInterrupted
+from mixtrain.core.loop_calls import LoopCalls
+from mixtrain.core.loop_worker import LoopWorker
+from mixtrain.core.membership import Member, Membership
+from mixtrain.core.messages import JoinRequest, LoopOutcome, LoopRequest, WorkerInfo
+from mixtrain.core.tunables import Tunables
+from mixtrain.core.worker_group import WorkerGroup, lost_reason
+from mixtrain.errors import InputTypeError, InputValueError
+from mixtrain.observe.progress import ProgressView
+from mixtrain.observe.runlog import RunLog, check_new_run_dir, make_folder, new_run_name
+from mixtrain.policies.decisions import FailureBudget, Stop
+from mixtrain.train._result import Result, TrainingFailedError
+from mixtrain.train._sink import ReportSink
+from mixtrain.train._store import LoopCheckpoints
+from mixtrain.train.checkpoint import Checkpoint
+from mixtrain.train.config import RunConfig
+
+
+class LoopGroup(WorkerGroup):
+    """The worker group of a loop run: LoopWorker processes, restarted whole between attempts."""
+
+    worker_cls = LoopWorker
+    calls_cls = LoopCalls
+
+    def restart(self, wait_s: float) -> list[int]:
+        """Stop every worker and start a new one in each bundle of the run; a bundle whose worker does not answer
+        within `wait_s` (its node is gone) stays empty for this attempt. Returns the bundles left empty."""
+        for member in self.members.alive:
+            ray.kill(member.worker.actor)
+        specs = sorted([*(m.spec for m in self.members.active), *self.members.vacant], key=lambda s: s.rank)
+        started = [self._start_actor(spec, i, len(specs)) for i, spec in enumerate(specs)]
+        probes = [w.actor.__ray_ready__.remote() for w in started]
+        ready, _ = ray.wait(probes, num_returns=len(probes), timeout=wait_s)
+        members, empty = [], []
+        for spec, worker, probe in zip(specs, started, probes):
+            if probe in ready:
+                members.append(Member(worker=worker, spec=spec))
+            else:
+                ray.kill(worker.actor)
+                empty.append(spec.rank)
+        self.members = Membership(members)
+        self.members.vacant = [s for s in specs if s.rank in empty]
+        self.renumber()
+        return empty
+
+
+class TorchTrainer:
+    """Ray Train's TorchTrainer on mixtrain: `TorchTrainer(train_loop_per_worker, train_loop_config=None,
+    scaling_config=ScalingConfig(...), run_config=RunConfig(...)).fit() -> Result`."""
+
+    worker_group_cls: type[LoopGroup] = LoopGroup
+
+    def __init__(
+        self,
+        train_loop_per_worker: Callable[..., Any],
+        *,
+        train_loop_config: dict[str, Any] | None = None,
+        scaling_config: ScalingConfig | None = None,
+        run_config: RunConfig | None = None,
+        resume_from_checkpoint: Checkpoint | None = None,
+        **_ray_options: Any,
+    ) -> None:
+        if not callable(train_loop_per_worker):
+            raise InputTypeError("TorchTrainer(train_loop_per_worker=...): give the function every worker runs")
+        if train_loop_config is not None and not isinstance(train_loop_config, dict):
+            raise InputTypeError(f"TorchTrainer(train_loop_config={train_loop_config!r}): give a dict or None")
+        scaling_config = scaling_config or ScalingConfig()
+        if not isinstance(scaling_config, ScalingConfig):
+            raise InputTypeError("TorchTrainer(scaling_config=...): give a mixtrain.train.ScalingConfig")
+        if scaling_config.shard_optimizer is not False:
+            raise InputValueError(
+                "ScalingConfig.shard_optimizer with a training loop: the loop steps its own optimizer on every "
+                "worker; shard_optimizer is for mixtrain.Trainer"
+            )
+        run_config = run_config or RunConfig()
+        if not isinstance(run_config, RunConfig):
+            raise InputTypeError("TorchTrainer(run_config=...): give a mixtrain.train.RunConfig")
+        self.fn = train_loop_per_worker
+        self.config = train_loop_config
+        self.scaling = scaling_config
+        self.run = run_config
+        self.resume_from = resume_from_checkpoint
+
+    def fit(self) -> Result:
+        """Run the loop on every worker until it returns on all of them; see the module's docstring."""
+        run_dir, resume = self._run_dir()
+        tunables = Tunables.from_env()
+        connect.ensure_ray(self.scaling.address, _cpus(self.scaling))
+        group = self.worker_group_cls(self.scaling, self.run.seed, tunables)
+        group.log_dir = run_dir / "logs"
+        log = RunLog(run_dir, {"scaling": self.scaling, "run": self.run, "loop": getattr(self.fn, "__name__", "")})
+        view = ProgressView(self.run.progress, 0)
+        sink = _start_sink(run_dir, self.run.keep_checkpoints)
+        run = _Run(self, group, sink, log, view, tunables, resume)
+        try:
+            with GracefulStop() as stop:
+                run.stop = stop
+                group.start()
+                stop.arm()
+                run.train()
+        finally:
+            view.close()
+            group.shutdown(quick=run.interrupted)
+            log.close()
+        return run.result(run_dir)
+
+    def _run_dir(self) -> tuple[Path, Checkpoint | None]:
+        """The run's folder, made; a named run whose folder holds checkpoints continues from the newest."""
+        root = Path(self.run.storage_path)
+        make_folder(root, "RunConfig.storage_path")
+        if self.run.name is not None:
+            path = root / self.run.name
+            found = LoopCheckpoints(path, self.run.keep_checkpoints).latest()
+            if found is not None:
+                return path, Checkpoint(found[0])
+            check_new_run_dir(path)
+            make_folder(path, "RunConfig.name")
+            return path, self.resume_from
+        path = root / new_run_name().replace("run-", "loop-", 1)
+        make_folder(path, "RunConfig.storage_path")
+        return path, self.resume_from
+
+
+class _Run:
+    """One fit's attempts."""
+
+    def __init__(
+        self,
+        trainer: TorchTrainer,
+        group: LoopGroup,
+        sink: Any,
+        log: RunLog,
+        view: ProgressView,
+        tunables: Tunables,
+        resume: Checkpoint | None,
+    ) -> None:
+        self.trainer, self.group, self.sink, self.log, self.view, self.tunables = (
+            trainer,
+            group,
+            sink,
+            log,
+            view,
+            tunables,
+        )
+        self.checkpoint_files: Any = ray.put(resume.files()) if resume is not None else None
+        if resume is not None:
+            view.log(f"resuming from {resume.path}")
+        self.budget = FailureBudget(trainer.run.failure_config.max_failures, tunables.failure_window_s)
+        self.stop: GracefulStop | None = None
+        self.interrupted = False
+        self.history: list[dict[str, Any]] = []
+        self.workers: list[dict[str, Any]] = []
+        self.attempt = 0
+        self._planned: dict[int, list[int]] = {}
+
+    def train(self) -> None:
+        while True:
+            self._bring_up()
+            lost = self._attempt()
+            if lost is None:
+                return
+            left = len(self.group.members) - len(lost)
+            decision = self.budget.record(left, time.monotonic())
+            self.log.write("failure", {"attempt": self.attempt, "lost": lost, "failures": self.budget.failures})
+            for rank, why in sorted(lost.items()):
+                self.view.log(f"{self.group.members[rank].describe(rank)} lost: {why}")
+            if isinstance(decision, Stop):
+                raise TrainingFailedError(f"training stopped: {decision.reason}. {self._hint()}")
+            empty = self.group.restart(self.tunables.placement_timeout_s)
+            latest = ray.get(self.sink.latest.remote())
+            if latest is not None:
+                self.checkpoint_files = ray.put(latest[1])
+            where = f"from {latest[0]}" if latest is not None else "from the start (no checkpoint reported yet)"
+            self.attempt += 1
+            self.view.log(
+                f"{self.budget.count()}: the loop starts again on {len(self.group.members)} workers {where}"
+                + (f"; bundles {empty} have no worker now" if empty else "")
+            )
+
+    def _bring_up(self) -> None:
+        """Each worker resolves its device; the group forms (on loopback when every worker is on one node)."""
+        t, group = self.tunables, self.group
+        infos: list[WorkerInfo] = group.each(lambda w: _loop(w).prepare_device(), timeout_s=t.setup_s)
+        for member, info in zip(group.members, infos):
+            member.info = info
+        kinds = [i.device.split(":")[0] for i in infos]
+        backend = choose_backend(self.trainer.scaling.backend, kinds, all(k == "cuda" for k in kinds))
+        local = len({i.node_id for i in infos}) == 1
+        rank0 = group.members[0].worker
+        host, port, prefix = group.gather(
+            {0: rank0.open_rendezvous(t.rendezvous_timeout_s, local)}, t.rendezvous_timeout_s
+        )[0]
+        request = JoinRequest(
+            host=host,
+            port=port,
+            prefix=prefix,
+            rendezvous_timeout_s=t.rendezvous_timeout_s,
+            collective_timeout_s=t.collective_timeout_s,
+            strategy=None,
+            bucket_bytes=t.bucket_bytes,
+            backend=backend,
+        )
+        group.each(
+            lambda w: _loop(w).join_loop(request), timeout_s=t.rendezvous_timeout_s + t.collective_timeout_s + 10
+        )
+        self.workers = [i.as_dict() for i in infos]
+        self.view.log(
+            f"mixtrain: {len(infos)} workers ({', '.join(f'{i.device} on {i.hostname or i.host}' for i in infos)}), "
+            f"{backend}; run folder {self.log.run_dir}"
+        )
+
+    def _attempt(self) -> dict[int, str] | None:
+        """Run the loop on every worker; None when it finished everywhere, else the workers lost (rank -> why).
+        A worker that died ends the attempt at once (the others wait in a collective for it). A failed collective
+        with no worker dead (one stopped or asleep) gives the rest MIXTRAIN_LOST_GRACE_S to answer."""
+        request = self._request()
+        calls = self.group.members
+        pending = {_loop(m.worker).run_loop(request).ref: r for r, m in enumerate(calls)}
+        lost: dict[int, str] = {}
+        stopped, deadline = False, float("inf")
+        while pending and not any(why.startswith("its process") for why in lost.values()):
+            ready, _ = ray.wait(list(pending), num_returns=1, timeout=0.25)
+            self._drain()
+            if self.stop is not None and self.stop.requested and not stopped:
+                self.sink.request_stop.remote()
+                stopped = True
+            for ref in ready:
+                rank = pending.pop(ref)
+                outcome = self._outcome(rank, ref, lost)
+                if outcome is not None and outcome.status == "peer_lost":
+                    deadline = min(deadline, time.monotonic() + self.tunables.lost_grace_s)
+            if time.monotonic() > deadline:
+                for rank in pending.values():
+                    lost[rank] = f"did not answer within {self.tunables.lost_grace_s:g} s after a peer failed"
+                break
+        self._drain()
+        if stopped and not lost:
+            self.interrupted = True
+            self.log.write("interrupted", {"attempt": self.attempt})
+            raise TrainingInterrupted(f"stopped at a report. {self._hint()}", None)
+        return lost or None
+
+    def _outcome(self, rank: int, ref: Any, lost: dict[int, str]) -> LoopOutcome | None:
+        """One worker's end: a loop that raised ends the run; a dead worker is lost."""
+        try:
+            outcome: LoopOutcome = ray.get(ref)
+        except ray.exceptions.RayActorError as exc:
+            lost[rank] = lost_reason(exc)
+            return None
+        if outcome.status == "error":
+            raise TrainingFailedError(self._error(rank, outcome))
+        return outcome
+
+    def _request(self) -> LoopRequest:
+        infos = [m.info for m in self.group.members]
+        nodes: dict[str, int] = {}
+        places = {}
+        for rank, info in enumerate(infos):
+            node = info.node_id if info is not None else ""
+            node_rank = nodes.setdefault(node, len(nodes))
+            on_node = [r for r, i in enumerate(infos) if (i.node_id if i is not None else "") == node]
+            places[rank] = (on_node.index(rank), len(on_node), node_rank)
+        return LoopRequest(
+            fn=self.trainer.fn,
+            config=self.trainer.config,
+            seed=self.trainer.run.seed,
+            shares=self.trainer.scaling.shares,
+            bucket_bytes=self.tunables.bucket_bytes,
+            sink=self.sink,
+            checkpoint=self.checkpoint_files,
+            experiment_name=self.log.run_dir.name,
+            attempt=self.attempt,
+            places=places,
+        )
+
+    def _drain(self) -> None:
+        """Show and record what the workers reported since the last look."""
+        reports, events = ray.get(self.sink.take.remote())
+        for report in reports:
+            self.history.append(report)
+            self.log.write("report", report)
+            shown = "  ".join(f"{k} {v:.4f}" if isinstance(v, float) else f"{k} {v}" for k, v in report.items())
+            self.view.log(shown)
+        for kind, record in events:
+            self.log.write(kind, record)
+            if kind == "plan" and self._planned.get(record["global_batch"]) != record["shares"]:
+                self._planned[record["global_batch"]] = record["shares"]  # shown when they change, not every epoch
+                speeds = ", ".join(f"{s:,.0f}" for s in record["speeds"])
+                self.view.log(f"shares of {record['global_batch']}: {record['shares']} (samples/s measured: {speeds})")
+
+    def _error(self, rank: int, outcome: LoopOutcome) -> str:
+        member = self.group.members[rank]
+        name = getattr(self.trainer.fn, "__name__", "the loop")
+        logs = f"\n(each worker's output: {self.group.log_dir}/worker-*.log)" if self.group.log_dir else ""
+        return f"{member.describe(rank)} raised in {name}:\n{outcome.error.rstrip()}{logs}"
+
+    def _hint(self) -> str:
+        last = ray.get(self.sink.checkpoint_path.remote())
+        name = self.log.run_dir.name
+        if last is None:
+            return "No checkpoint was reported."
+        return (
+            f"The last checkpoint, {last}, is intact; continue with RunConfig(name={name!r}) (the same storage_path), "
+            f"or `mixtrain run ... --resume {self.log.run_dir}`."
+        )
+
+    def result(self, run_dir: Path) -> Result:
+        metrics = self.history[-1] if self.history else {}
+        last = ray.get(self.sink.checkpoint_path.remote())
+        return Result(
+            metrics={k: v for k, v in metrics.items() if k not in ("report", "checkpoint")},
+            checkpoint=Checkpoint(last) if last else None,
+            path=str(run_dir),
+            metrics_history=list(self.history),
+            workers=self.workers,
+        )
+
+
+def _loop(worker: Any) -> LoopCalls:
+    """A member's proxy, as the LoopCalls a LoopGroup makes."""
+    assert isinstance(worker, LoopCalls)
+    return worker
+
+
+def _start_sink(run_dir: Path, keep: int) -> Any:
+    """The report sink, on this (the driver's) node: it writes the checkpoints into the run folder."""
+    here = ray.get_runtime_context().get_node_id()
+    remote: Any = ray.remote(ReportSink)
+    return remote.options(
+        num_cpus=0, scheduling_strategy=NodeAffinitySchedulingStrategy(node_id=here, soft=False)
+    ).remote(str(run_dir), keep)
+
+
+def _cpus(scaling: ScalingConfig) -> float:
+    if scaling.is_auto:
+        return 0.0
+    return sum(g.resources()["CPU"] * g.num_workers for g in scaling.device_groups())
