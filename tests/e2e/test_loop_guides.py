@@ -59,3 +59,90 @@ def test_a_loop_function_runs_from_the_command_line_with_its_config(tmp_path, ra
     bad = subprocess.run([MIXTRAIN, "run", "myloops:train_func", "--loop-config", "[1]"], capture_output=True,
                          text=True, timeout=60, cwd=tmp_path, check=False)  # fmt: skip
     assert bad.returncode == 2 and "--loop-config: a JSON object, not list" in bad.stderr
+
+
+STOPPABLE = """
+import tempfile, time
+from pathlib import Path
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+import mixtrain.train
+from mixtrain.train.torch import prepare_data_loader, prepare_model
+
+
+def train_func(config):
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randn(96, 6, generator=g), torch.randint(0, 3, (96,), generator=g)
+    torch.manual_seed(1)
+    model = prepare_model(nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 3)))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    loader = prepare_data_loader(DataLoader(TensorDataset(x, y), batch_size=8, shuffle=True))
+    start = 0
+    checkpoint = mixtrain.train.get_checkpoint()
+    if checkpoint is not None:
+        with checkpoint.as_directory() as folder:
+            state = torch.load(Path(folder) / "state.pt")
+        model.module.load_state_dict(state["model"]); opt.load_state_dict(state["opt"]); start = state["epoch"] + 1
+    for epoch in range(start, config["epochs"]):
+        loader.sampler.set_epoch(epoch)
+        for xb, yb in loader:
+            loss = nn.functional.cross_entropy(model(xb), yb)
+            opt.zero_grad(); loss.backward(); opt.step()
+            time.sleep(config.get("pause", 0.0))
+        with tempfile.TemporaryDirectory() as tmp:
+            saved = None
+            if mixtrain.train.get_context().get_world_rank() == 0:
+                state = {"model": model.module.state_dict(), "opt": opt.state_dict(), "epoch": epoch}
+                torch.save(state, Path(tmp) / "state.pt")
+                saved = mixtrain.train.Checkpoint.from_directory(tmp)
+            mixtrain.train.report({"epoch": epoch}, checkpoint=saved)
+    if mixtrain.train.get_context().get_world_rank() == 0:
+        torch.save(model.module.state_dict(), Path(config["out"]) / "final.pt")
+"""
+
+
+def test_ctrl_c_stops_a_loop_at_its_next_report_and_resume_continues_to_the_same_weights(tmp_path):
+    import os
+    import signal
+    import time
+
+    (tmp_path / "stoppable.py").write_text(STOPPABLE)
+    run_dir = tmp_path / "run"
+    config = json.dumps({"epochs": 6, "pause": 0.15, "out": str(tmp_path / "a")})
+    (tmp_path / "a").mkdir()
+    proc = subprocess.Popen(
+        [MIXTRAIN, "run", "stoppable:train_func", "--workers", "2", "--cpus-per-worker", "0.5", "--run-dir",
+         str(run_dir), "--loop-config", config],
+        cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+    )  # fmt: skip
+    deadline = time.monotonic() + 120
+    while not list((run_dir / "checkpoints").glob("checkpoint-*")) and time.monotonic() < deadline:
+        assert proc.poll() is None, proc.communicate()[1][-3000:]
+        time.sleep(0.1)
+    os.killpg(proc.pid, signal.SIGINT)  # Ctrl-C in a terminal: the whole foreground group
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130, err[-3000:]
+    assert "stopped at a report" in err and f"--resume {run_dir}" in err, err[-2000:]
+    assert not (tmp_path / "a" / "final.pt").exists()
+
+    resumed = subprocess.run(
+        [MIXTRAIN, "run", "stoppable:train_func", "--workers", "2", "--cpus-per-worker", "0.5", "--resume",
+         str(run_dir), "--loop-config", json.dumps({"epochs": 6, "out": str(tmp_path / "a")})],
+        cwd=tmp_path, capture_output=True, text=True, timeout=300, check=False,
+    )  # fmt: skip
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "resuming from" in resumed.stderr
+    (tmp_path / "b").mkdir()
+    config = json.dumps({"epochs": 6, "out": str(tmp_path / "b")})
+    straight = subprocess.run(
+        [MIXTRAIN, "run", "stoppable:train_func", "--workers", "2", "--shares", "10,6", "--cpus-per-worker", "0.5",
+         "--run-dir", str(tmp_path / "straight"), "--loop-config", config],
+        cwd=tmp_path, capture_output=True, text=True, timeout=300, check=False,
+    )  # fmt: skip
+    assert straight.returncode == 0, straight.stderr[-3000:]
+    import torch
+
+    got, want = torch.load(tmp_path / "a" / "final.pt"), torch.load(tmp_path / "b" / "final.pt")
+    for name in want:  # another split (fixed 10:6 against measured shares), in one go: the same math
+        assert torch.allclose(got[name], want[name], rtol=1e-5, atol=1e-6), name

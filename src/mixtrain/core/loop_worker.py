@@ -87,6 +87,7 @@ class LoopWorker(TrainWorker):
             report_to=lambda rank, index, metrics, files: ray.get(sink.report.remote(rank, index, metrics, files)),
             plan_to=lambda record: sink.event.remote("plan", record),
             checkpoint=checkpoint,
+            batch_workers=request.batch_workers or self.world_size,
         )
         context = _session.TrainContext(**{**context.__dict__, "_session": session})
         session.context = context

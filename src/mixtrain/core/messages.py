@@ -233,6 +233,9 @@ class LoopRequest:
     """How many times the loop was started before (restarts after lost workers)."""
     places: dict[int, tuple[int, int, int]] = field(default_factory=dict)
     """rank -> (local rank, workers on its node, node rank)."""
+    batch_workers: int = 0
+    """The workers the run asked for: a prepared loader's global batch is its batch_size times this, also after a
+    worker is lost (0: the workers there are)."""
 
 
 @dataclass(frozen=True, kw_only=True)

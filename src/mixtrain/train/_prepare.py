@@ -4,7 +4,8 @@ The prepared model is DDP's counterpart (`.module`, `no_sync()`): its backward s
 workers, each weighted by its share of the step's global batch (comm/loop_grads.py), so `.grad` after `backward()`
 is the gradient one process would compute on the whole global batch. The prepared loader keeps the user's dataset,
 collate function, loader processes and pin_memory, and replaces the sampler by mixtrain's step-indexed one: the
-global batch is the loader's batch_size times the number of workers (Ray Train's meaning), each epoch's seeded
+global batch is the loader's batch_size times the number of workers the run asked for (Ray Train's meaning; it stays
+so when a worker is lost), each epoch's seeded
 permutation (or the dataset's order, without shuffle) cut into global batches, each split by the workers' shares.
 """
 
@@ -112,7 +113,9 @@ class PreparedLoader:
 
     @property
     def global_batch(self) -> int:
-        return self.batch_size * self._session.context.world_size
+        """batch_size times the workers the run asked for (Ray Train's meaning), the same after a worker is lost:
+        the math does not change with who is left."""
+        return self.batch_size * self._session.batch_workers
 
     def __len__(self) -> int:
         n, b = len(self.dataset), self.global_batch  # type: ignore[arg-type]

@@ -76,6 +76,8 @@ class LoopSession:
     report_to: Callable[[int, int, dict[str, Any], dict[str, bytes] | None], bool]
     plan_to: Callable[[dict[str, Any]], None]
     checkpoint: Checkpoint | None = None
+    batch_workers: int = 0
+    """Workers a global batch is counted for (the run's asked-for count): batch_size times this."""
     after_compute: list[Callable[[float], None]] = field(default_factory=list)
     """Called with each step's compute seconds (EMULATION of a slower device hooks in here, core/emulation.py)."""
     weight: float = 1.0

@@ -175,8 +175,10 @@ class _Run:
         self.workers: list[dict[str, Any]] = []
         self.attempt = 0
         self._planned: dict[int, list[int]] = {}
+        self.batch_workers = 0
 
     def train(self) -> None:
+        self.batch_workers = len(self.group.members)  # as started: the global batch keeps it
         while True:
             self._bring_up()
             lost = self._attempt()
@@ -294,6 +296,7 @@ class _Run:
             experiment_name=self.log.run_dir.name,
             attempt=self.attempt,
             places=places,
+            batch_workers=self.batch_workers,
         )
 
     def _drain(self) -> None:
