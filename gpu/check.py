@@ -392,6 +392,13 @@ STEPS = [
         180,
     ),
     Step(
+        "loop-cuda-cpu",
+        "your own loop (mixtrain.train: AdamW, a schedule, clipping) over CUDA + 2 CPU workers equals one process",
+        lambda c: c.api_step("loop", "loop-cuda-cpu", "--devices", "cuda"),
+        True,
+        180,
+    ),
+    Step(
         "precision-auto",
         "--precision auto (bf16 autocast on the GPU) with the numerics check",
         train_step(

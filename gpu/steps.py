@@ -150,6 +150,38 @@ def exactness(devices: str, work: Path) -> dict[str, Any]:
     }
 
 
+def loop_exactness(devices: str, work: Path) -> dict[str, Any]:
+    """A user's own loop (mixtrain.train: AdamW, a cosine schedule, clip_grad_norm_) over unequal shares equals one
+    process on the CPU training the whole global batch."""
+    from mixtrain import DeviceGroup, ScalingConfig
+    from mixtrain.train import RunConfig
+    from mixtrain.train.torch import TorchTrainer
+    from tests import loops
+
+    if devices == "cuda":
+        groups = [DeviceGroup(device="cuda", num_workers=1), DeviceGroup(device="cpu", num_workers=2)]
+        shares = [14, 9, 7]
+    else:
+        groups, shares = [DeviceGroup(device="cpu", num_workers=2)], [12, 8]
+    work.mkdir(parents=True, exist_ok=True)
+    config = {"data": loops.data(150), "batch": 10, "epochs": 2, "opt": "adamw", "clip": True, "out": str(work)}
+    TorchTrainer(
+        loops.classifier_loop,
+        train_loop_config=config,
+        scaling_config=ScalingConfig(groups=groups, shares=shares),
+        run_config=RunConfig(storage_path=str(work / "runs"), seed=loops.SEED, progress=False),
+    ).fit()
+    got = {k: v.cpu() for k, v in torch.load(work / "weights.pt", map_location="cpu").items()}
+    err = _max_rel_diff(got, loops.reference(config, workers=len(shares)))
+    tol = EXACT_TOL[devices]
+    return {
+        "result": "pass" if err <= tol else "fail",
+        "figure": f"max relative difference {err:.1e} (tolerance {tol:g})",
+        "detail": [f"loop over {devices} with shares {shares}: AdamW, cosine schedule, clip_grad_norm_, 2 epochs"],
+        "data": {"max_rel_diff": err, "tolerance": tol},
+    }
+
+
 def overhead(work: Path, devices: DeviceKind = "cuda", epochs: int = OVERHEAD_EPOCHS) -> dict[str, Any]:
     """One CUDA worker under mixtrain against a plain PyTorch loop: the chars example's model, data and
     global batch; both untimed for their first epoch (warm-up), then samples/s over the rest."""
@@ -382,7 +414,7 @@ def _gpu_lost_runs() -> list[tuple[str, list, list[int], int, str]]:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="gpu.steps")
-    ap.add_argument("step", choices=["env", "exactness", "overhead", "nccl", "lost-worker"])
+    ap.add_argument("step", choices=["env", "exactness", "loop", "overhead", "nccl", "lost-worker"])
     ap.add_argument("--devices", choices=["cpu", "cuda"], default="cpu")
     ap.add_argument("--epochs", type=int, default=OVERHEAD_EPOCHS, help="overhead: epochs (the first untimed)")
     ap.add_argument("--work", type=Path, default=Path("."))
@@ -393,6 +425,8 @@ def main(argv: list[str] | None = None) -> int:
             out = env()
         elif args.step == "exactness":
             out = exactness(args.devices, args.work)
+        elif args.step == "loop":
+            out = loop_exactness(args.devices, args.work / f"loop-{args.devices}")
         elif args.step == "overhead":
             out = overhead(args.work, args.devices, args.epochs)
         elif args.step == "lost-worker":

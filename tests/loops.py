@@ -48,7 +48,7 @@ def _step(
     opt.step()
     if sched is not None:
         sched.step()
-    return float(loss)
+    return float(loss.detach())
 
 
 def classifier_loop(config: dict[str, Any]) -> None:
