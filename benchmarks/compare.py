@@ -9,6 +9,8 @@ Command lines:
         # EMULATION: worker 1 computes 3x slower in DDP and mixtrain (mixtrain: default, which may leave
         # a worker out; balanced with every worker kept; fixed equal split);
         # "ideal" = one worker alone + the slow worker alone = single1 x (1 + 1/3)
+    python benchmarks/compare.py --runners ddp,raytrain,mixtrain-all,mxloop --workloads mlp,cnn   # your own loop
+        # (mxloop: the same step loop through mixtrain.train's prepare_model and prepare_data_loader)
     python benchmarks/compare.py --emulate 1:3@4 --runners mixtrain-all --workloads cnn --repeats 1
         # a slowdown switched on at round 4: prints mixtrain's shares per round
     python benchmarks/compare.py --workloads cnn --emulate 1:3 --runners ddp,mx:allreduce,mx:ps,mx:ps-async,\
@@ -264,6 +266,54 @@ def run_mixtrain(
     }
 
 
+def run_mxloop(workload: str, shares: str = "auto") -> dict:
+    """The same step loop as DDP's and Ray Train's, through mixtrain's loop API (mixtrain.train): prepare_model,
+    prepare_data_loader over the same tensors (batch_size = the global batch / the workers), the shares following
+    measured speed at each epoch's start. Rank 0 times the steps after the warm-up."""
+    from mixtrain.train import RunConfig, ScalingConfig
+    from mixtrain.train.torch import TorchTrainer
+
+    with tempfile.TemporaryDirectory() as tmp:
+        out_file = Path(tmp) / "out.json"
+        TorchTrainer(
+            _mxloop,
+            train_loop_config={"workload": workload, "out": str(out_file)},
+            scaling_config=ScalingConfig(num_workers=NUM_WORKERS, shares=shares),
+            run_config=RunConfig(storage_path=tmp, progress=False),
+        ).fit()
+        return json.loads(out_file.read_text())
+
+
+def _mxloop(config: dict) -> None:
+    import torch
+    from torch.utils.data import DataLoader, TensorDataset
+
+    import mixtrain.train
+    from mixtrain.train.torch import prepare_data_loader, prepare_model
+
+    workload = config["workload"]
+    _, epochs, warmup = WORKLOADS[workload]
+    torch.manual_seed(0)
+    model = prepare_model(make_model(workload))
+    opt = make_optimizer(model)
+    x, y = make_data(workload)
+    loader = prepare_data_loader(DataLoader(TensorDataset(x, y), batch_size=GLOBAL_BATCH // NUM_WORKERS, shuffle=True))
+    first_step = time.time() - t0()
+    steps, t_measure = 0, 0.0
+    for _ in range(epochs):
+        for xb, yb in loader:
+            if steps == warmup:
+                t_measure = time.perf_counter()
+            opt.zero_grad()
+            torch.nn.functional.cross_entropy(model(xb), yb).backward()
+            opt.step()
+            steps += 1
+    elapsed = time.perf_counter() - t_measure
+    if mixtrain.train.get_context().get_world_rank() == 0:
+        out = {"samples_per_s": (steps - warmup) * GLOBAL_BATCH / elapsed, "first_step_s": first_step, "steps": steps}
+        Path(config["out"]).write_text(json.dumps(out))
+
+
 def _mixtrain_task(workload: str):
     import torch
 
@@ -403,6 +453,8 @@ def main() -> None:
             "mixtrain-equal": lambda w: run_mixtrain(w, shares="equal"),
             "mixtrain-all": lambda w: run_mixtrain(w, keep_all=True),
             "mixtrain1": lambda w: run_mixtrain(w, workers=1),
+            "mxloop": run_mxloop,
+            "mxloop-equal": lambda w: run_mxloop(w, shares="equal"),
         }
         print(json.dumps(runner[args.runner](args.workload)))
         return
