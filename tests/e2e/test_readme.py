@@ -27,6 +27,16 @@ def test_your_own_training_code_script_trains_as_written(tmp_path):
     assert accuracy > 0.9, proc.stdout  # a linear model cannot pass 0.5 on this XOR-shaped task
 
 
+def test_your_own_loop_script_trains_as_written(tmp_path):
+    (tmp_path / "own_loop.py").write_text(readme_block("own-loop"))
+    proc = subprocess.run(
+        [sys.executable, "own_loop.py"], capture_output=True, text=True, timeout=300, cwd=tmp_path, check=False
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    accuracy = float(re.search(r"held-out accuracy (\d\.\d+)", proc.stdout).group(1))
+    assert accuracy > 0.9, proc.stdout
+
+
 def test_a_sweep_with_kept_workers_runs_as_written(tmp_path, monkeypatch, capsys, ray_session):
     """The keep-workers snippet, in this process (its Ray is the session's): the second fit trains on the first
     fit's worker processes (their log files carry their pids)."""
