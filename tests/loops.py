@@ -217,3 +217,49 @@ def checkpointing_loop(config: dict[str, Any]) -> None:
                 checkpoint = mixtrain.train.Checkpoint.from_directory(tmp)
             mixtrain.train.report({"epoch": epoch}, checkpoint=checkpoint)
     _save(config, model.module)
+
+
+class Noisy(torch.utils.data.Dataset):
+    """Augmentation as a Dataset does it: each read adds fresh noise from torch's global random stream."""
+
+    def __init__(self, x: torch.Tensor, y: torch.Tensor) -> None:
+        self.x, self.y = x, y
+
+    def __len__(self) -> int:
+        return len(self.y)
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.x[i] + 0.3 * torch.randn(self.x.shape[1]), self.y[i]
+
+
+def augmented_loop(config: dict[str, Any]) -> None:
+    x, y = config["data"]
+    model = prepare_model(net())
+    loader = prepare_data_loader(DataLoader(Noisy(x, y), batch_size=config["batch"], shuffle=True, num_workers=1))
+    opt, _ = _opt("sgd", model.parameters())
+    for _ in range(config["epochs"]):
+        for xb, yb in loader:
+            _step(model, opt, None, xb, yb, False)
+        mixtrain.train.report({})
+    _save(config, model.module)
+
+
+def augmented_reference(config: dict[str, Any], workers: int) -> dict[str, torch.Tensor]:
+    """One process reading each sample under mixtrain's per-sample seeding rule (mixtrain.data.seed_sample)."""
+    from mixtrain.data import seed_sample
+
+    x, y = config["data"]
+    data = Noisy(x, y)
+    model = net()
+    opt, _ = _opt("sgd", model.parameters())
+    big = config["batch"] * workers
+    for epoch in range(config["epochs"]):
+        perm = epoch_permutation(SEED, epoch, len(y))
+        for t in range(-(-len(y) // big)):
+            samples = []
+            for i in perm[t * big : (t + 1) * big]:
+                seed_sample(SEED, epoch, int(i))
+                samples.append(data[int(i)])
+            xb, yb = torch.stack([s[0] for s in samples]), torch.stack([s[1] for s in samples])
+            _step(model, opt, None, xb, yb, False)
+    return model.state_dict()

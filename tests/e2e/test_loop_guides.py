@@ -29,6 +29,19 @@ def test_rays_fashion_mnist_example_with_its_imports_changed_trains_to_the_task_
     assert proc.stderr.count("report ") == 8, proc.stderr
 
 
+def test_an_accelerate_loop_with_accumulation_moved_to_mixtrain_trains_as_written(tmp_path):
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "docs/examples/accelerate_digits.py"), "--epochs", "5"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=tmp_path,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert float(re.search(r"held-out accuracy (\d\.\d+)", proc.stdout).group(1)) >= 0.93, proc.stdout
+
+
 def test_a_torchrun_script_runs_through_mixtrain_run_with_its_own_arguments(tmp_path, ray_address):
     out = tmp_path / "result.json"
     proc = subprocess.run(
@@ -102,7 +115,7 @@ def train_func(config):
 """
 
 
-def test_ctrl_c_stops_a_loop_at_its_next_report_and_resume_continues_to_the_same_weights(tmp_path):
+def test_ctrl_c_stops_a_loop_at_its_next_report_and_resume_continues_to_the_same_weights(tmp_path, ray_address):
     import os
     import signal
     import time
@@ -113,7 +126,7 @@ def test_ctrl_c_stops_a_loop_at_its_next_report_and_resume_continues_to_the_same
     (tmp_path / "a").mkdir()
     proc = subprocess.Popen(
         [MIXTRAIN, "run", "stoppable:train_func", "--workers", "2", "--cpus-per-worker", "0.5", "--run-dir",
-         str(run_dir), "--loop-config", config],
+         str(run_dir), "--loop-config", config, "--address", ray_address],
         cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
     )  # fmt: skip
     deadline = time.monotonic() + 120
@@ -126,9 +139,10 @@ def test_ctrl_c_stops_a_loop_at_its_next_report_and_resume_continues_to_the_same
     assert "stopped at a report" in err and f"--resume {run_dir}" in err, err[-2000:]
     assert not (tmp_path / "a" / "final.pt").exists()
 
+    config = json.dumps({"epochs": 6, "out": str(tmp_path / "a")})
     resumed = subprocess.run(
         [MIXTRAIN, "run", "stoppable:train_func", "--workers", "2", "--cpus-per-worker", "0.5", "--resume",
-         str(run_dir), "--loop-config", json.dumps({"epochs": 6, "out": str(tmp_path / "a")})],
+         str(run_dir), "--loop-config", config, "--address", ray_address],
         cwd=tmp_path, capture_output=True, text=True, timeout=300, check=False,
     )  # fmt: skip
     assert resumed.returncode == 0, resumed.stderr[-3000:]
@@ -137,7 +151,7 @@ def test_ctrl_c_stops_a_loop_at_its_next_report_and_resume_continues_to_the_same
     config = json.dumps({"epochs": 6, "out": str(tmp_path / "b")})
     straight = subprocess.run(
         [MIXTRAIN, "run", "stoppable:train_func", "--workers", "2", "--shares", "10,6", "--cpus-per-worker", "0.5",
-         "--run-dir", str(tmp_path / "straight"), "--loop-config", config],
+         "--run-dir", str(tmp_path / "straight"), "--loop-config", config, "--address", ray_address],
         cwd=tmp_path, capture_output=True, text=True, timeout=300, check=False,
     )  # fmt: skip
     assert straight.returncode == 0, straight.stderr[-3000:]

@@ -57,6 +57,12 @@ def test_a_loop_with_unequal_shares_trains_what_one_process_trains_on_the_whole_
     assert [r["epoch"] for r in records if r["kind"] == "report"] == [0, 1]
 
 
+def test_augmentation_in_a_dataset_read_by_loader_processes_is_seeded_per_sample_and_stays_exact(tmp_path):
+    config = {"data": loops.data(90), "batch": 10, "epochs": 2}  # a Dataset, not tensors: read sample by sample
+    _fit(loops.augmented_loop, config, tmp_path)
+    _close(torch.load(tmp_path / "weights.pt"), loops.augmented_reference(config, workers=3))
+
+
 def test_a_gan_with_two_models_and_two_optimizers_is_exact(tmp_path):
     config = {"data": loops.gan_data(120), "batch": 8, "epochs": 2}  # global batch 24, the last step 24 too
     _fit(loops.gan_loop, config, tmp_path, shares=(12, 7, 5))

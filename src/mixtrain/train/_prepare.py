@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 import torch
-from torch.utils.data import DataLoader, IterableDataset, SequentialSampler
+from torch.utils.data import DataLoader, IterableDataset, SequentialSampler, TensorDataset, default_collate
 
 from mixtrain.comm import replicas
 from mixtrain.comm.loop_grads import LoopGrads
@@ -130,16 +130,25 @@ class PreparedLoader:
         order = epoch_permutation(session.seed, epoch, num) if self.shuffle else np.arange(num)
         steps = [worker_indices(order, self.global_batch, t, shares, ctx.world_rank) for t in range(len(self))]
         sizes = [step_size(num, self.global_batch, t) for t in range(len(self))]
-        batches = [[(epoch, int(i)) for i in idx] for idx in steps]
-        loader = DataLoader(self._seeded, batch_sampler=[b for b in batches if b], **self._options)
-        reads = iter(loader)
+        reads = self._reads(epoch, steps)
         try:
-            for batch_ids, size in zip(batches, sizes):
-                batch = next(reads) if batch_ids else self._empty(epoch, order)
-                session.begin_batch(len(batch_ids), size)
+            for idx, size in zip(steps, sizes):
+                batch = next(reads) if len(idx) else self._empty(epoch, order)
+                session.begin_batch(len(idx), size)
                 yield to_device(batch, ctx.device) if self._move else batch
         finally:
             session.end_epoch()
+
+    def _reads(self, epoch: int, steps: list[np.ndarray]) -> Iterator[Any]:
+        """This worker's batches of the epoch, in order (none for an empty step). Tensors in memory (a TensorDataset
+        with the default collate function) are indexed in one go, as DataLoader would batch them but without a
+        call per sample: a sample's random streams cannot matter there. Any other dataset is read through a
+        DataLoader with the user's options, each sample's random streams seeded from (seed, epoch, index)."""
+        if isinstance(self.dataset, TensorDataset) and self._options["collate_fn"] is default_collate:
+            tensors = self.dataset.tensors
+            return (tuple(t[torch.from_numpy(idx)] for t in tensors) for idx in steps if len(idx))
+        batches = [[(epoch, int(i)) for i in idx] for idx in steps if len(idx)]
+        return iter(DataLoader(self._seeded, batch_sampler=batches, **self._options))
 
     def _empty(self, epoch: int, order: np.ndarray) -> Any:
         """A batch of no samples, shaped as the others (the last step of an epoch may hold fewer samples than

@@ -115,17 +115,21 @@ class TorchTrainer:
         view = ProgressView(self.run.progress, 0)
         sink = _start_sink(run_dir, self.run.keep_checkpoints)
         run = _Run(self, group, sink, log, view, tunables, resume)
+        finished = False
         try:
             with GracefulStop() as stop:
                 run.stop = stop
                 group.start()
                 stop.arm()
                 run.train()
+                result = run.result(run_dir)
+                finished = True
         finally:
             view.close()
-            group.shutdown(quick=run.interrupted)
+            group.shutdown(quick=run.interrupted, finished=finished)  # kept for the next fit where asked
+            ray.kill(sink)
             log.close()
-        return run.result(run_dir)
+        return result
 
     def _run_dir(self) -> tuple[Path, Checkpoint | None]:
         """The run's folder, made; a named run whose folder holds checkpoints continues from the newest."""
