@@ -90,6 +90,7 @@ class LoopSession:
     _last_batch: tuple[float, float, int] | None = None  # (perf_counter, exchange seconds so far, samples)
     _compute_s: float = 0.0
     _samples: int = 0
+    _hooks_s: float = 0.0  # what the after_compute hooks took at the last batch (it falls into the next one)
 
     def __post_init__(self) -> None:
         self.weight = 1.0 / self.context.world_size
@@ -102,15 +103,18 @@ class LoopSession:
         if self._last_batch is not None:
             t0, comm0, done = self._last_batch
             compute = max(0.0, now - t0 - (comm - comm0))
-            self._compute_s += compute
+            self._compute_s += compute  # what the hooks took last time included: the planner sees it
             self._samples += done
-            for hook in self.after_compute:  # (time they take counts as the next batch's compute)
-                hook(compute)
+            t1 = time.perf_counter()
+            for hook in self.after_compute:  # each hook is told the step's own compute, without its own time
+                hook(max(0.0, compute - self._hooks_s))
+            self._hooks_s = time.perf_counter() - t1
         self._last_batch = (now, comm, samples)
         self.weight = samples / step_samples if step_samples else 0.0
 
     def end_epoch(self) -> None:
         self._last_batch = None  # the time between epochs (evaluation, a checkpoint) is not a step's
+        self._hooks_s = 0.0
 
     def speed(self) -> float:
         """Samples per compute second over what this worker has trained so far (0: nothing measured yet)."""

@@ -1,0 +1,46 @@
+"""A loop's session measures each worker's compute from one batch to the next, and an EMULATED slowdown stretches
+each step by what the step itself computed, not by what earlier stretches added (issue 35)."""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from mixtrain.train._session import LoopSession, TrainContext
+
+
+def _session() -> LoopSession:
+    ctx = TrainContext(
+        world_rank=0, world_size=1, local_rank=0, local_world_size=1, node_rank=0, device=torch.device("cpu"),
+        experiment_name="t",
+    )  # fmt: skip
+    return LoopSession(
+        context=ctx, seed=0, shares="auto", bucket_bytes=1 << 20, report_to=lambda *a: False, plan_to=lambda r: None
+    )
+
+
+def test_a_slowdown_hook_is_told_each_steps_own_compute_and_the_speed_includes_what_it_added():
+    session, told = _session(), []
+
+    def slower(seconds: float) -> None:  # what core/emulation.py hooks in: a device 3x slower
+        told.append(seconds)
+        time.sleep(2 * seconds)
+
+    session.after_compute.append(slower)
+    for _ in range(6):
+        session.begin_batch(10, 10)
+        time.sleep(0.02)  # the step's own compute
+    assert len(told) == 5 and max(told) < 0.035, told  # not 0.02, 0.06, 0.18, ... (each stretch stretched again)
+    assert 10 / 0.08 < session.speed() < 10 / 0.045, session.speed()  # about 3x 20 ms per 10 samples
+    assert session.weight == 1.0
+
+
+def test_the_weight_is_the_batchs_share_of_its_step_and_between_epochs_nothing_counts():
+    session = _session()
+    session.begin_batch(3, 12)
+    assert session.weight == 0.25
+    session.end_epoch()
+    time.sleep(0.05)  # an evaluation between epochs
+    session.begin_batch(0, 5)
+    assert session.weight == 0.0 and session.speed() == 0.0
