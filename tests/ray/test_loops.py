@@ -58,9 +58,13 @@ def test_a_loop_with_unequal_shares_trains_what_one_process_trains_on_the_whole_
 
 
 def test_augmentation_in_a_dataset_read_by_loader_processes_is_seeded_per_sample_and_stays_exact(tmp_path):
-    config = {"data": loops.data(90), "batch": 10, "epochs": 2}  # a Dataset, not tensors: read sample by sample
-    _fit(loops.augmented_loop, config, tmp_path)
+    # A Dataset, not tensors: read sample by sample in a loader process. Worker 2 is 3x slower (emulated), so the
+    # shares move within the first epoch and the loader is cut again mid-epoch: the samples stay the same.
+    config = {"data": loops.data(90), "batch": 5, "epochs": 2}  # global batch 15: 6 steps an epoch
+    result = _fit(loops.augmented_loop, config, tmp_path, shares=None, emulate_slowdown={2: 3.0})
     _close(torch.load(tmp_path / "weights.pt"), loops.augmented_reference(config, workers=3))
+    moves = [(r["epoch"], r["step"]) for r in _records(result) if r["kind"] == "plan" and r["moved"]]
+    assert moves and moves[0][0] == 0 and moves[0][1] > 0, moves  # moved before the first epoch ended
 
 
 def test_a_gan_with_two_models_and_two_optimizers_is_exact(tmp_path):
@@ -110,7 +114,28 @@ def test_a_worker_killed_mid_epoch_restarts_the_loop_from_its_last_checkpoint_an
 def test_shares_move_toward_the_fast_worker_under_an_emulated_1_to_3_slowdown(tmp_path):
     config = {"data": loops.data(240), "batch": 16, "epochs": 3, "opt": "sgd"}  # global batch 32
     result = _fit(loops.classifier_loop, config, tmp_path, workers=2, shares=None, emulate_slowdown={1: 3.0})
-    records = [json.loads(line) for line in (Path(result.path) / "metrics.jsonl").read_text().splitlines()]
-    plans = [r["shares"] for r in records if r["kind"] == "plan"]
+    records = _records(result)
+    plans = [r["shares"] for r in records if r["kind"] == "plan" and r["moved"]]
     assert plans and all(fast > slow for fast, slow in plans), plans
     assert plans[-1][1] <= 12, plans  # about a quarter of 32 (8) once measured; equal would be 16
+    assert next(r["epoch"] for r in records if r["kind"] == "plan" and r["moved"]) == 0  # within the first epoch
+    _close(torch.load(tmp_path / "weights.pt"), loops.reference(config, workers=2))  # the moves kept the math
+
+
+def _records(result) -> list[dict]:
+    return [json.loads(line) for line in (Path(result.path) / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_a_worker_the_job_is_faster_without_is_left_out_at_a_checkpoint_and_the_math_stays(tmp_path, monkeypatch):
+    # Worker 1 computes 40x slower (emulated): once measured, the plan finds the job faster without it; every
+    # worker stops at the next report that comes with a checkpoint, and the loop goes on from it on worker 0
+    # alone, with the same global batch (batch x the 2 workers asked for): the weights are still one process's.
+    monkeypatch.setenv("MIXTRAIN_EXCLUDE_GAIN", "0.3")
+    config = {"data": loops.data(120), "batch": 10, "epochs": 4, "kill": False}
+    result = _fit(loops.checkpointing_loop, config, tmp_path, workers=2, shares=None, emulate_slowdown={1: 40.0})
+    records = _records(result)
+    [left] = [r for r in records if r["kind"] == "left_out"]
+    assert left["worker"]["rank"] == 1 and "faster" in left["reason"], left
+    assert len(result.workers) == 1 and not [r for r in records if r["kind"] == "failure"]
+    assert [r["epoch"] for r in result.metrics_history] == [0, 1, 2, 3]
+    _close(torch.load(tmp_path / "weights.pt"), loops.reference({**config, "opt": "sgd"}, workers=2))

@@ -44,3 +44,28 @@ def test_the_weight_is_the_batchs_share_of_its_step_and_between_epochs_nothing_c
     time.sleep(0.05)  # an evaluation between epochs
     session.begin_batch(0, 5)
     assert session.weight == 0.0 and session.speed() == 0.0
+
+
+def test_a_leave_out_is_named_after_two_plan_points_in_a_row_and_withdrawn_when_one_finds_none():
+    session, slow = _session(), {1: "the job is 1.5x faster without it"}
+    assert session.leave_out_vote(slow) == (False, None)  # one noisy measurement costs no device
+    assert session.leave_out_vote(slow) == (True, {"rank": 1, "reason": slow[1]})
+    assert session.leave_out_vote(slow) == (False, {"rank": 1, "reason": slow[1]})  # told once
+    assert session.leave_out_vote({}) == (True, None)  # withdrawn
+    assert session.leave_out_vote(slow) == (False, None)
+
+
+def test_plans_look_at_the_speed_since_the_last_plan_and_the_loader_looks_again_at_2_4_8_and_every_128():
+    from mixtrain.train._prepare import _plan_point
+
+    assert [t for t in range(1, 600) if _plan_point(t)] == [2, 4, 8, 16, 32, 64, 128, 256, 384, 512]
+    session = _session()
+    session.begin_batch(10, 10)
+    for pause in (0.01, 0.01, 0.01):
+        time.sleep(pause)
+        session.begin_batch(10, 10)
+    assert 10 / 0.02 < session.measured()[0] < 10 / 0.009
+    for pause in (0.04, 0.04, 0.04):  # the device got 4x slower
+        time.sleep(pause)
+        session.begin_batch(10, 10)
+    assert session.measured()[0] < 10 / 0.035 < session.speed()  # the slow steps, not the run's average (400)

@@ -38,6 +38,10 @@ class LoopGrads(GradBuckets):
         self.weight = 1.0
         self.comm_s = 0.0
         """Seconds spent waiting for the sums (a faster rank waits for the slower ones here too)."""
+        self.on_work: Callable[[float], None] | None = None
+        """Told each forward-and-backward's seconds as its backward ends, before the last sums start (EMULATION
+        of a slower device sleeps there: core/emulation.py)."""
+        self._t_forward: float | None = None
         self._active = False  # a prepared forward ran: this backward is ours to weight (and maybe sum)
         self._queued = False
         self._accumulating = False  # the gradients hold weighted no_sync backwards, not summed yet
@@ -47,6 +51,8 @@ class LoopGrads(GradBuckets):
         """The prepared model's forward, with gradients enabled: get the buckets ready for its backward. A weight
         of 0 (an empty batch at an epoch's end) keeps what was there: this backward counts for nothing."""
         self._kept = None
+        if self._t_forward is None:
+            self._t_forward = time.perf_counter()
         for bucket in self.buckets:
             _bind_fresh(bucket)
             bucket.pending = len(bucket.params)
@@ -87,6 +93,9 @@ class LoopGrads(GradBuckets):
             bucket.flat.mul_(self.weight)
 
     def _after_backward(self) -> None:
+        if self._t_forward is not None and self.on_work is not None:
+            self.on_work(time.perf_counter() - self._t_forward)
+        self._t_forward = None
         t0 = time.perf_counter()
         if self._armed:
             for bucket in self.buckets[self._next :]:  # parameters this backward did not reach

@@ -84,10 +84,14 @@ class LoopWorker(TrainWorker):
             seed=request.seed,
             shares=request.shares,
             bucket_bytes=request.bucket_bytes,
-            report_to=lambda rank, index, metrics, files: ray.get(sink.report.remote(rank, index, metrics, files)),
+            report_to=lambda rank, index, metrics, files: ray.get(
+                sink.report.remote(rank, (request.attempt, index), metrics, files)
+            ),
             plan_to=lambda record: sink.event.remote("plan", record),
             checkpoint=checkpoint,
             batch_workers=request.batch_workers or self.world_size,
+            leave_out_gain=request.leave_out_gain,
+            rebalance_threshold=request.rebalance_threshold,
         )
         context = _session.TrainContext(**{**context.__dict__, "_session": session})
         session.context = context

@@ -236,6 +236,10 @@ class LoopRequest:
     batch_workers: int = 0
     """The workers the run asked for: a prepared loader's global batch is its batch_size times this, also after a
     worker is lost (0: the workers there are)."""
+    leave_out_gain: float | None = None
+    """See LoopSession.leave_out_gain."""
+    rebalance_threshold: float = 0.1
+    """See LoopSession.rebalance_threshold."""
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -24,7 +24,7 @@ from mixtrain.comm.loop_grads import LoopGrads
 from mixtrain.data.sampling import epoch_permutation, step_size, worker_indices
 from mixtrain.data.sources import _Seeded, to_device
 from mixtrain.errors import InputTypeError, InputValueError
-from mixtrain.policies.planner import balanced_shares, equal_shares, largest_remainder
+from mixtrain.policies.planner import equal_shares, largest_remainder, make_plan, needs_rebalance
 from mixtrain.train._session import LoopSession
 
 
@@ -42,6 +42,7 @@ class PreparedModel(torch.nn.Module):
             replicas.broadcast_state(self.module)  # every replica starts from rank 0's weights (as DDP)
             params = [p for p in self.module.parameters() if p.requires_grad]
             self._grads = LoopGrads(params, session.bucket_bytes, replicas.comm_device())
+            self._grads.on_work = session.work_done
             session.grads.append(self._grads)
             self._buffers_sync = [b for b in self.module.buffers() if b.is_floating_point()]
 
@@ -122,20 +123,29 @@ class PreparedLoader:
         return n // b if self.drop_last else -(-n // b)
 
     def __iter__(self) -> Iterator[Any]:
-        session, ctx = self._session, self._session.context
+        """The epoch's batches for this worker. With shares="auto" the split is planned at the epoch's start and
+        looked at again after steps 2, 4, 8, ... and every 128 steps: where the measured speeds have moved, the
+        rest of the epoch is cut by the new shares (each step's samples are the same whatever the split)."""
+        session, rank = self._session, self._session.context.world_rank
         epoch = self.sampler.take_epoch()
-        num = len(self.dataset)  # type: ignore[arg-type]
-        shares = plan_shares(session, self.global_batch)
-        session.share = shares[ctx.world_rank]
+        num, total, batch = len(self.dataset), len(self), self.global_batch  # type: ignore[arg-type]
         order = epoch_permutation(session.seed, epoch, num) if self.shuffle else np.arange(num)
-        steps = [worker_indices(order, self.global_batch, t, shares, ctx.world_rank) for t in range(len(self))]
-        sizes = [step_size(num, self.global_batch, t) for t in range(len(self))]
-        reads = self._reads(epoch, steps)
+        shares: list[int] | None = plan_shares(session, batch, at=(epoch, 0))
+        t = 0
         try:
-            for idx, size in zip(steps, sizes):
-                batch = next(reads) if len(idx) else self._empty(epoch, order)
-                session.begin_batch(len(idx), size)
-                yield to_device(batch, ctx.device) if self._move else batch
+            while shares is not None and t < total:
+                session.share = shares[rank]
+                steps = [worker_indices(order, batch, s, shares, rank) for s in range(t, total)]
+                reads = self._reads(epoch, steps)
+                for idx in steps:
+                    read = next(reads) if len(idx) else self._empty(epoch, order)
+                    session.begin_batch(len(idx), step_size(num, batch, t))
+                    yield to_device(read, session.context.device) if self._move else read
+                    t += 1
+                    moved = plan_shares(session, batch, shares, (epoch, t)) if t < total and _plan_point(t) else None
+                    if moved is not None:
+                        shares = moved
+                        break
         finally:
             session.end_epoch()
 
@@ -187,10 +197,21 @@ def _check_loader(loader: Any) -> None:
         )
 
 
-def plan_shares(session: LoopSession, global_batch: int) -> list[int]:
+def _plan_point(step: int) -> bool:
+    """After which steps of an epoch the shares are looked at again: 2, 4, 8, ..., then every 128."""
+    return step % 128 == 0 or (step >= 2 and step & (step - 1) == 0)
+
+
+def plan_shares(
+    session: LoopSession, global_batch: int, current: list[int] | None = None, at: tuple[int, int] = (0, 0)
+) -> list[int] | None:
     """Each worker's samples of a global batch of `global_batch`: fixed (rescaled), equal, or (shares="auto") in
-    proportion to each worker's measured speed, the same on every worker (the speeds are gathered)."""
+    proportion to each worker's measured speed, the same on every worker (the speeds are gathered). Within an
+    epoch (`current`, the shares in force): the new shares, or None where they stay. `at`: (epoch, step) for the
+    record in metrics.jsonl."""
     n, shares = session.context.world_size, session.shares
+    if current is not None and (shares != "auto" or n == 1):
+        return None
     if isinstance(shares, (list, tuple)):
         if len(shares) != n:
             raise InputValueError(f"ScalingConfig.shares={list(shares)}: {len(shares)} entries for {n} workers")
@@ -199,10 +220,20 @@ def plan_shares(session: LoopSession, global_batch: int) -> list[int]:
         )
     if shares == "equal" or n == 1:
         return equal_shares(global_batch, n)
-    speeds = session.gather(session.speed())
+    measured = session.gather(session.measured())
+    speeds = [m[0] for m in measured]
     if min(speeds) <= 0:
-        return equal_shares(global_batch, n)  # nothing measured yet (the first epoch)
-    planned = balanced_shares(speeds, global_batch)
-    if session.context.world_rank == 0:
-        session.plan_to({"global_batch": global_batch, "shares": planned, "speeds": speeds})
-    return planned
+        return None if current is not None else equal_shares(global_batch, n)  # nothing measured yet
+    # the worker that waits least in the exchange is the slowest: its time there is the communication itself
+    plan = make_plan(speeds, global_batch, comm_s=min(m[1] for m in measured), min_gain=session.leave_out_gain)
+    predicted = [c / v for c, v in zip(current or [], speeds)]
+    moved = current is None or (plan.shares != current and needs_rebalance(predicted, session.rebalance_threshold))
+    told, leave_out = session.leave_out_vote(plan.excluded)
+    if session.context.world_rank == 0 and (moved or told):
+        in_force = plan.shares if moved else current
+        record: dict[str, Any] = {"epoch": at[0], "step": at[1], "global_batch": global_batch, "shares": in_force}
+        record.update(speeds=speeds, moved=moved)
+        if told:
+            record["leave_out"] = leave_out  # named, or None: withdrawn
+        session.plan_to(record)
+    return plan.shares if moved else None

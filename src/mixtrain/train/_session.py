@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 
 from mixtrain.errors import InputValueError
+from mixtrain.policies.decisions import EXCLUDE_ROUNDS
 from mixtrain.train.checkpoint import Checkpoint
 
 
@@ -78,8 +79,18 @@ class LoopSession:
     checkpoint: Checkpoint | None = None
     batch_workers: int = 0
     """Workers a global batch is counted for (the run's asked-for count): batch_size times this."""
+    leave_out_gain: float | None = None
+    """With shares="auto": a worker the job is predicted this much faster without is named to the driver, which
+    restarts the loop without it at the next report with a checkpoint (None: never)."""
+    leave_out_named: bool = False
+    """A worker to leave out is named to the driver (which acts at the next report with a checkpoint)."""
+    rebalance_threshold: float = 0.1
+    """Within an epoch, shares move only when the slowest worker's predicted compute exceeds the mean by more than
+    this fraction (MIXTRAIN_REBALANCE_THRESHOLD, as between a Task's rounds)."""
     after_compute: list[Callable[[float], None]] = field(default_factory=list)
-    """Called with each step's compute seconds (EMULATION of a slower device hooks in here, core/emulation.py)."""
+    """Called with each forward-and-backward's seconds as its backward ends (without a prepared model: with each
+    step's compute, at the next batch). EMULATION of a slower device hooks in here (core/emulation.py) and
+    stretches what a slower device takes longer for, as the benchmarks' DDP emulation does."""
     weight: float = 1.0
     """The share of its step's global batch of the batch this worker holds now (each rank's gradient is weighted
     by it). Without a prepared loader: 1 / world size, DDP's average."""
@@ -91,6 +102,9 @@ class LoopSession:
     _compute_s: float = 0.0
     _samples: int = 0
     _hooks_s: float = 0.0  # what the after_compute hooks took at the last batch (it falls into the next one)
+    _steps: int = 0
+    _leave_votes: int = 0
+    _mark: tuple[int, float, int, float] = (0, 0.0, 0, 0.0)  # (samples, compute s, steps, exchange s) at the last plan
 
     def __post_init__(self) -> None:
         self.weight = 1.0 / self.context.world_size
@@ -103,12 +117,13 @@ class LoopSession:
         if self._last_batch is not None:
             t0, comm0, done = self._last_batch
             compute = max(0.0, now - t0 - (comm - comm0))
-            self._compute_s += compute  # what the hooks took last time included: the planner sees it
+            self._compute_s += compute  # what the hooks took included: the planner sees it
             self._samples += done
-            t1 = time.perf_counter()
-            for hook in self.after_compute:  # each hook is told the step's own compute, without its own time
-                hook(max(0.0, compute - self._hooks_s))
-            self._hooks_s = time.perf_counter() - t1
+            self._steps += 1
+            if not self.grads:  # no prepared model told its work: the step's compute, less what the hooks took
+                t1 = time.perf_counter()
+                self.work_done(max(0.0, compute - self._hooks_s))
+                self._hooks_s = time.perf_counter() - t1
         self._last_batch = (now, comm, samples)
         self.weight = samples / step_samples if step_samples else 0.0
 
@@ -120,18 +135,54 @@ class LoopSession:
         """Samples per compute second over what this worker has trained so far (0: nothing measured yet)."""
         return self._samples / self._compute_s if self._compute_s > 0 else 0.0
 
+    def exchange_per_step(self) -> float:
+        """Seconds in the exchange per step so far (waiting for slower workers included)."""
+        return self._exchange_s() / self._steps if self._steps else 0.0
+
+    def measured(self) -> tuple[float, float]:
+        """(samples per compute second, exchange seconds per step) since the last call: what a new plan is made
+        from; over the whole run where fewer than 2 steps were measured since."""
+        samples0, compute0, steps0, exchange0 = self._mark
+        exchange = self._exchange_s()
+        if self._steps - steps0 >= 2 and self._compute_s > compute0:
+            steps = self._steps - steps0
+            out = ((self._samples - samples0) / (self._compute_s - compute0), (exchange - exchange0) / steps)
+        else:
+            out = (self.speed(), self.exchange_per_step())
+        self._mark = (self._samples, self._compute_s, self._steps, exchange)
+        return out
+
     def _exchange_s(self) -> float:
         return sum(g.comm_s for g in self.grads)
 
+    def work_done(self, seconds: float) -> None:
+        """A forward and backward took `seconds` (a prepared model tells it as its backward ends)."""
+        for hook in self.after_compute:
+            hook(seconds)
+
+    def leave_out_vote(self, excluded: dict[int, str]) -> tuple[bool, dict[str, Any] | None]:
+        """A plan point's finding on leaving a worker out (rank -> why; empty: none). A worker is named once
+        EXCLUDE_ROUNDS plan points in a row find one (one noisy measurement must not cost a device), and withdrawn
+        when a later one finds none. Returns (whether what the driver was told changes, the worker named or None)."""
+        self._leave_votes = self._leave_votes + 1 if excluded else 0
+        named = None
+        if self._leave_votes >= EXCLUDE_ROUNDS:
+            rank, reason = next(iter(excluded.items()))
+            named = {"rank": rank, "reason": reason}
+        told = (named is not None) != self.leave_out_named
+        self.leave_out_named = named is not None
+        return told, named
+
     # ---- agreeing on a split ------------------------------------------------------------------------
-    def gather(self, value: float) -> list[float]:
-        """`value` from every rank (one small collective; every rank calls it at the same point of its loop)."""
+    def gather(self, values: tuple[float, ...]) -> list[list[float]]:
+        """`values` from every rank, by rank (one small collective; every rank calls it at the same point of its
+        loop)."""
         if self.context.world_size == 1:
-            return [value]
-        mine = torch.tensor([value], dtype=torch.float64)
+            return [list(values)]
+        mine = torch.tensor(values, dtype=torch.float64)
         everyone = [torch.zeros_like(mine) for _ in range(self.context.world_size)]
         dist.all_gather(everyone, mine)
-        return [float(t) for t in everyone]
+        return [t.tolist() for t in everyone]
 
     # ---- reports ------------------------------------------------------------------------------------
     def report(self, metrics: dict[str, Any], checkpoint: Checkpoint | None = None) -> None:

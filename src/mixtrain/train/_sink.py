@@ -15,25 +15,49 @@ class ReportSink:
         self.reports: list[dict[str, Any]] = []
         self.events: list[tuple[str, dict[str, Any]]] = []
         self.stop = False
+        self.leave_out: dict[str, Any] | None = None
+        """A worker the job is faster without (rank, reason): every worker stops at the next report that comes
+        with a checkpoint, and the driver restarts the loop from it without that one."""
         self.last_checkpoint: str | None = None
-        self._saved: set[int] = set()
+        self._saved: set[tuple[int, int]] = set()
+        self._numbers: dict[tuple[int, int], int] = {}
         self._taken = (0, 0)
 
-    def report(self, rank: int, index: int, metrics: dict[str, Any], files: dict[str, bytes] | None) -> bool:
-        """One worker's report number `index`; returns whether the run is to stop there."""
+    def report(self, rank: int, key: tuple[int, int], metrics: dict[str, Any], files: dict[str, bytes] | None) -> bool:
+        """One worker's report `key` (its loop's attempt, the report's number in it); returns whether the run is to
+        stop there. The reports are numbered through the run (a restarted loop counts on)."""
+        key = (int(key[0]), int(key[1]))  # it may travel as a list
         path = None
-        if files is not None and index not in self._saved:  # the first rank to send one for this report
-            path = str(self.store.save(files, {"report": index, "rank": rank, "metrics": metrics}))
-            self._saved.add(index)
+        if files is not None and key not in self._saved:  # the first rank to send one for this report
+            number = self._number(key)
+            path = str(self.store.save(files, {"report": number, "rank": rank, "metrics": metrics}))
+            self._saved.add(key)
             self.last_checkpoint = path
         if rank == 0:
-            self.reports.append({"report": index, **metrics, **({"checkpoint": path} if path else {})})
+            entry = {"report": self._number(key), **metrics, **({"checkpoint": path} if path else {})}
+            self.reports.append(entry)
         elif path is not None:
-            self.events.append(("checkpoint", {"report": index, "rank": rank, "path": path}))
+            self.events.append(("checkpoint", {"report": self._number(key), "rank": rank, "path": path}))
+        if self.leave_out is not None and key in self._saved:
+            return True  # a checkpoint of this report is kept: the loop goes on from it, without that worker
         return self.stop
+
+    def _number(self, key: tuple[int, int]) -> int:
+        """The report's number in the run: reports of earlier attempts come first."""
+        if key not in self._numbers:
+            self._numbers[key] = len(self._numbers) + 1
+        return self._numbers[key]
 
     def event(self, kind: str, record: dict[str, Any]) -> None:
         self.events.append((kind, record))
+        if kind == "plan" and "leave_out" in record:  # named, or withdrawn (None) by later measurements
+            self.leave_out = record["leave_out"]
+
+    def leaving(self) -> dict[str, Any] | None:
+        return self.leave_out
+
+    def clear_leave_out(self) -> None:
+        self.leave_out = None
 
     def take(self) -> tuple[list[dict[str, Any]], list[tuple[str, dict[str, Any]]]]:
         """The reports and events since the last take."""

@@ -11,7 +11,7 @@ stops every worker at its next report.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -44,13 +44,22 @@ class LoopGroup(WorkerGroup):
 
     worker_cls = LoopWorker
     calls_cls = LoopCalls
+    left_out: list[int]
+    """Bundles left out for being slow: they get no worker again in this run."""
 
-    def restart(self, wait_s: float) -> list[int]:
-        """Stop every worker and start a new one in each bundle of the run; a bundle whose worker does not answer
-        within `wait_s` (its node is gone) stays empty for this attempt. Returns the bundles left empty."""
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.left_out = []
+
+    def restart(self, wait_s: float, excluded: Sequence[int] = ()) -> list[int]:
+        """Stop every worker and start a new one in each bundle of the run but the `excluded` ones (left out for
+        being slow); a bundle whose worker does not answer within `wait_s` (its node is gone) stays empty for this
+        attempt. Returns the bundles left empty."""
         for member in self.members.alive:
             ray.kill(member.worker.actor)
+        self.left_out += list(excluded)
         specs = sorted([*(m.spec for m in self.members.active), *self.members.vacant], key=lambda s: s.rank)
+        specs = [s for s in specs if s.rank not in self.left_out]
         started = [self._start_actor(spec, i, len(specs)) for i, spec in enumerate(specs)]
         probes = [w.actor.__ray_ready__.remote() for w in started]
         ready, _ = ray.wait(probes, num_returns=len(probes), timeout=wait_s)
@@ -180,31 +189,49 @@ class _Run:
         self.attempt = 0
         self._planned: dict[int, list[int]] = {}
         self.batch_workers = 0
+        self.stopped_at_report = False
 
     def train(self) -> None:
         self.batch_workers = len(self.group.members)  # as started: the global batch keeps it
         while True:
             self._bring_up()
             lost = self._attempt()
-            if lost is None:
-                return
-            left = len(self.group.members) - len(lost)
-            decision = self.budget.record(left, time.monotonic())
-            self.log.write("failure", {"attempt": self.attempt, "lost": lost, "failures": self.budget.failures})
-            for rank, why in sorted(lost.items()):
-                self.view.log(f"{self.group.members[rank].describe(rank)} lost: {why}")
-            if isinstance(decision, Stop):
-                raise TrainingFailedError(f"training stopped: {decision.reason}. {self._hint()}")
-            empty = self.group.restart(self.tunables.placement_timeout_s)
+            if lost is None and not self.stopped_at_report:
+                return  # the loop finished on every worker
+            if lost is None:  # every worker stopped at a report: to go on without a slow one
+                excluded = self._leave_out(ray.get(self.sink.leaving.remote()))
+            else:
+                self._lost(lost)
+                excluded = []
+            empty = self.group.restart(self.tunables.placement_timeout_s, excluded)
             latest = ray.get(self.sink.latest.remote())
             if latest is not None:
                 self.checkpoint_files = ray.put(latest[1])
             where = f"from {latest[0]}" if latest is not None else "from the start (no checkpoint reported yet)"
             self.attempt += 1
             self.view.log(
-                f"{self.budget.count()}: the loop starts again on {len(self.group.members)} workers {where}"
+                f"the loop starts again on {len(self.group.members)} workers {where}"
                 + (f"; bundles {empty} have no worker now" if empty else "")
             )
+
+    def _lost(self, lost: dict[int, str]) -> None:
+        """Workers lost: counted against FailureConfig.max_failures (per hour), or the run stops here."""
+        left = len(self.group.members) - len(lost)
+        decision = self.budget.record(left, time.monotonic())
+        self.log.write("failure", {"attempt": self.attempt, "lost": lost, "failures": self.budget.failures})
+        for rank, why in sorted(lost.items()):
+            self.view.log(f"{self.group.members[rank].describe(rank)} lost: {why}")
+        if isinstance(decision, Stop):
+            raise TrainingFailedError(f"training stopped: {decision.reason}. {self._hint()}")
+        self.view.log(self.budget.count())
+
+    def _leave_out(self, leaving: dict[str, Any]) -> list[int]:
+        """The worker the job is measurably faster without: its bundle gets no worker from now on."""
+        member = self.group.members[int(leaving["rank"])]
+        self.log.write("left_out", {"attempt": self.attempt, "worker": member.info, "reason": leaving["reason"]})
+        self.view.log(f"left out {member.describe(int(leaving['rank']))}: {leaving['reason']}")
+        self.sink.clear_leave_out.remote()
+        return [member.spec.rank]
 
     def _bring_up(self) -> None:
         """Each worker resolves its device; the group forms (on loopback when every worker is on one node)."""
@@ -243,6 +270,7 @@ class _Run:
         A worker that died ends the attempt at once (the others wait in a collective for it). A failed collective
         with no worker dead (one stopped or asleep) gives the rest MIXTRAIN_LOST_GRACE_S to answer."""
         request = self._request()
+        self.stopped_at_report = False
         calls = self.group.members
         pending = {_loop(m.worker).run_loop(request).ref: r for r, m in enumerate(calls)}
         lost: dict[int, str] = {}
@@ -258,6 +286,7 @@ class _Run:
                 outcome = self._outcome(rank, ref, lost)
                 if outcome is not None and outcome.status == "peer_lost":
                     deadline = min(deadline, time.monotonic() + self.tunables.lost_grace_s)
+                self.stopped_at_report |= outcome is not None and outcome.status == "stopped"
             if time.monotonic() > deadline:
                 for rank in pending.values():
                     lost[rank] = f"did not answer within {self.tunables.lost_grace_s:g} s after a peer failed"
@@ -301,6 +330,8 @@ class _Run:
             attempt=self.attempt,
             places=places,
             batch_workers=self.batch_workers,
+            leave_out_gain=self.tunables.exclude_gain if self.trainer.scaling.leave_out_slow else None,
+            rebalance_threshold=self.tunables.rebalance_threshold,
         )
 
     def _drain(self) -> None:
