@@ -10,14 +10,17 @@ REPO = Path(__file__).resolve().parent.parent
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """`make test` runs `pytest -n 2 --dist loadgroup` (pytest-xdist): one group per process. The multi-host
-    scenarios ("netns": network namespaces on one bridge, a partition that waits out timeouts) mostly wait, so
-    they run beside the rest ("main"), which runs one test after another in the other process. The tests whose
-    assertions follow measured speed (balanced shares, the leave-out advisor: test_balancing) run last, long
-    after the multi-host ones (about 4 minutes) have ended. (Before emulated slowdowns stretched each step's
-    own measured compute, test_balancing failed in 4 of 8 such runs: a slowdown calibrated by one start-up
-    timing per worker followed the load of that moment.)"""
+    scenarios (network namespaces on one bridge, a partition that waits out timeouts) mostly wait, so they run
+    beside the rest ("main"), which runs one test after another in the other process with the session's Ray;
+    the tests that need no Ray of the session's (unit, distributed: gloo in plain processes, the GPU bundle's
+    CPU path) join them ("side", about 6.5 minutes against main's 11). The tests whose assertions follow
+    measured speed (balanced shares, the leave-out advisor: test_balancing) run last in main, after the side
+    process has ended. (Before emulated slowdowns stretched each step's own measured compute, test_balancing
+    failed in 4 of 8 such runs: a slowdown calibrated by one start-up timing per worker followed the load of
+    that moment.)"""
     for item in items:
-        group = "netns" if "multihost" in item.path.parts else "main"
+        side = {"multihost", "unit", "distributed", "bundle"} & set(item.path.parent.relative_to(REPO).parts)
+        group = "side" if side else "main"
         item.add_marker(pytest.mark.xdist_group(group))
     items.sort(key=lambda item: item.path.name == "test_balancing.py")  # stable: the rest keep their order
 
