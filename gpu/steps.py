@@ -182,6 +182,91 @@ def loop_exactness(devices: str, work: Path) -> dict[str, Any]:
     }
 
 
+def _update(mode: str, task: Any, loss: torch.Tensor, gate: Any) -> None:
+    """The plain loop's optimizer step, in `mode` (see _plain_loop)."""
+    grads = [p.grad for p in task.model.parameters() if p.grad is not None]
+    if gate is not None:
+        gate.step(task, grads, loss.detach().reshape(1), lambda: None)
+        gate.drain()
+    elif mode != "read" or bool(torch.isfinite(torch.nn.utils.get_total_norm(grads)).all()):
+        task.optimizer.step()
+
+
+class _StepsProfile:
+    """With MIXTRAIN_PROFILE_DIR set: the first `count` steps after start() under torch.profiler, to <name>.txt."""
+
+    def __init__(self, dev: torch.device, name: str, count: int) -> None:
+        self.dir, self.dev, self.name, self.count = os.environ.get("MIXTRAIN_PROFILE_DIR"), dev, name, count
+        self.prof: Any = None
+        self.seen = 0
+
+    def start(self) -> None:
+        if self.dir:
+            acts = [torch.profiler.ProfilerActivity.CPU]
+            if self.dev.type == "cuda":
+                acts.append(torch.profiler.ProfilerActivity.CUDA)
+            self.prof = torch.profiler.profile(activities=acts)
+            self.prof.__enter__()
+
+    def step_done(self, sync: Any) -> None:
+        if self.prof is None:
+            return
+        self.seen += 1
+        if self.seen == self.count:
+            sync()
+            self.prof.__exit__(None, None, None)
+            table = self.prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=30)
+            Path(str(self.dir)).mkdir(parents=True, exist_ok=True)
+            Path(str(self.dir), f"{self.name}.txt").write_text(
+                f"# plain loop ({self.name}), {self.count} steps\n{table}\n"
+            )
+            self.prof = None
+
+
+def _plain_loop(
+    job: Any,
+    x: torch.Tensor,
+    y: torch.Tensor,
+    batch: int,
+    dev: torch.device,
+    sync: Any,
+    epochs: int,
+    mode: str = "plain",
+) -> float:
+    """Samples/s of a plain PyTorch loop over (x, y) after one untimed epoch. `mode`: "plain"; "read" (one host
+    read of the all-finite verdict per step, as mixtrain did before StepGate); "gate" (mixtrain's StepGate: the
+    verdict on the device, the fused optimizer skipping, read a step late); "fused" (the fused optimizer alone).
+    With MIXTRAIN_PROFILE_DIR set, the second epoch's first 20 steps run under torch.profiler (<mode>.txt)."""
+    from mixtrain.comm.step_gate import StepGate, _use_fused
+
+    torch.manual_seed(0)
+    task = job.task_factory()
+    task.model.to(dev)
+    gate = StepGate(task.optimizer, dev) if mode == "gate" else None
+    if mode == "fused":
+        _use_fused(task.optimizer)
+    gen = torch.Generator().manual_seed(0)
+    steps = (len(y) + batch - 1) // batch
+    profile = _StepsProfile(dev, mode, min(steps, 20))
+    t_start = 0.0
+    for epoch in range(epochs):
+        if epoch == 1:
+            sync()
+            t_start = time.perf_counter()
+            profile.start()
+        perm = torch.randperm(len(y), generator=gen)
+        for s in range(steps):
+            idx = perm[s * batch : (s + 1) * batch]
+            xb, yb = x[idx].to(dev), y[idx].to(dev)
+            task.optimizer.zero_grad(set_to_none=True)
+            loss = task.batch_loss(task.model, (xb, yb))
+            loss.backward()
+            _update(mode, task, loss, gate)
+            profile.step_done(sync)
+    sync()
+    return (epochs - 1) * len(y) / (time.perf_counter() - t_start)
+
+
 def overhead(work: Path, devices: DeviceKind = "cuda", epochs: int = OVERHEAD_EPOCHS) -> dict[str, Any]:
     """One CUDA worker under mixtrain against a plain PyTorch loop: the chars example's model, data and
     global batch; both untimed for their first epoch (warm-up), then samples/s over the rest."""
@@ -197,28 +282,12 @@ def overhead(work: Path, devices: DeviceKind = "cuda", epochs: int = OVERHEAD_EP
     if devices == "cpu":  # a smoke run of this step without a GPU: the worker computes on 1 thread, so here too
         torch.set_num_threads(1)
     # plain PyTorch: the batch indexed on the CPU and copied to the card each step (as from a DataLoader)
-    torch.manual_seed(0)
-    task = job.task_factory()
-    model = task.model.to(dev)
-    gen = torch.Generator().manual_seed(0)
     steps = (len(y) + batch - 1) // batch
-    t_start = 0.0
-    timed_samples = 0
-    for epoch in range(epochs):
-        if epoch == 1:
-            sync()
-            t_start = time.perf_counter()
-        perm = torch.randperm(len(y), generator=gen)
-        for s in range(steps):
-            idx = perm[s * batch : (s + 1) * batch]
-            xb, yb = x[idx].to(dev), y[idx].to(dev)
-            task.optimizer.zero_grad(set_to_none=True)
-            task.batch_loss(model, (xb, yb)).backward()
-            task.optimizer.step()
-            timed_samples += len(idx) if epoch else 0
-    sync()
-    plain = timed_samples / (time.perf_counter() - t_start)
-    del task, model
+    plain = _plain_loop(job, x, y, batch, dev, sync, epochs)
+    # the same, reading one "all finite?" verdict per step as mixtrain did before it applied a step; with
+    # mixtrain's StepGate instead; with the fused optimizer alone (what the gate switches to)
+    variants = {m: _plain_loop(job, x, y, batch, dev, sync, max(2, epochs // 2), m) for m in ("read", "gate", "fused")}
+    plain_read = variants["read"]
     if devices == "cuda":
         torch.cuda.empty_cache()
 
@@ -242,20 +311,38 @@ def overhead(work: Path, devices: DeviceKind = "cuda", epochs: int = OVERHEAD_EP
     # (the driver's calls, checkpoints at epoch ends) counts
     span = rounds[-1]["time"] - first_epoch[-1]["time"]
     mx = samples / span
-    mx_rounds = samples / sum(r["wall_s"] for r in later)
+    inside = sum(r["wall_s"] for r in later)
+    mx_rounds = samples / inside
     ratio = mx / plain
+    logs = "".join(f.read_text(errors="replace") for f in Path(result.run_dir).glob("logs/worker-*.log"))
+    gated = "StepGate" in logs
     return {
         "result": "pass" if ratio >= OVERHEAD_GOAL else "below goal",
         "figure": f"mixtrain {mx:,.0f} vs plain PyTorch {plain:,.0f} samples/s = {ratio:.2f}x (goal {OVERHEAD_GOAL}x)",
         "detail": [
             f"chars transformer, global batch {batch}, {epochs} epochs of {steps} steps; first epoch untimed",
             f"plain loop: batch indexed on the CPU, copied to the card each step, no per-step host sync: "
-            f"{plain:,.0f} samples/s",
+            f"{plain:,.0f} samples/s; with one host read per step (the all-finite verdict) {plain_read:,.0f}; "
+            f"with StepGate {variants['gate']:,.0f}; with the fused optimizer alone {variants['fused']:,.0f}",
             f"mixtrain, 1 {devices} worker: {mx:,.0f} samples/s from round ends (driver calls and epoch-end "
             f"checkpoints included), {mx_rounds:,.0f} samples/s inside its rounds; fit() took {fit_s:.1f} s "
             f"({result.seconds_to_first_step:.1f} s to the first step)",
+            f"the worker's all-finite verdict: {'read a step late (StepGate)' if gated else 'read every step'}",
+            f"{len(later)} timed rounds; between them {1e3 * (span - inside) / max(1, len(later)):.1f} ms a round "
+            f"({100 * (span - inside) / span:.0f}% of the timed span)",
         ],
-        "data": {"plain": plain, "mixtrain": mx, "mixtrain_rounds": mx_rounds, "ratio": ratio},
+        "data": {
+            "plain": plain,
+            "plain_read_each_step": plain_read,
+            "plain_gate": variants["gate"],
+            "plain_fused": variants["fused"],
+            "gated": gated,
+            "mixtrain": mx,
+            "mixtrain_rounds": mx_rounds,
+            "ratio": ratio,
+            "rounds": len(later),
+            "between_rounds_s": span - inside,
+        },
     }
 
 

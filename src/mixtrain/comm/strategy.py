@@ -21,6 +21,7 @@ from mixtrain.comm import replicas
 from mixtrain.comm.buckets import make_grad_buckets
 from mixtrain.comm.compress import wire_dtype
 from mixtrain.comm.state_transfer import unpack
+from mixtrain.comm.step_gate import StepGate, as_user_built, can_gate
 from mixtrain.comm.zero import ShardedOptimizer, split_runs
 from mixtrain.config import StrategyConfig
 from mixtrain.devices.precision import LossScale
@@ -35,6 +36,9 @@ class StepResult:
     """False when the summed gradient was not finite and the update was skipped everywhere."""
     stats: torch.Tensor
     """The per-step statistics summed over ranks (the global mean loss at index 0)."""
+    grad_norm: torch.Tensor | float | None = None
+    """For a result that arrives after its step (StepGate): the gradient's norm before clipping, when applied
+    and the task clips."""
 
 
 @dataclass(frozen=True)
@@ -173,6 +177,11 @@ class SyncStrategy(ABC):
     def begin_round(self, task: Task) -> None:  # noqa: B027 - optional hook, a no-op by default
         """Called before a round's first step (a strategy that redoes failed rounds takes its restore point)."""
 
+    def flush(self, task: Task) -> list[StepResult]:
+        """A round stopped part-way (a lost peer, out of memory): results of steps this replica has applied but
+        not reported yet, so that they count as committed."""
+        return []
+
     def recover(self, task: Task) -> None:  # noqa: B027 - all-reduce: committed steps are the replica's state
         """After a peer was lost mid-round, before leaving the group: make this replica its last committed
         state (undo local work no peer has seen)."""
@@ -181,7 +190,7 @@ class SyncStrategy(ABC):
         """The optimizer state_dict as one process stepping every parameter would hold it (for checkpoints
         and replacements). Under a sharded optimizer, this rank's entries only (`shards_optimizer`), and with
         parameter servers none (they hold it): the driver merges those in."""
-        return task.optimizer.state_dict()
+        return as_user_built(task.optimizer, task.optimizer.state_dict())
 
     def load_optimizer_state(self, task: Task, state: dict[str, Any]) -> None:
         """Take a full optimizer state_dict (a checkpoint's, another replica's; packed or not), before setup()."""
@@ -273,8 +282,15 @@ class AllReduceStrategy(SyncStrategy):
         elif self._pending_optimizer is not None:
             task.optimizer.load_state_dict(unpack(self._pending_optimizer, copy=True))
         self._pending_optimizer = None
+        # alone on a GPU, a step's "all finite?" verdict is read one step late and the update skipped on the device
+        self.gate: StepGate | None = None
+        device = params[0].device if params else torch.device("cpu")
+        if ctx.world_size == 1 and device.type == "cuda" and not ctx.loss_scaling and self.shard is None:
+            if can_gate(task.optimizer, device):
+                self.gate = StepGate(task.optimizer, device)
 
     _pending_optimizer: dict[str, Any] | None = None
+    gate: StepGate | None = None
 
     def load_optimizer_state(self, task: Task, state: dict[str, Any]) -> None:
         self._pending_optimizer = state  # setup() knows whether this rank keeps all of it or a slice
@@ -290,7 +306,7 @@ class AllReduceStrategy(SyncStrategy):
 
     def optimizer_state(self, task: Task) -> dict[str, Any]:
         if self.shard is None:
-            return task.optimizer.state_dict()
+            return as_user_built(task.optimizer, task.optimizer.state_dict())
         sd = task.optimizer.state_dict()  # the hyperparameters, as the scheduler left them
         sd["state"] = self.shard.state_part()
         return sd
@@ -306,6 +322,10 @@ class AllReduceStrategy(SyncStrategy):
         stats = self.buckets.all_reduce_(local_stats)
         assert stats is not None
         comm_s = time.perf_counter() - t0
+        if self.gate is not None:  # this step's result arrives with the next step's (or the round's end)
+            grads = [p.grad for p in self.params if p.grad is not None]
+            self.gate.step(task, grads, stats, lambda: clip_gradients(task, self.params))
+            return StepOutcome(done=self._settled(), comm_s=comm_s)
         applied = self.buckets.all_finite(stats)
         used = self.loss_scale.scale
         self.loss_scale.update(applied)  # the same verdict on every rank keeps the scales equal
@@ -328,9 +348,20 @@ class AllReduceStrategy(SyncStrategy):
 
     def end_round(self, task: Task, weight: float, drift_tolerance: float) -> RoundSync:
         t0 = time.perf_counter()
+        done = self.flush(task)
         replicas.average_buffers(task.model, weight)
         d, rebroadcast = replicas.resync_if_drifted(task.model, task.optimizer, drift_tolerance)
-        return RoundSync(d, rebroadcast, time.perf_counter() - t0)
+        return RoundSync(d, rebroadcast, time.perf_counter() - t0, done=done)
+
+    def flush(self, task: Task) -> list[StepResult]:
+        if self.gate is None:
+            return []
+        self.gate.settle(task)
+        return self._settled()
+
+    def _settled(self) -> list[StepResult]:
+        assert self.gate is not None
+        return [StepResult(applied, stats, norm) for applied, stats, norm in self.gate.drain()]
 
     def measure_comm(self, task: Task, repeats: int) -> float:
         def exchange() -> None:

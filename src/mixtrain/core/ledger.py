@@ -72,6 +72,10 @@ class RoundLedger:
         """Steps whose global result this worker has seen (every rank agreed on their update)."""
         return len(self._losses)
 
+    def take_late(self, done: list[StepResult]) -> None:
+        """Results of steps applied before the round stopped part-way (the strategy's flush)."""
+        self._take(done)
+
     def abort(self, peer_lost: str, committed: int) -> WorkerReport:
         """The round failed on a lost peer: what this worker did, and how many steps of it stand. The device may
         be in no state to answer (out of memory, an aborted NCCL communicator): then the losses read as NaN."""
@@ -91,6 +95,8 @@ class RoundLedger:
         for result in done:
             step = self._waiting.popleft()
             self._losses.append(result.stats.reshape(-1)[0])
+            if result.grad_norm is not None:
+                self._norms.append(result.grad_norm)
             if not result.applied:
                 self.report.skipped_steps.append(step)
 

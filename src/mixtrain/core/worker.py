@@ -40,6 +40,7 @@ from mixtrain.data.sources import EVAL_EPOCH, Loader, to_device
 from mixtrain.devices import host_allocator, precision
 from mixtrain.devices.cpu import CpuShare
 from mixtrain.observe import worker_log
+from mixtrain.observe.round_profile import RoundProfiler
 from mixtrain.task import Task, build_task
 
 NUMERICS_TOLERANCE = {"fp32": 1e-3, "fp16": 2e-2, "bf16": 6e-2}
@@ -143,6 +144,7 @@ class TrainWorker:
         self._strategy: SyncStrategy | None = None
         self._rendezvous: process_group.Rendezvous | None = None
         self._loaded: dict | None = None  # a checkpoint's loss scale and strategy state, until join() applies them
+        self._profiler = RoundProfiler(rank)  # off unless MIXTRAIN_PROFILE_DIR is set
 
     def reuse(self, setup: WorkerSetup) -> None:
         """A kept worker (warm_workers) starts over for the next fit, as a new actor with `setup` would: nothing
@@ -361,6 +363,8 @@ class TrainWorker:
             store_pages_bytes=request.store_pages_bytes,
         )
         self.strategy.setup(self.task, ctx)
+        if getattr(self.strategy, "gate", None) is not None:
+            worker_log.log.info("steps: the all-finite verdict is read a step late (StepGate, fused optimizer)")
         if loaded is not None:  # and the job-wide loss scale
             self.strategy.loss_scale.load_state_dict(loaded["loss_scale"])
         elif previous is not None:
@@ -398,11 +402,16 @@ class TrainWorker:
         ledger = RoundLedger(self.rank)
         self.strategy.begin_round(self.task)
         try:
-            report = self._run_round(plan, ledger)
+            with self._profiler.round(self.device):
+                report = self._run_round(plan, ledger)
         except Exception as exc:
             oom = self.kind.is_oom(exc)
             if not (oom or process_group.is_peer_failure(exc)):
                 raise
+            try:  # steps applied whose verdicts were still to be read count as committed (StepGate)
+                ledger.take_late(self.strategy.flush(self.task))
+            except Exception as late:
+                worker_log.log.warning("could not read the last step's verdict: %s", late)
             committed = ledger.committed_steps if self.strategy.keeps_partial_rounds else 0
             if oom:  # out of memory here: leave the group at once, so the peers' collectives fail now, not
                 self._free_cached_memory()  # after the collective timeout; the driver lowers the micro-batch
