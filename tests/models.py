@@ -255,3 +255,27 @@ def wide_mlp_task(cores: tuple[int, ...] | None = None) -> Task:
         optimizer=torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9),
         loss_fn=nn.functional.cross_entropy,
     )
+
+
+class _EvalMemory(nn.Module):
+    """`inner`, whose held-out forward passes (eval mode, rank in `limits`) raise torch's OutOfMemoryError past
+    `limits[rank]` samples, as a card with no room for a big held-out batch does (0: not even one sample)."""
+
+    def __init__(self, inner: nn.Module, limits: dict[int, int]) -> None:
+        super().__init__()
+        self.inner = inner
+        self.limits = limits
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        import torch.distributed as dist
+
+        rank = dist.get_rank() if dist.is_initialized() else -1
+        if not self.training and rank in self.limits and len(x) > self.limits[rank]:
+            raise torch.OutOfMemoryError(f"CUDA out of memory. Tried to allocate {len(x)} samples (test)")
+        return self.inner(x)
+
+
+def eval_memory_task(model: str, opt: str, limits: dict[int, int]) -> Task:
+    inner = MODELS[model]()
+    m = _EvalMemory(inner, limits)
+    return Task(model=m, optimizer=optimizer(opt, m.parameters()), loss_fn=nn.functional.cross_entropy)

@@ -15,7 +15,7 @@ from mixtrain.core.controller import TrainingStopped
 from mixtrain.core.worker import TrainWorker
 from mixtrain.core.worker_group import WorkerGroup
 from tests.conftest import run_records
-from tests.models import data, factory, faulty_task, with_a_slow_first_step
+from tests.models import data, eval_memory_task, factory, faulty_task, with_a_slow_first_step
 from tests.ray.test_exactness import GLOBAL_BATCH, NUM_SAMPLES, SEED, assert_same_weights, reference
 
 pytestmark = pytest.mark.usefixtures("ray_session")
@@ -244,6 +244,37 @@ def test_a_worker_out_of_memory_even_at_one_sample_is_left_out_and_training_stay
     assert gone["worker"]["rank"] == 2 and "out of memory at micro-batch 1" in gone["reason"]
     assert len(result.history[-1]["shares"]) == 2
     assert_same_weights(result.state_dict, reference("mlp", "sgd", x, y))
+
+
+def test_evaluation_out_of_memory_halves_its_batch_and_a_worker_with_no_room_hands_its_slice_on(tmp_path):
+    """Worker 1's card holds 4 held-out samples at a time, worker 2's not one (a 12 GB card, a Mac): the fit
+    ends, and its held-out figures are one process's over the whole held-out set with the final weights."""
+    from tests.models import MODELS, _EvalMemory
+
+    x, y = data("mlp", NUM_SAMPLES)
+    ex, ey = data("mlp", 150, seed=7)
+    trainer = Trainer(
+        functools.partial(eval_memory_task, "mlp", "sgd", {1: 4, 2: 0}),
+        (x, y),
+        eval_data=(ex, ey),
+        global_batch=GLOBAL_BATCH,
+        scaling=ScalingConfig(num_workers=3, cpus_per_worker=0.5, leave_out_slow=False),
+        run=RunConfig(run_dir=str(tmp_path / "run"), seed=SEED, steps_per_round=4, progress=False),
+    )
+    result = trainer.fit(epochs=2)
+    assert len(result.evals) == 2 and all(e["samples"] == 150 for e in result.evals)
+    model = _EvalMemory(MODELS["mlp"](), {})
+    model.load_state_dict(result.state_dict)
+    model.eval()
+    with torch.no_grad():
+        out = model(ex)
+    assert result.evals[-1]["loss"] == pytest.approx(float(torch.nn.functional.cross_entropy(out, ey)), rel=1e-5)
+    assert result.evals[-1]["accuracy"] == pytest.approx(float((out.argmax(-1) == ey).float().mean()))
+    notes = run_records(result.run_dir, "eval_out_of_memory")
+    assert len(notes) == 2 and all("worker 2" in n["note"] and "went to the others" in n["note"] for n in notes)
+    logs = "".join(p.read_text() for p in (Path(result.run_dir) / "logs").glob("worker-1-*.log"))
+    assert logs.count("batch halved") >= 1 and "batch halved to 4" in logs  # kept for the second evaluation
+    assert not run_records(result.run_dir, "failure") and len(result.history[-1]["shares"]) == 3
 
 
 def test_resuming_at_the_very_end_of_an_epoch_evaluates_it_and_goes_on(tmp_path):

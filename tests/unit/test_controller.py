@@ -115,7 +115,9 @@ class FakeGroup:
     def rng_states(self) -> list[dict[str, Any]]:
         return [{"cpu": torch.get_rng_state()} for _ in self.members]
 
-    def evaluate(self, bounds: Sequence[tuple[int, int]], timeout_s: float) -> list[dict[str, float]]:
+    def evaluate(
+        self, bounds: Sequence[tuple[int, int]], batches: Sequence[int], timeout_s: float
+    ) -> list[dict[str, float]]:
         return [{"loss_sum": 0.5 * (b - a), "samples": float(b - a)} for a, b in bounds]
 
 

@@ -27,7 +27,7 @@ from mixtrain.core.messages import RoundPlan
 from mixtrain.core.port import GroupPort, RoundOutcome, WorkersLost
 from mixtrain.core.rounds import RoundRecord, next_round_steps, summarize_round, whole_exchanges
 from mixtrain.core.run_state import RunSettings
-from mixtrain.core.schedule import Checkpoints, eval_split
+from mixtrain.core.schedule import Checkpoints, eval_batches, eval_split
 from mixtrain.core.tunables import Tunables
 from mixtrain.data.sampling import steps_per_epoch
 from mixtrain.observe.progress import ProgressView, state_memory_line
@@ -360,7 +360,8 @@ class Controller:
                 return Train(*where)
 
     def evaluate(self) -> dict[str, float]:
-        """Held-out metrics, each worker taking a contiguous slice of the eval set (schedule.eval_split)."""
+        """Held-out metrics, each worker taking a contiguous slice of the eval set sized by its speed
+        (schedule.eval_split) in batches its memory allows; what a worker could not fit goes to the others."""
         bounds, timeout = eval_split(
             self.settings.num_eval,
             len(self.members),
@@ -368,4 +369,12 @@ class Controller:
             self.tunables.collective_timeout_s,
             self.tunables.round_timeout_s,
         )
-        return evaluation.summarize(self.port.evaluate(bounds, timeout))
+        batches = eval_batches(self.members.memory_caps())
+        parts = self.port.evaluate(bounds, batches, timeout)
+        passes, note = evaluation.leftovers(parts, bounds)
+        if note:
+            self.view.log(note)
+            self.log.write("eval_out_of_memory", {"note": note})
+        for slices in passes:
+            parts += self.port.evaluate(slices, batches, timeout)
+        return evaluation.summarize(parts)

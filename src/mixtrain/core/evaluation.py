@@ -9,6 +9,7 @@ from typing import Any
 import torch
 
 from mixtrain.errors import InputTypeError
+from mixtrain.policies.planner import equal_shares
 from mixtrain.task import Task
 
 METRIC = "metric:"
@@ -47,12 +48,43 @@ def _pair(name: str, pair: Any) -> tuple[float, float]:
         ) from None
 
 
+LEFT = "unevaluated_from"
+"""A worker's sums carry this when even one sample ran out of memory: the first sample of its slice left."""
+
+
+def leftovers(parts: list[dict[str, float]], bounds: list[tuple[int, int]]) -> tuple[list[list[tuple[int, int]]], str]:
+    """What the workers that ran out of memory left of their slices, split among those that did not: one list of
+    per-rank slices per leftover range (empty slices for the rest), and the line that says so ("" when none)."""
+    failed = [r for r, part in enumerate(parts) if LEFT in part]
+    if not failed:
+        return [], ""
+    able = [r for r in range(len(parts)) if r not in failed]
+    ranges = [(int(parts[r][LEFT]), bounds[r][1]) for r in failed]
+    left = sum(b - a for a, b in ranges)
+    who = ", ".join(f"worker {r}" for r in failed)
+    if not able:
+        return [], f"held-out: out of memory at one sample on {who}: {left} samples not evaluated"
+    passes = []
+    for lo, hi in ranges:
+        sizes = equal_shares(hi - lo, len(able))
+        slices = [(lo, lo)] * len(parts)
+        for i, r in enumerate(able):
+            start = lo + sum(sizes[:i])
+            slices[r] = (start, start + sizes[i])
+        passes.append(slices)
+    return passes, f"held-out: out of memory at one sample on {who}: its {left} samples went to the others"
+
+
 def summarize(parts: list[dict[str, float]]) -> dict[str, float]:
     """The workers' sums as held-out figures: loss, samples, accuracy where counted, each user metric."""
     total: dict[str, float] = {}
     for part in parts:
         for k, v in part.items():
+            if k == LEFT:
+                continue
             total[k] = total.get(k, 0.0) + v
+    if not total.get("samples"):  # no worker could evaluate a sample (the note said why)
+        return {"loss": float("nan"), "samples": 0.0}
     out = {"loss": total["loss_sum"] / total["samples"], "samples": total["samples"]}
     if total.get("targets"):
         out["accuracy"] = total["correct"] / total["targets"]

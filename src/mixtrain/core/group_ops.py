@@ -137,9 +137,12 @@ class GroupOps:
         with self._losses("checkpoint"):
             return self.group.each(lambda w: w.rng_state(), timeout_s=self.tunables.collective_timeout_s)
 
-    def evaluate(self, bounds: Sequence[tuple[int, int]], timeout_s: float) -> list[dict[str, float]]:
+    def evaluate(
+        self, bounds: Sequence[tuple[int, int]], batches: Sequence[int], timeout_s: float
+    ) -> list[dict[str, float]]:
         with self._losses("evaluate"):
-            return self.group.gather({r: m.worker.evaluate(*bounds[r]) for r, m in enumerate(self.members)}, timeout_s)
+            calls = {r: m.worker.evaluate(*bounds[r], batches[r]) for r, m in enumerate(self.members)}
+            return self.group.gather(calls, timeout_s)
 
     def _full_state(self) -> dict[str, Any]:
         """Rank 0's training state, packed, streamed to the driver; with a sharded optimizer every rank's slice of

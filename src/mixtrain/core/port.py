@@ -89,6 +89,9 @@ class GroupPort(Protocol):
         """Every rank's random streams. Raises WorkersLost."""
         ...
 
-    def evaluate(self, bounds: Sequence[tuple[int, int]], timeout_s: float) -> list[dict[str, float]]:
-        """Held-out sums per rank over its [start, stop). Raises WorkersLost."""
+    def evaluate(
+        self, bounds: Sequence[tuple[int, int]], batches: Sequence[int], timeout_s: float
+    ) -> list[dict[str, float]]:
+        """Held-out sums per rank over its [start, stop), in batches of at most its `batches` entry (an empty
+        slice: no sums). Raises WorkersLost."""
         ...

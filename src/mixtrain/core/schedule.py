@@ -16,7 +16,7 @@ from mixtrain.core.membership import Membership
 from mixtrain.core.run_state import RunSettings
 from mixtrain.observe.progress import ProgressView
 from mixtrain.observe.runlog import RunLog
-from mixtrain.policies.planner import equal_shares
+from mixtrain.policies.planner import equal_shares, largest_remainder
 
 
 class Checkpoints:
@@ -106,16 +106,28 @@ class Checkpoints:
         )
 
 
+EVAL_BATCH = 1024
+"""The largest held-out batch a worker evaluates at once; a worker whose training micro-batch is capped by its
+memory evaluates at most that many (a forward pass without gradients needs less than the step it was sized
+for), and halves again if even that runs out of memory."""
+
+
 def eval_split(
     num_eval: int, num_workers: int, speeds: list[float] | None, collective_s: float, round_s: float
 ) -> tuple[list[tuple[int, int]], float]:
-    """Each worker's contiguous slice [start, stop) of the held-out set (zeros when fewer samples than workers), and
-    the deadline: the collective timeout plus twice the slowest worker's measured time for its slice (a forward
-    pass is cheaper than the training step it was timed on), so a worker asleep is found out in about the
-    collective timeout, not in half an hour."""
-    sizes = equal_shares(num_eval, num_workers)
+    """Each worker's contiguous slice [start, stop) of the held-out set, sized by its measured speed (equal until
+    every worker was measured; zeros when fewer samples than workers), and the deadline: the collective timeout
+    plus twice the slowest worker's measured time for its slice (a forward pass is cheaper than the training step
+    it was timed on), so a worker asleep is found out in about the collective timeout, not in half an hour."""
+    measured = speeds is not None and len(speeds) == num_workers and all(v > 0 for v in speeds)
+    sizes = largest_remainder(speeds, num_eval) if measured and speeds else equal_shares(num_eval, num_workers)
     bounds = [(sum(sizes[:i]), sum(sizes[: i + 1])) for i in range(len(sizes))]
     if not speeds:
         return bounds, round_s
     slowest = max((n / v for n, v in zip(sizes, speeds) if v > 0), default=0.0)
     return bounds, collective_s + 2 * slowest
+
+
+def eval_batches(memory_caps: list[int | None], largest: int = EVAL_BATCH) -> list[int]:
+    """Per worker, the held-out batch it starts from: EVAL_BATCH, or its training micro-batch cap when it has one."""
+    return [min(largest, cap) if cap else largest for cap in memory_caps]

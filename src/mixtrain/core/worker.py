@@ -145,6 +145,7 @@ class TrainWorker:
         self._rendezvous: process_group.Rendezvous | None = None
         self._loaded: dict | None = None  # a checkpoint's loss scale and strategy state, until join() applies them
         self._profiler = RoundProfiler(rank)  # off unless MIXTRAIN_PROFILE_DIR is set
+        self._eval_batch: int | None = None  # the held-out batch that fit after an out-of-memory error
 
     def reuse(self, setup: WorkerSetup) -> None:
         """A kept worker (warm_workers) starts over for the next fit, as a new actor with `setup` would: nothing
@@ -494,17 +495,41 @@ class TrainWorker:
 
     # ---- evaluation and results -------------------------------------------------------------
     @torch.no_grad()
-    def evaluate(self, start: int, stop: int, batch: int = 1024) -> dict[str, float]:
-        """Sums over held-out samples [start, stop): loss times count, and the metrics' (sum, count)."""
+    def evaluate(self, start: int, stop: int, batch: int) -> dict[str, float]:
+        """Sums over held-out samples [start, stop): loss times count, and the metrics' (sum, count), in batches of
+        at most `batch`. Out of memory, the batch is halved and the rest read again (the size that worked is kept
+        for the next evaluation); when even one sample does not fit, the sums so far come back with
+        `unevaluated_from`, the first sample left, and the driver hands the rest to the other workers."""
         assert self.data.eval is not None, "evaluate called without eval data"
         self.task.model.eval()
+        batch = max(1, min(batch, self._eval_batch or batch))
         sums: dict[str, float] = defaultdict(float)
-        chunks = [np.arange(lo, min(lo + batch, stop)) for lo in range(start, stop, batch)]
+        done = [start]  # the first sample not evaluated yet
+        while done[0] < stop:
+            try:
+                self._evaluate_from(done, stop, batch, sums)
+            except Exception as exc:
+                if not self.kind.is_oom(exc):
+                    raise
+                self._free_cached_memory()
+                if batch == 1:
+                    worker_log.log.warning("evaluation: out of memory at one sample from sample %d", done[0])
+                    sums["unevaluated_from"] = float(done[0])
+                    break
+                batch = self._eval_batch = batch // 2
+                worker_log.log.warning("evaluation: out of memory; batch halved to %d", batch)
+        return dict(sums)
+
+    def _evaluate_from(self, done: list[int], stop: int, batch: int, sums: dict[str, float]) -> None:
+        """Evaluate [done[0], stop) in batches of `batch`: each finished batch is added to `sums` and moves done[0]."""
+        assert self.data.eval is not None
+        chunks = [np.arange(i, min(i + batch, stop)) for i in range(done[0], stop, batch)]
         for chunk, samples in zip(chunks, self.data.eval.batches(EVAL_EPOCH, chunks)):
             with precision.autocast(self.device, self.precision):
-                for name, value in evaluation.batch_sums(self.task, to_device(samples, self.device), len(chunk)):
-                    sums[name] += value
-        return dict(sums)
+                part = list(evaluation.batch_sums(self.task, to_device(samples, self.device), len(chunk)))
+            for name, value in part:  # only a batch that finished counts
+                sums[name] += value
+            done[0] = int(chunk[-1]) + 1
 
     # ---- checkpoints, resume and recovery ---------------------------------------------------
     def training_state(self) -> dict:

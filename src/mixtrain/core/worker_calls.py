@@ -76,7 +76,7 @@ class WorkerCalls:
     def run_round(self, plan: RoundPlan) -> Pending[WorkerReport]:
         return Pending(self.actor.run_round.remote(plan), "run_round")
 
-    def evaluate(self, start: int, stop: int, batch: int = 1024) -> Pending[dict[str, float]]:
+    def evaluate(self, start: int, stop: int, batch: int) -> Pending[dict[str, float]]:
         return Pending(self.actor.evaluate.remote(start, stop, batch), "evaluate")
 
     def training_state(self) -> Pending[dict[str, Any]]:
