@@ -134,8 +134,11 @@ def parse_workers(text: str) -> int | str | list[DeviceGroup]:
 class ScalingConfig:
     """Where the workers run and how the global batch is split between them."""
 
-    num_workers: int = 2
-    """Number of workers; each holds one replica of the model. Ignored when `groups` is given."""
+    num_workers: int = None  # type: ignore[assignment]  # set in __post_init__: always an int afterwards
+    """Number of workers; each holds one replica of the model. Ignored when `groups` is given. Unset (the
+    default), with no `use_gpu`, `resources_per_worker` or `groups`: `groups="auto"`, the hardware there is (one
+    worker per GPU, and on a node without one a single CPU worker holding every core, which beats two that
+    share them); unset with those: 1, as in Ray Train."""
     cpus_per_worker: float = 1.0
     """Ray CPU resource reserved per worker (fractions allowed, as in Ray Train)."""
     use_gpu: bool = False
@@ -188,6 +191,10 @@ class ScalingConfig:
     `mixtrain.release_workers()` frees them. None: MIXTRAIN_KEEP_WORKERS=1 turns it on; off by default."""
 
     def __post_init__(self) -> None:
+        if self.num_workers is None:
+            if self.groups is None and not self.use_gpu and self.resources_per_worker is None:
+                object.__setattr__(self, "groups", "auto")
+            object.__setattr__(self, "num_workers", 1)  # with "auto": until the cluster's groups replace it
         self._check_groups()
         if self.keep_workers not in (None, True, False):
             raise InputValueError(f"ScalingConfig.keep_workers={self.keep_workers!r}: use True, False or None")
@@ -212,8 +219,10 @@ class ScalingConfig:
                 f"ScalingConfig.emulate_slowdown={self.emulate_slowdown!r}: give {{rank: factor}} "
                 "(e.g. {1: 3.0}) or None"
             )
-        if self.is_auto:
-            return  # the worker count comes from the cluster; resolved() checks the rest
+        if self.is_auto:  # the worker count comes from the cluster; resolved() checks the per-worker lists
+            if isinstance(self.shares, str):
+                self._check_shares()
+            return
         self._check_shares()
         self._check_per_worker()
 

@@ -356,8 +356,8 @@ def _worker_flags(p: argparse.ArgumentParser) -> None:
         "--workers",
         type=_workers,
         **_field("workers"),
-        help="a number of CPU workers (default %(default)s), auto (one per GPU in the cluster, CPUs on GPU-less "
-        "nodes), or groups such as cuda:1,mps:1,cpu:2",
+        help="auto (the default: one worker per GPU in the cluster, and one CPU worker holding every core on a "
+        "node without a GPU), a number of CPU workers, or groups such as cuda:1,mps:1,cpu:2",
     )
     p.add_argument(
         "--cpus-per-worker",
