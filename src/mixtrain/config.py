@@ -355,6 +355,9 @@ class RunConfig:
     """Relative parameter-checksum difference above which rank 0's weights are re-broadcast."""
     progress: bool = True
     """Show live progress on the terminal."""
+    plan_tables: bool = False
+    """Print the whole plan table at every re-plan; by default the start-up plan is a table and each change of
+    the plan one line (the tables are in metrics.jsonl and `mixtrain report` either way)."""
     checkpoint_every_s: float = 60.0
     """Write a checkpoint after the first round that ends this long after the last one, and at the end of the
     last epoch and of every epoch followed by an evaluation; 0 checkpoints after every round."""

@@ -241,6 +241,7 @@ class Trainer:
             checkpoint_every_s=self.run.checkpoint_every_s,
             max_failures=self.run.max_failures,
             max_nonfinite_steps=self.run.max_nonfinite_steps,
+            plan_tables=self.run.plan_tables,
         )
 
     def plan(self) -> Bringup:

@@ -129,3 +129,16 @@ def test_rebalance_only_past_the_threshold():
     assert not needs_rebalance([0.100, 0.105], 0.10)
     assert needs_rebalance([0.100, 0.300], 0.10)
     assert not needs_rebalance([0.0, 0.0], 0.10)
+
+
+def test_a_re_plan_is_one_line_and_memory_reads_in_units_that_fit_the_model():
+    from mixtrain.cli.main import build_parser
+    from mixtrain.observe.progress import format_bytes, plan_line
+    from mixtrain.policies.planner import make_plan
+
+    plan = make_plan([3000, 1000], 64, memory_caps=[None, None], comm_s=0.004)
+    line = plan_line(plan, [32, 32], "re-planned after round 3")
+    assert line == "re-planned after round 3: shares 32:32 -> 48:16, predicted 3,200 samples/s" and "\n" not in line
+    assert [format_bytes(n) for n in (0, 900, 40_000, 5 * 2**20, 3 * 2**30)] == ["0 B", "900 B", "39 KiB", "5 MiB",
+                                                                                 "3.0 GiB"]  # fmt: skip
+    assert build_parser().parse_args(["train", "digits", "--plan-tables"]).plan_tables

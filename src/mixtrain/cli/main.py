@@ -217,6 +217,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     train.add_argument("--quiet", action="store_true", help="no live progress")
     train.add_argument(
+        "--plan-tables", action="store_true", help="the whole plan table at every re-plan (default: one line each)"
+    )
+    train.add_argument(
         "--tensorboard",
         action="store_true",
         help="require TensorBoard event files in RUN_DIR/tensorboard (default: written when tensorboardX is installed)",
@@ -472,6 +475,7 @@ def _trainer(
         "run_dir": run_dir,
         "steps_per_round": steps_per_round,
         "progress": not getattr(args, "quiet", True),
+        "plan_tables": getattr(args, "plan_tables", False),
         "tensorboard": True if getattr(args, "tensorboard", False) else None,
     }
     strategy = {**given[StrategyConfig], "overlap": args.overlap, "ps_shards": args.ps_shards or "auto"}

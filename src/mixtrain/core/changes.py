@@ -15,7 +15,7 @@ from mixtrain.core.port import GroupPort
 from mixtrain.core.rounds import RoundRecord
 from mixtrain.core.run_state import RunSettings
 from mixtrain.core.schedule import Checkpoints
-from mixtrain.observe.progress import ProgressView, plan_table
+from mixtrain.observe.progress import ProgressView, plan_line, plan_table
 from mixtrain.observe.runlog import RunLog
 from mixtrain.policies.decisions import EXCLUDE_ROUNDS, FailureBudget, Stop, replan
 from mixtrain.policies.planner import Plan, plan_record
@@ -60,11 +60,16 @@ class Changes:
     def adopt(self, plan: Plan, title: str) -> None:
         """Train with `plan`'s shares from the next round on, and show it (a worker the plan would leave out is
         named once, not at every re-plan)."""
+        before = self.members.shares()
         self.members.set_shares(plan.shares)
         self.log.write("plan", {"after_round": len(self.history), **plan_record(plan)})
         excluded = {r: why for r, why in plan.excluded.items() if r not in self._reported_exclusions}
         self._reported_exclusions.update(excluded)
-        self.view.log(plan_table(replace(plan, excluded=excluded), self.members.infos(), title))
+        shown = replace(plan, excluded=excluded)
+        if self.settings.plan_tables or len(before) != len(plan.shares):  # a group that changed: the whole table
+            self.view.log(plan_table(shown, self.members.infos(), title))
+        else:
+            self.view.log(plan_line(shown, before, title))
 
     def replan(self, title: str) -> None:
         """Shares for the workers that are in now (one left, one joined)."""

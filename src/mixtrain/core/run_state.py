@@ -33,3 +33,5 @@ class RunSettings:
     checkpoint_every_s: float = 60.0
     max_failures: int = 3
     max_nonfinite_steps: int = 10
+    plan_tables: bool = False
+    """A re-plan prints its whole table (RunConfig.plan_tables); else one line."""

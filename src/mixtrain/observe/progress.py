@@ -18,7 +18,11 @@ from mixtrain.policies.planner import Plan
 def format_bytes(n: int | None) -> str:
     if n is None:
         return "?"
-    return f"{n / 2**30:.1f} GiB" if n >= 2**30 else f"{n / 2**20:.0f} MiB"
+    if n >= 2**30:
+        return f"{n / 2**30:.1f} GiB"
+    if n >= 2**20:
+        return f"{n / 2**20:.0f} MiB"
+    return f"{n / 2**10:.0f} KiB" if n >= 2**10 else f"{n} B"  # a small model's weights are not "0 MiB"
 
 
 def device_table(record: dict[str, Any]) -> Table:
@@ -129,6 +133,17 @@ def state_memory_line(record: dict[str, Any]) -> str:
         held = ", ".join(f"{k} {format_bytes(v)}" for k, v in w.get("state_bytes", {}).items() if v)
         parts.append(f"worker {i} peak {format_bytes(w.get('memory_bytes'))} ({held})")
     return "memory per worker: " + "; ".join(parts)
+
+
+def plan_line(plan: Plan, before: Sequence[int], title: str) -> str:
+    """A re-plan in one line: the shares before and after, the prediction, and a worker it would leave out."""
+    line = (
+        f"{title}: shares {':'.join(map(str, before))} -> {':'.join(map(str, plan.shares))}, "
+        f"predicted {plan.predicted_samples_per_s:,.0f} samples/s"
+    )
+    for rank, reason in plan.excluded.items():
+        line += f"; note: worker {rank} slows this job down: {reason}"
+    return line
 
 
 def plan_table(plan: Plan, workers: Sequence[WorkerInfo], title: str, left_out: Sequence[LeftOut] = ()) -> str:
