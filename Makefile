@@ -13,7 +13,7 @@ $(BIN)/python:
 
 install: $(BIN)/python
 	$(BIN)/pip install -q $(TORCH)
-	$(BIN)/pip install -q -e .
+	$(BIN)/pip install -q -e ".[examples,report]"
 
 install-dev: install
 	$(BIN)/pip install -q -e ".[dev]"

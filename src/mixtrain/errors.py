@@ -19,3 +19,20 @@ class InputValueError(InputError, ValueError):
 class InputTypeError(InputError, TypeError, ValueError):
     """A value of the wrong type. Also a ValueError: code that catches ValueError for a bad setting (as mixtrain's
     checks raised for every bad value before they told types apart) still catches it."""
+
+
+class MissingExtraError(InputError, ImportError):
+    """A feature needs a package that is an optional extra of mixtrain; the message gives the pip install."""
+
+
+def require(module: str, package: str, extra: str, what: str) -> None:
+    """Import `module` (to check it is there) or raise MissingExtraError naming `what` needs and the fix."""
+    import importlib
+
+    try:
+        importlib.import_module(module)
+    except ImportError:
+        raise MissingExtraError(
+            f'{what} needs {package}, which is not installed: pip install "mixtrain[{extra}]" (or pip install '
+            f"{package})"
+        ) from None

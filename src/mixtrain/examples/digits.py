@@ -46,6 +46,9 @@ def load_digits(
     seed: int = 0, eval_fraction: float = 0.2
 ) -> tuple[tuple[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]:
     """(train, held-out) tensors: images scaled to [0, 1] as (N, 1, 8, 8) float32, labels int64."""
+    from mixtrain.errors import require
+
+    require("sklearn", "scikit-learn", "examples", "the digits example (scikit-learn's 1,797 handwritten digits)")
     from sklearn.datasets import load_digits as sk_load_digits
 
     data = sk_load_digits()

@@ -17,7 +17,7 @@ from typing import Any
 
 from mixtrain._files import PrivateFolder
 from mixtrain.core.rounds import device_samples_per_s, time_split, worker_name
-from mixtrain.errors import InputValueError
+from mixtrain.errors import InputValueError, require
 from mixtrain.observe.progress import format_bytes
 from mixtrain.observe.runlog import samples_seen
 
@@ -53,6 +53,7 @@ def read_run(run_dir: str | Path) -> tuple[dict[str, Any], list[dict[str, Any]]]
 
 
 def write_report(run_dir: str | Path, out: str | Path | None = None) -> Report:
+    require("matplotlib", "matplotlib", "report", "mixtrain report's plots")
     import matplotlib
 
     matplotlib.use("Agg")  # files only, no display needed
