@@ -1,6 +1,6 @@
 """`make gpu-bundle`: build `.gpu-bundle/`, everything an offline GPU machine lacks to run `make gpu-check`.
 
-The GPU machine (see README, "What runs where") has Python 3.12, its own CUDA build of torch and many
+The GPU machine (see docs/gpu-check.md) has Python 3.12, its own CUDA build of torch and many
 common packages, but no Ray, no mixtrain and no network. This script, run where pip can reach an index,
 puts into one folder (ignored by git, carried to the GPU machine with the working tree):
 

@@ -169,7 +169,7 @@ class Check:
             f"{'step':<20} {'result':<10} {'seconds':>7}  figure",
         ]
         lines += [f"{r['step']:<20} {r['result']:<10} {r['seconds']:>7.1f}  {r['figure']}" for r in self.rows]
-        lines += ["", "README rows (What runs where: the GPU check):", "| device | step | result | figure | date |"]
+        lines += ["", "Rows for docs/gpu-check.md:", "| device | step | result | figure | date |"]
         lines += ["|---|---|---|---|---|"]
         day = self.started[:10]
         lines += [
@@ -289,7 +289,7 @@ def pytest_gpu(c: Check) -> Outcome:
 
 
 def records(run_dir: Path, kind: str) -> list[dict]:
-    """The records of one kind from a run folder's metrics.jsonl (documented in the README)."""
+    """The records of one kind from a run folder's metrics.jsonl (documented in docs/run-folder.md)."""
     path = run_dir / "metrics.jsonl"
     if not path.exists():
         return []

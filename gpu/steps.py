@@ -32,7 +32,7 @@ EXACT_SAMPLES = 640
 process, so single-process PyTorch needs no knowledge of mixtrain's sample order."""
 EXACT_STEPS = 30
 EXACT_TOL = {"cpu": 1e-5, "cuda": 1e-4}
-"""Relative L2 difference allowed per tensor: CPUs only (the README's promise), and with a CUDA rank
+"""Relative L2 difference allowed per tensor: CPUs only (docs/how-it-works.md promises it), and with a CUDA rank
 (its fp32 kernels sum in another order than the CPU's; tests/gpu allows the same)."""
 OVERHEAD_GOAL = 0.95
 OVERHEAD_EPOCHS = 20

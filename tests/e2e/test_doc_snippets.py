@@ -1,4 +1,4 @@
-"""README snippets run exactly as written."""
+"""The snippets of README.md and docs/*.md tagged `<!-- tested: TAG -->` run exactly as written."""
 
 from __future__ import annotations
 
@@ -6,19 +6,11 @@ import re
 import subprocess
 import sys
 
-from tests.conftest import REPO
-
-
-def readme_block(tag: str) -> str:
-    """The first code block after `<!-- tested: TAG -->` in README.md."""
-    text = (REPO / "README.md").read_text()
-    match = re.search(rf"<!-- tested: {tag} -->\s*```\w*\n(.*?)```", text, re.S)
-    assert match, f"README.md has no block tagged {tag}"
-    return match.group(1)
+from tests.doc_pages import block_tagged
 
 
 def test_your_own_training_code_script_trains_as_written(tmp_path):
-    (tmp_path / "own_code.py").write_text(readme_block("own-code"))
+    (tmp_path / "own_code.py").write_text(block_tagged("own-code"))
     proc = subprocess.run(
         [sys.executable, "own_code.py"], capture_output=True, text=True, timeout=300, cwd=tmp_path, check=False
     )
@@ -28,7 +20,7 @@ def test_your_own_training_code_script_trains_as_written(tmp_path):
 
 
 def test_your_own_loop_script_trains_as_written(tmp_path):
-    (tmp_path / "own_loop.py").write_text(readme_block("own-loop"))
+    (tmp_path / "own_loop.py").write_text(block_tagged("own-loop"))
     proc = subprocess.run(
         [sys.executable, "own_loop.py"], capture_output=True, text=True, timeout=300, cwd=tmp_path, check=False
     )
@@ -44,7 +36,7 @@ def test_a_sweep_with_kept_workers_runs_as_written(tmp_path, monkeypatch, capsys
 
     mixtrain.release_workers()  # the snippet's first fit starts its own workers, as in a new Python process
     monkeypatch.chdir(tmp_path)  # its run folders: mixtrain_runs/ under the current folder
-    exec(compile(readme_block("keep-workers"), "keep_workers.py", "exec"), {"__name__": "__main__"})
+    exec(compile(block_tagged("keep-workers"), "keep_workers.py", "exec"), {"__name__": "__main__"})
     out = capsys.readouterr().out
     accuracies = [float(s) for s in re.findall(r"lr [\d.e-]+: accuracy (\d\.\d+), first step after \d+\.\d s", out)]
     assert len(accuracies) == 2 and min(accuracies) > 0.8, out
