@@ -2,7 +2,9 @@
 PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
-# The pinned CPU build of torch first: an unpinned torch pulls several GB of CUDA packages.
+# torch first, pinned (an unpinned one can pull a newer release's several GB of CUDA packages). On Linux PyPI's
+# torch==2.13.0 is itself the CUDA build, right for an NVIDIA desktop; on a CPU-only box take PyTorch's CPU index:
+# make demo TORCH="torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu"
 TORCH ?= torch==2.13.0
 
 .PHONY: install install-dev demo test test-fast lint bench bench-strategies bench-memory clean gpu-bundle gpu-check
@@ -19,7 +21,7 @@ install-dev: install
 	$(BIN)/pip install -q -e ".[dev]"
 
 demo: install
-	$(BIN)/mixtrain train digits --workers 2
+	$(BIN)/mixtrain train digits --workers auto
 
 test: install-dev
 	$(BIN)/python -m pytest -q -n 2 --dist loadgroup tests
@@ -52,7 +54,7 @@ bench-strategies: install
 bench-memory: install
 	$(BIN)/python benchmarks/memory.py
 
-# The GPU check (README, "What runs where"). Here, where pip works: `make gpu-bundle` builds .gpu-bundle/
+# The GPU check (docs/gpu-check.md). Here, where pip works: `make gpu-bundle` builds .gpu-bundle/
 # (Ray without its unused parts, the few packages the GPU image lacks, mixtrain's wheel; about 20 MiB) for
 # CPython $(PYVER) manylinux x86-64. On the offline GPU machine, with .gpu-bundle carried along:
 # `make gpu-check` installs it into a throwaway folder over that machine's torch and writes

@@ -433,7 +433,7 @@ class StrategyConfig:
     outer_lr: float = 1.0
     """local-sgd: learning rate of the outer optimizer applied to the averaged delta. 1.0 with no momentum is
     plain averaging; DiLoCo uses 0.7 with momentum 0.9 at H in the hundreds, which at H=16 ended 16% worse
-    in held-out loss on the slow-link benchmark (README, strategies)."""
+    in held-out loss on the slow-link benchmark (docs/benchmarks.md, strategies)."""
     outer_momentum: float = 0.0
     """local-sgd: Nesterov momentum of the outer optimizer (DiLoCo: 0.9; 0: none)."""
     overlap: bool = False

@@ -651,7 +651,7 @@ def cmd_devices(args: argparse.Namespace) -> int:
 
 def _up_message(state: NodeState, token: Path, tls: bool = False) -> str:
     """What `cluster up` prints: where the token is and join commands that keep it off every command line."""
-    wire = "Ray's TLS is on, so it travels encrypted" if tls else "Ray sends it unencrypted (README: security)"
+    wire = "Ray's TLS is on, so it travels encrypted" if tls else "Ray sends it unencrypted (docs/security.md)"
     return "\n".join(
         [
             f"head running at {state.address} (log: {state.log})",

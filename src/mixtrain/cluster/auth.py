@@ -2,7 +2,7 @@
 
 Ray enforces token authentication (RAY_AUTH_MODE=token) from 2.52 on: every gRPC and HTTP entry point of
 its processes refuses a request without the token. What the token does not do is hide anything: Ray sends
-it, and all other traffic, in clear text, so whoever can read the network can read the token. The README's
+it, and all other traffic, in clear text, so whoever can read the network can read the token. docs/security.md's
 security section says what that means and what to use on a network you do not trust.
 """
 

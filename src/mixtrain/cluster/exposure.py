@@ -5,7 +5,7 @@ Ray's C++ gRPC servers (GCS, the raylet's node and object managers, each worker 
 interface and have no option to bind one; they require the token. What mixtrain does not use is not
 started: the Ray Client server (port 10001), the autoscaler monitor and its metrics page (44217), the
 dashboard (unless `cluster up --dashboard`; then on 127.0.0.1), the agents' metrics export, the log
-monitor. What is left is listed in the README's security section with a firewall rule.
+monitor. What is left is listed in docs/security.md with a firewall rule.
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ weights after the update: one object per update that every worker reads, not a c
 Only trainable parameters travel; buffers (BatchNorm statistics) stay on the workers and are
 averaged at round ends as with all-reduce.
 
-Staleness rule (documented in the README): the gradient of update t may be computed on weights
+Staleness rule (documented in docs/strategies-and-slow-links.md): the gradient of update t may be computed on weights
 at most S updates old (version >= t - S). A worker waits before a step only when it would break
 that bound, so a fast worker runs up to S updates ahead and never waits longer for a slow one.
 Within the bound every gradient is applied at full weight; a gradient that arrives after its

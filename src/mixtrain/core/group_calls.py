@@ -91,7 +91,7 @@ class GroupCalls:
                 missing = sorted(rank_of[p] for p in waiting)
                 raise WorkerTimeout(
                     f"worker(s) {missing} did not finish {method}() within {timeout_s:g} s; see the timeouts "
-                    "MIXTRAIN_*_TIMEOUT_S in the README",
+                    "MIXTRAIN_*_TIMEOUT_S in docs/config.md",
                     missing,
                 )
             try:

@@ -1,5 +1,5 @@
 """Apple Silicon GPUs through torch.mps. Untested on real hardware: no Mac is available to the
-project's CI; the tests patch torch's MPS functions (see the README's hardware table)."""
+project's CI; the tests patch torch's MPS functions (see docs/what-runs-where.md)."""
 
 from __future__ import annotations
 
