@@ -19,6 +19,16 @@ def test_your_own_training_code_script_trains_as_written(tmp_path):
     assert accuracy > 0.9, proc.stdout  # a linear model cannot pass 0.5 on this XOR-shaped task
 
 
+def test_the_schedule_with_total_steps_trains_as_written(tmp_path):
+    (tmp_path / "schedule.py").write_text(block_tagged("schedule"))
+    proc = subprocess.run(
+        [sys.executable, "schedule.py"], capture_output=True, text=True, timeout=300, cwd=tmp_path, check=False
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    match = re.search(r"(\d+) steps, held-out accuracy (\d\.\d+)", proc.stdout)
+    assert match and match.group(1) == "80" and float(match.group(2)) > 0.9, proc.stdout
+
+
 def test_your_own_loop_script_trains_as_written(tmp_path):
     (tmp_path / "own_loop.py").write_text(block_tagged("own-loop"))
     proc = subprocess.run(

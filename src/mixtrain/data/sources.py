@@ -12,6 +12,7 @@ from __future__ import annotations
 import hashlib
 import os
 import random
+import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -65,7 +66,7 @@ class Loader:
         if not callable(self.dataset) and not _is_map_dataset(self.dataset):
             raise InputTypeError(
                 f"Loader.dataset of type {type(self.dataset).__name__}: give a map-style Dataset (with __len__ "
-                "and __getitem__) or a zero-argument function that returns one"
+                f"and __getitem__) or a zero-argument function that returns one. {STREAM_FIX}"
             )
 
     @property
@@ -81,11 +82,44 @@ def _is_map_dataset(data: Any) -> bool:
     return hasattr(data, "__getitem__") and hasattr(data, "__len__")
 
 
+STREAM_FIX = (
+    "mixtrain needs a map-style Dataset (len() and indexing) to hand each worker its exact samples of every "
+    "global batch in the seeded order, which a stream cannot give. Load it map-style instead (Hugging Face: "
+    "load_dataset(...) without streaming=True, or a streamed slice made a list: list(stream.take(n))), or give "
+    "a list of samples"
+)
+
+
+def _from_data_loader(loader: DataLoader, field: str) -> Arrays | Loader:
+    """A DataLoader as data: its dataset, collate_fn and loader options are taken over; its batch size and order
+    are not (global_batch and the seed decide them), and a note says so."""
+    if isinstance(loader.dataset, torch.utils.data.IterableDataset):
+        raise InputTypeError(f"{field} is a DataLoader over an IterableDataset: {STREAM_FIX}")
+    warnings.warn(
+        f"{field}: a DataLoader; its dataset, collate_fn, num_workers and pin_memory are used, its batch_size "
+        f"({loader.batch_size}) and shuffle/sampler are not: global_batch and the seed decide the batches",
+        stacklevel=4,
+    )
+    if loader.collate_fn is _default_collate and not loader.num_workers:
+        return describe(loader.dataset, field)  # a TensorDataset still travels as arrays
+    return Loader(
+        dataset=loader.dataset,
+        collate_fn=loader.collate_fn,
+        num_workers=loader.num_workers,
+        prefetch_factor=loader.prefetch_factor or 2,
+        pin_memory=loader.pin_memory or None,
+    )
+
+
 def describe(data: Any, field: str) -> Arrays | Loader:
     """What the driver ships for `data`: numpy arrays for tensors, arrays and TensorDatasets (zero-copy
     through the object store, the fastest for small data), else a Loader (read lazily on each worker)."""
     if isinstance(data, Loader):
         return data
+    if isinstance(data, DataLoader):
+        return _from_data_loader(data, field)
+    if not _is_map_dataset(data) and not callable(data) and hasattr(data, "__iter__") and not isinstance(data, Mapping):
+        raise InputTypeError(f"{field} of type {type(data).__name__} is a stream (iterable, no indexing): {STREAM_FIX}")
     if isinstance(data, (tuple, list)) and data and all(isinstance(x, (torch.Tensor, np.ndarray)) for x in data):
         return to_arrays(data)
     if isinstance(data, Dataset) and getattr(data, "tensors", None) is not None:
