@@ -38,6 +38,9 @@ def ray_session():
     # Once one peer's collective timeout has fired, the others get this long to answer before they too are
     # declared lost: 15 s by default (a laptop waking up), 3 s here, where every lost worker is a real one
     os.environ.setdefault("MIXTRAIN_LOST_GRACE_S", "3")
+    # A leave-out must save 10 s of the training left by default; the tests' runs last seconds, and the tests
+    # of leaving out are about the decision (tests/unit/test_policies.py tests the payback rule)
+    os.environ.setdefault("MIXTRAIN_LEAVE_OUT_PAYBACK_S", "0")
     # Fits keep their workers for the next fit that asks for the same ones (ScalingConfig.keep_workers): each
     # new worker process costs about 2 s of CPU to start, and the suite runs hundreds of fits on 2 cores. So
     # nearly every test also trains on reused workers; tests/ray/test_warm_workers.py tests reuse itself

@@ -28,8 +28,10 @@ def test_speeds_are_averaged_but_a_step_change_is_taken_at_once():
     assert smooth_speeds([0.0], [80.0]) == [80.0]  # nothing measured before
 
 
-def rebalancer(leave_out_slow: bool = True) -> Rebalancer:
-    return Rebalancer(global_batch=64, leave_out_slow=leave_out_slow, threshold=0.10, min_gain=0.30)
+def rebalancer(leave_out_slow: bool = True, payback_s: float = 0.0) -> Rebalancer:
+    return Rebalancer(
+        global_batch=64, leave_out_slow=leave_out_slow, threshold=0.10, min_gain=0.30, payback_s=payback_s
+    )
 
 
 def test_balanced_workers_keep_their_shares():
@@ -68,6 +70,25 @@ def test_a_worker_that_slows_the_job_is_left_out_only_after_rounds_in_a_row_say_
     decisions = [slow_case(r) for _ in range(EXCLUDE_ROUNDS)]
     assert all(not isinstance(d, LeaveOut) for d in decisions[:-1])
     assert isinstance(decisions[-1], LeaveOut) and decisions[-1].rank == 1
+
+
+def test_nobody_is_left_out_when_the_end_is_too_near_for_it_to_pay():
+    from mixtrain._constants import LEAVE_OUT_PAYBACK_S
+
+    payback = LEAVE_OUT_PAYBACK_S[1]
+
+    def late(r: Rebalancer, remaining_s: float):
+        return r.decide(
+            speeds=[10_000.0, 100.0], step_compute_s=[0.003, 0.3], shares=[48, 16], memory_caps=None, comm_s=0.01,
+            remaining_s=remaining_s,
+        )  # fmt: skip
+
+    r = rebalancer(payback_s=payback)
+    near = [late(r, 3 * payback) for _ in range(EXCLUDE_ROUNDS + 1)]  # saves 23% of 30 s: 7 s
+    assert not any(isinstance(d, LeaveOut) for d in near)
+    assert isinstance(near[-1], Adopt) or near[-1] == Noop()  # the shares still follow speed
+    far = [late(r, 100 * payback) for _ in range(EXCLUDE_ROUNDS)]
+    assert isinstance(far[-1], LeaveOut)
 
 
 def test_one_fast_round_between_resets_the_leave_out_vote():

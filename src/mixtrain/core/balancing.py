@@ -35,7 +35,7 @@ class Balancing:
         self.comm_s = max(w.comm_s for w in record.workers) / record.num_steps
         self.members.set_speeds(smooth_speeds(self.members.speeds(), new))
 
-    def decide(self, record: RoundRecord) -> Decision:
+    def decide(self, record: RoundRecord, remaining_samples: int | None = None) -> Decision:
         """What the shares should do after this round: Adopt a plan, LeaveOut a worker, Readmit the parked one
         (while a leave-out is checked), or Noop."""
         if self.check is not None:
@@ -53,6 +53,9 @@ class Balancing:
             comm_s=self.comm_s,
             measured_rate=record.samples_per_s,
             alone_speeds=self._alone_speeds(record),
+            remaining_s=remaining_samples / record.samples_per_s
+            if remaining_samples is not None and record.samples_per_s > 0
+            else None,
         )
 
     @property

@@ -101,6 +101,7 @@ class Policies:
                 leave_out_slow=settings.leave_out_slow,
                 threshold=tunables.rebalance_threshold,
                 min_gain=tunables.exclude_gain,
+                payback_s=tunables.leave_out_payback_s,
             ),
             budget=FailureBudget(settings.max_failures, tunables.failure_window_s),
             nonfinite=NonFiniteStreak(settings.max_nonfinite_steps),
@@ -309,7 +310,8 @@ class Controller:
             self.view.log(f"replicas drifted by {record.drift:.2e}: rank 0's weights re-broadcast")
 
     def _balance(self, record: RoundRecord) -> None:
-        decision = self.balancing.decide(record)
+        steps_left = (self.epochs - record.epoch) * self.num_steps - (record.first_step + record.num_steps)
+        decision = self.balancing.decide(record, max(0, steps_left) * self.settings.global_batch)
         if isinstance(decision, LeaveOut):
             self.changes.leave_out(decision.rank, decision.reason)
         elif isinstance(decision, Readmit):

@@ -17,6 +17,7 @@ class Tunables:
     round_target_s: float = c.ROUND_TARGET_S[1]
     rebalance_threshold: float = c.REBALANCE_THRESHOLD[1]
     exclude_gain: float = c.EXCLUDE_GAIN[1]
+    leave_out_payback_s: float = c.LEAVE_OUT_PAYBACK_S[1]
     bucket_bytes: int = int(c.BUCKET_MB[1] * 2**20)
     store_pages_bytes: int = int(c.STORE_PAGES_MB[1] * 2**20)
     lost_grace_s: float = c.LOST_GRACE_S[1]
@@ -38,6 +39,7 @@ class Tunables:
             round_target_s=c.env_float(c.ROUND_TARGET_S),
             rebalance_threshold=c.env_float(c.REBALANCE_THRESHOLD),
             exclude_gain=c.env_float(c.EXCLUDE_GAIN),
+            leave_out_payback_s=c.env_float(c.LEAVE_OUT_PAYBACK_S, zero_allowed=True),
             bucket_bytes=int(c.env_float(c.BUCKET_MB) * 2**20),
             store_pages_bytes=int(c.env_float(c.STORE_PAGES_MB, zero_allowed=True) * 2**20),
             lost_grace_s=c.env_float(c.LOST_GRACE_S),

@@ -94,8 +94,13 @@ class Rebalancer:
     a busy machine must not cost a device); re-planning needs the measured imbalance past `threshold`
     (hysteresis against flapping)."""
 
-    def __init__(self, *, global_batch: int, leave_out_slow: bool, threshold: float, min_gain: float) -> None:
+    def __init__(
+        self, *, global_batch: int, leave_out_slow: bool, threshold: float, min_gain: float, payback_s: float = 0.0
+    ) -> None:
         self.global_batch = global_batch
+        self.payback_s = payback_s
+        """What a leave-out must save over the training left (MIXTRAIN_LEAVE_OUT_PAYBACK_S): re-forming the group
+        and its warm-up round cost seconds (a worker was once left out in the last epoch of a 14-second run)."""
         self.leave_out_slow = leave_out_slow
         self.threshold = threshold
         self.min_gain = min_gain
@@ -121,12 +126,18 @@ class Rebalancer:
         comm_s: float,
         measured_rate: float | None = None,
         alone_speeds: Sequence[float] | None = None,
+        remaining_s: float | None = None,
     ) -> Decision:
         """`measured_rate`: the job's samples/s over the last round, by the wall clock. `alone_speeds`: what each
         worker would compute with the others gone, where that differs from `speeds` (workers that share a busy
-        machine: one left alone gets the cores the other held)."""
+        machine: one left alone gets the cores the other held). `remaining_s`: the training left, at the
+        measured rate: nobody is left out when what that would save (at least `min_gain` of it) is under
+        `payback_s`, the price of re-forming the group and its warm-up round."""
         plan = make_plan(speeds, self.global_batch, memory_caps=memory_caps, comm_s=comm_s, min_gain=self.min_gain)
         found = self._exclusion(plan, speeds, measured_rate, alone_speeds)
+        if found is not None and remaining_s is not None:
+            if remaining_s * self.min_gain / (1.0 + self.min_gain) < self.payback_s:
+                found = None  # the end is near: a leave-out would not pay for itself
         self.hold_rounds = max(0, self.hold_rounds - 1)
         if found is not None:
             rank, reason, vote = found
