@@ -94,7 +94,7 @@ def test_clipping_the_reduced_gradient_matches_single_process(opt, caps, tmp_pat
     assert all(n is not None and n > max_norm for n in norms), norms  # it did clip, and the norm was logged
 
 
-def test_an_augmented_dataset_through_loader_processes_matches_single_process_and_reads_lazily(tmp_path):
+def test_an_augmented_dataset_through_loader_processes_matches_single_process_and_reads_each_sample_once(tmp_path):
     x, y = data("mlp", N)
     counts = tmp_path / "counts"
     counts.mkdir()
@@ -109,11 +109,16 @@ def test_an_augmented_dataset_through_loader_processes_matches_single_process_an
     torch.manual_seed(SEED)
     want = reference(make_task("mlp", "sgd"), seeded_read(Augmented(x, y)), N, epochs=2)
     assert_same_weights(result.state_dict, want)
-    # every sample read once per epoch, on demand (the start-up probe reads the first few more often)
+    # every sample read once per epoch, on demand; before training, each worker reads the first B / 2 samples
+    # once (its probe batch, which the shape check's sample is one of): the probe times its steps on them
     reads = read_counts(str(counts))
-    assert all(reads.get(i, 0) == 2 for i in range(B, N)), {
-        i: reads.get(i, 0) for i in range(B, N) if reads.get(i) != 2
+    probe_batch = B // 2
+    print(f"reads: {sum(reads.values())} of {N} samples in 2 epochs, {sum(reads.values()) - 2 * N} beyond them")
+    assert all(reads.get(i, 0) == 2 for i in range(probe_batch, N)), {
+        i: reads.get(i, 0) for i in range(probe_batch, N) if reads.get(i) != 2
     }
+    assert all(reads.get(i, 0) <= 2 + 2 for i in range(probe_batch)), reads  # 2 epochs + once per worker
+    assert sum(reads.values()) <= 2 * N + 2 * probe_batch, sum(reads.values())
 
 
 def test_micro_batches_over_a_dataset_match_single_process(tmp_path):

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from mixtrain.core.probe import ProbeError, largest_fitting, time_steps
+from mixtrain.core.probe import ProbeError, largest_fitting, samples_per_s, time_steps
 from mixtrain.devices import get
 
 
@@ -88,3 +88,11 @@ def test_a_cpu_share_reads_this_threads_wait_for_a_core_where_linux_tells_it():
     assert first >= 0.0 and share.waited_s() >= first
     share.close()
     assert CpuShare(enabled=False).waited_s() == 0.0
+
+
+def test_the_probe_counts_loading_once_per_sample_on_top_of_the_compute():
+    # 32 samples: 0.1 s of compute for the step, 5 ms to load each sample (measured once)
+    assert samples_per_s(32, 0.1, 0.005) == pytest.approx(32 / (0.1 + 0.16))
+    assert samples_per_s(32, 0.1, 0.0) == pytest.approx(320.0)  # in-memory data: the compute alone
+    with pytest.raises(ValueError, match="batch=0"):
+        samples_per_s(0, 0.1, 0.0)

@@ -19,7 +19,7 @@ from mixtrain.core import evaluation
 from mixtrain.data import Loader, TokenWindows, seed_sample
 from mixtrain.data.sources import DatasetSource, TensorSource, describe, to_device
 from tests.conftest import REPO
-from tests.datasets import Augmented, DictSamples
+from tests.datasets import Augmented, DictSamples, read_counts
 
 
 def linear_task(**kwargs) -> Task:
@@ -107,6 +107,25 @@ def test_a_dataset_source_reads_only_what_it_is_asked_and_restores_the_callers_r
     later = list(source.batches(1, chunks))
     assert not torch.equal(first[0][0], later[0][0])  # a fresh view every epoch
     assert [len(b[1]) for b in first] == [2, 1] and torch.equal(first[0][1], y[[5, 9]])
+
+
+def test_the_first_samples_are_read_once_however_often_the_checks_and_the_probe_ask(tmp_path):
+    # the shape check (1 sample), the numerics check (8) and the probe (32, its trials up to 100) share one read
+    # of the first 32 samples in epoch 0's views; a smaller dataset is read whole and repeated
+    x, y = torch.randn(50, 4), torch.arange(50) % 3
+    source = DatasetSource(Loader(dataset=Augmented(x, y, str(tmp_path)), num_workers=0), seed=7, pin_memory=False)
+    source.first(1).batch(1)
+    source.first(8).batch(8)
+    held = source.first(32)
+    assert read_counts(str(tmp_path)) == dict.fromkeys(range(32), 1) and held.read_s > 0
+    big = held.batch(100)
+    assert len(big[1]) == 100 and torch.equal(big[0][32], big[0][0])  # repeated past the 32 read
+    assert torch.equal(big[0][:2], source.read(0, np.arange(2))[0])  # epoch 0's views, as a fresh read sees them
+    source.forget_first()
+    assert len(source.first(60).samples) == 50  # the whole dataset, read again only after forget_first
+    assert sum(read_counts(str(tmp_path)).values()) == 32 + 2 + 50
+    rows = TensorSource((np.arange(10.0).reshape(5, 2), np.arange(5)))
+    assert rows.first(3).batch(4)[1].tolist() == [0, 1, 2, 0]
 
 
 def test_samples_of_different_structure_get_a_clear_error():

@@ -138,6 +138,9 @@ class ProbeResult:
     """The largest micro-batch to run (None: no limit found up to the global batch)."""
     peak_bytes: int | None = None
     """Device memory at its peak while timing `batch` (CUDA), or the process's peak resident set (CPU)."""
+    load_s_per_sample: float = 0.0
+    """Seconds reading and collating one training sample took (measured once, on the samples the probe read):
+    part of `samples_per_s`, which counts a step as loading its samples, then computing."""
 
 
 @dataclass(frozen=True)

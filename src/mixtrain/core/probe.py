@@ -1,4 +1,4 @@
-"""Measuring a device before training: how fast it computes and the largest micro-batch that fits.
+"""Measuring a device before training: how fast it loads and computes, and the largest micro-batch that fits.
 
 The search takes a function that runs one forward+backward at a given batch size, so it is the
 same code on CUDA, MPS and in tests (where a model raises torch.OutOfMemoryError past a size).
@@ -84,3 +84,12 @@ def time_steps(
         elapsed = time.perf_counter() - t0
         times.append(max(elapsed - (waited() - w0), 0.01 * elapsed))
     return statistics.median(times)
+
+
+def samples_per_s(batch: int, compute_s: float, load_s_per_sample: float) -> float:
+    """Samples per second of steps of `batch` samples that each load their samples (`load_s_per_sample` seconds
+    apiece, measured once) and then compute for `compute_s` (timed on samples read once and reused): the probe
+    times the compute on data in memory, so the user's Dataset is not read again for every timed step."""
+    if batch < 1:
+        raise ValueError(f"batch={batch} must be >= 1")
+    return batch / (compute_s + load_s_per_sample * batch)

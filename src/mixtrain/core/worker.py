@@ -227,7 +227,8 @@ class TrainWorker:
         tolerance = tolerance or NUMERICS_TOLERANCE[self.precision]
         if self.kind.kind == "cpu" and self.precision == "fp32":
             return NumericsResult(rank=self.rank, error=0.0, tolerance=tolerance)  # the reference itself
-        batch = self.data.train.read(0, np.arange(min(count, len(self.data.train))))
+        count = min(count, len(self.data.train))
+        batch = self.data.train.first(count).batch(count)  # the probe's samples too: read once for both
         model = self.task.model
         reference = copy.deepcopy(model).to("cpu")
         grads = []
@@ -248,46 +249,59 @@ class TrainWorker:
         return NumericsResult(rank=self.rank, error=error, tolerance=tolerance)
 
     def probe(self, guess: int, limit: int, memory_cap: int | None = None) -> ProbeResult:
-        """Before the group forms: this device's compute speed (samples/s of forward+backward at a
-        micro-batch of `guess`) and, on an accelerator, the largest micro-batch up to `limit` that fits,
-        found by a search that survives out-of-memory errors. A user-given `memory_cap` skips the search.
-        Weights, buffers (BatchNorm statistics), gradients and random streams are left as they were."""
+        """Before the group forms: this device's speed (samples/s of reading and forward+backward at a micro-batch
+        of `guess`) and, on an accelerator, the largest micro-batch up to `limit` that fits, found by a search that
+        survives out-of-memory errors. A user-given `memory_cap` skips the search. Every trial runs on the first
+        `guess` training samples, each read once (those the start-up checks read among them) and repeated for a
+        larger trial: their reading time, measured that once, is added per sample to the timed compute, so slow
+        loading still counts without reading the user's data over and over. Weights, buffers (BatchNorm
+        statistics), gradients and random streams are left as they were."""
         model = self.task.model
         buffers = {name: b.detach().clone() for name, b in model.named_buffers()}
+        held = self.data.train.first(guess)
         cap = memory_cap
         rng_devices = [self.device] if self.kind.has_own_random_stream else []
         with torch.random.fork_rng(devices=rng_devices, device_type=self.device.type):
             if cap is None and self.kind.probes_memory:
                 found = probe.largest_fitting(
-                    self._probe_step, guess, limit, self.kind.is_oom, after_oom=self._free_cached_memory
+                    lambda size: self._probe_step(held.batch(size)),
+                    guess,
+                    limit,
+                    self.kind.is_oom,
+                    after_oom=self._free_cached_memory,
                 )
                 # the optimizer's state is not allocated yet and allocators fragment: keep a margin
                 cap = None if found >= limit else max(1, int(found * MEMORY_MARGIN))
             batch = min(guess, cap) if cap else guess
+            t0 = time.perf_counter()
+            samples = held.batch(batch)  # making the batch (collating) is part of loading it
+            load_s = held.read_s / len(held.samples) + (time.perf_counter() - t0) / batch
             self.kind.reset_peak_memory(self.device.index or 0)
             core_wait = CpuShare(enabled=self.kind.kind == "cpu")  # time waiting for a core is not the device's
-            step_s = probe.time_steps(self._probe_step, batch, waited=core_wait.waited_s)
+            compute_s = probe.time_steps(lambda _: self._probe_step(samples), batch, waited=core_wait.waited_s)
             core_wait.close()
             peak = self.kind.memory_in_use(self.device.index or 0)
+        self.data.train.forget_first()
         with torch.no_grad():
             for name, b in model.named_buffers():
                 b.copy_(buffers[name])
         model.zero_grad(set_to_none=True)
         return ProbeResult(
             rank=self.rank,
-            samples_per_s=batch / step_s,
+            samples_per_s=probe.samples_per_s(batch, compute_s, load_s),
             batch=batch,
             memory_cap=cap,
             peak_bytes=peak,
+            load_s_per_sample=load_s,
         )
 
-    def _probe_step(self, batch: int) -> None:
-        """One forward+backward of `batch` training samples (wrapping around a small dataset)."""
-        samples = to_device(self.data.train.read(0, np.arange(batch) % len(self.data.train)), self.device)
+    def _probe_step(self, samples: Any) -> None:
+        """One forward+backward of a batch of training samples (from `first`: read once, collated already)."""
+        batch = to_device(samples, self.device)
         model = self.task.model
         model.zero_grad(set_to_none=True)
         with precision.autocast(self.device, self.precision):
-            loss = self.task.batch_loss(model, samples).float()
+            loss = self.task.batch_loss(model, batch).float()
         loss.backward()
         self.kind.synchronize()
         model.zero_grad(set_to_none=True)
@@ -390,7 +404,7 @@ class TrainWorker:
         self.data = WorkerData.open(train, evaluation, self.seed, self.kind)
         report = self.data.report(self.rank)
         if self._task is not None:  # one sample as the task will see it: a mismatch said now, not deep in the model
-            problem = self._task.batch_problem(self.data.train.read(0, np.arange(1)))
+            problem = self._task.batch_problem(self.data.train.first(1).batch(1))  # the probe's first sample
             report = replace(report, problem=problem or "")
         return report
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import hashlib
 import os
 import random
+import time
 import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -154,14 +155,61 @@ def to_device(batch: Any, device: torch.device, where: str = "the batch") -> Any
     )
 
 
+class FirstSamples:
+    """The first samples of the training data in epoch 0's views, each read once, with the seconds reading them
+    took: the start-up checks (a sample's shape, the numerics check) and the probe make their batches of any size
+    from them, repeating them past the end, so none of them reads a sample twice (an image folder or a remote
+    store pays for every read)."""
+
+    def __init__(self, fetch: Callable[[np.ndarray], list[Any]], assemble: Callable[[list[Any]], Any]) -> None:
+        self._fetch, self._assemble = fetch, assemble
+        self.samples: list[Any] = []
+        self.read_s = 0.0
+        """Seconds the reads of `samples` took, all together."""
+
+    def extend(self, count: int, available: int) -> None:
+        """Read the samples of the first `count` (at most `available`) not read yet."""
+        have, want = len(self.samples), min(count, available)
+        if want > have:
+            t0 = time.perf_counter()
+            self.samples += self._fetch(np.arange(have, want))
+            self.read_s += time.perf_counter() - t0
+
+    def batch(self, size: int) -> Any:
+        """A batch of `size` of the samples read (the first ones, repeated when there are fewer)."""
+        return self._assemble([self.samples[i % len(self.samples)] for i in range(size)])
+
+
 class SampleSource:
     """Samples for one worker, by dataset index, in the order of the epoch's steps."""
+
+    _first: FirstSamples | None = None
 
     def __len__(self) -> int:
         raise NotImplementedError
 
     def read(self, epoch: int, indices: np.ndarray) -> Any:
-        """One batch of `indices`, read here (probes, numerics checks, fingerprints)."""
+        """One batch of `indices`, read here (fingerprints)."""
+        raise NotImplementedError
+
+    def first(self, count: int) -> FirstSamples:
+        """The first `count` samples (all of them in a smaller dataset) in epoch 0's views, each read once however
+        often the start-up checks and the probe ask, until `forget_first`."""
+        if self._first is None:
+            self._first = FirstSamples(self._fetch, self._assemble)
+        self._first.extend(count, len(self))
+        return self._first
+
+    def forget_first(self) -> None:
+        """Let go of the samples `first` holds (the probe is done with them)."""
+        self._first = None
+
+    def _fetch(self, indices: np.ndarray) -> list[Any]:
+        """The samples at `indices` in epoch 0's views, as `_assemble` takes them."""
+        raise NotImplementedError
+
+    def _assemble(self, samples: list[Any]) -> Any:
+        """A batch of samples `_fetch` returned."""
         raise NotImplementedError
 
     def batches(self, epoch: int, chunks: Sequence[np.ndarray]) -> Iterator[Any]:
@@ -177,7 +225,8 @@ class SampleSource:
         return digest.hexdigest()[:12]
 
     def close(self) -> None:
-        """Stop loader processes."""
+        """Stop loader processes, let go of held samples."""
+        self.forget_first()
 
 
 class TensorSource(SampleSource):
@@ -198,6 +247,12 @@ class TensorSource(SampleSource):
 
     def slice(self, start: int, stop: int) -> tuple[torch.Tensor, ...]:
         return tuple(f[start:stop] for f in self.fields)
+
+    def _fetch(self, indices: np.ndarray) -> list[Any]:
+        return [int(i) for i in indices]  # rows are in memory already: gathering them is the batch's making
+
+    def _assemble(self, samples: list[Any]) -> tuple[torch.Tensor, ...]:
+        return self.read(0, np.asarray(samples, dtype=np.int64))
 
 
 class _Seeded(Dataset):
@@ -274,6 +329,12 @@ class DatasetSource(SampleSource):
         self.sampler.batches = [[(epoch, int(i)) for i in c] for c in chunks]
         return iter(self.loader)
 
+    def _fetch(self, indices: np.ndarray) -> list[Any]:
+        return [self.seeded[(0, int(i))] for i in indices]
+
+    def _assemble(self, samples: list[Any]) -> Any:
+        return self._collate(samples)
+
     def _collate(self, samples: list[Any]) -> Any:
         try:
             return self.collate(samples)
@@ -285,6 +346,7 @@ class DatasetSource(SampleSource):
             ) from exc
 
     def close(self) -> None:
+        super().close()
         self.sampler.batches = []
         self.loader = None  # type: ignore[assignment]  # ends its loader processes
 
