@@ -5,6 +5,8 @@ Command lines:
     python benchmarks/compare.py --repeats 1 --workloads cnn
     python benchmarks/compare.py --runner mixtrain --workload mlp   # one runner, prints one JSON line
     python benchmarks/compare.py --runners single1,mixtrain1 --repeats 5   # mixtrain's own cost per step (us)
+    python benchmarks/compare.py --runners single,mixtrain,mixtrain-default --repeats 3   # the first run's default
+        # (mixtrain-default: no --workers, i.e. auto: one CPU worker holding every core here) against the plain loop
     python benchmarks/compare.py --emulate 1:3 --runners single1,ddp,mixtrain,mixtrain-all,mixtrain-equal
         # EMULATION: worker 1 computes 3x slower in DDP and mixtrain (mixtrain: default, which may leave
         # a worker out; balanced with every worker kept; fixed equal split);
@@ -230,8 +232,13 @@ def run_raytrain(workload: str) -> dict:
 
 
 def run_mixtrain(
-    workload: str, shares: str = "auto", keep_all: bool = False, strategy: str = "allreduce", workers: int = NUM_WORKERS
+    workload: str,
+    shares: str = "auto",
+    keep_all: bool = False,
+    strategy: str = "allreduce",
+    workers: int | None = NUM_WORKERS,
 ) -> dict:
+    """`workers=None`: ScalingConfig's default (auto: on a CPU-only machine one worker holding every core)."""
     import functools
 
     from mixtrain import RunConfig, ScalingConfig, StrategyConfig, Trainer
@@ -246,7 +253,7 @@ def run_mixtrain(
             functools.partial(_mixtrain_task, workload),
             (x, y),
             global_batch=GLOBAL_BATCH,
-            scaling=ScalingConfig(num_workers=workers, shares=shares, leave_out_slow=not keep_all),
+            scaling=ScalingConfig(num_workers=workers, shares=shares, leave_out_slow=not keep_all),  # type: ignore[arg-type]
             run=RunConfig(run_dir=tmp, progress=False),
             strategy=StrategyConfig(name=name, compress=compress or "none", staleness=2, local_steps=8),
         ).fit(epochs=epochs)
@@ -423,7 +430,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument(
         "--runner",
-        help=f"one of {', '.join(RUNNERS)}, single1, mixtrain1, mixtrain-equal, mixtrain-all, mx:NAME[+bf16]",
+        help=f"one of {', '.join(RUNNERS)}, single1, mixtrain1, mixtrain-default, mixtrain-equal, mixtrain-all, "
+        "mx:NAME[+bf16]",
     )
     parser.add_argument("--workload", choices=list(WORKLOADS))
     parser.add_argument("--out", help="(ddp-rank) where rank 0 writes its result")
@@ -453,6 +461,7 @@ def main() -> None:
             "mixtrain-equal": lambda w: run_mixtrain(w, shares="equal"),
             "mixtrain-all": lambda w: run_mixtrain(w, keep_all=True),
             "mixtrain1": lambda w: run_mixtrain(w, workers=1),
+            "mixtrain-default": lambda w: run_mixtrain(w, workers=None),
             "mxloop": run_mxloop,
             "mxloop-equal": lambda w: run_mxloop(w, shares="equal"),
         }
