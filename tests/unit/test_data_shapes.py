@@ -48,3 +48,23 @@ def test_a_stream_is_refused_with_the_map_style_fix(data):
 
 def test_a_schedules_total_is_epochs_times_steps_per_epoch():
     assert steps_per_epoch(1000, 50) == 20 and steps_per_epoch(1001, 50) == 21  # the last step may be short
+
+
+def test_every_name_the_plain_pytorch_table_uses_exists():
+    """docs/your-own-code.md maps a plain loop's pieces to mixtrain's: each name it gives must be real."""
+    import dataclasses
+    import inspect
+
+    import mixtrain
+    from tests.conftest import REPO
+
+    text = (REPO / "docs" / "your-own-code.md").read_text()
+    table = text[text.index("| in your script | in mixtrain |") : text.index("A learning-rate schedule is")]
+    task_fields = {f.name for f in dataclasses.fields(mixtrain.Task)}
+    assert {"max_grad_norm", "scheduler", "metrics"} <= task_fields and all(
+        f"{name}=" in table for name in ("max_grad_norm", "scheduler", "metrics")
+    )
+    assert "seed" in {f.name for f in dataclasses.fields(mixtrain.RunConfig)} and "RunConfig(seed=0)" in table
+    trainer_args = inspect.signature(mixtrain.Trainer).parameters
+    assert {"eval_data", "global_batch"} <= set(trainer_args) and "eval_data=" in table
+    assert "model_path" in {f.name for f in dataclasses.fields(mixtrain.Result)} and "Result.model_path" in table
