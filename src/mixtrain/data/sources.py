@@ -119,7 +119,8 @@ def describe(data: Any, field: str) -> Arrays | Loader:
         return data
     if isinstance(data, DataLoader):
         return _from_data_loader(data, field)
-    if not _is_map_dataset(data) and not callable(data) and hasattr(data, "__iter__") and not isinstance(data, Mapping):
+    streamed = hasattr(data, "__iter__") and not isinstance(data, (str, bytes, Mapping))
+    if streamed and not _is_map_dataset(data) and not callable(data):
         raise InputTypeError(f"{field} of type {type(data).__name__} is a stream (iterable, no indexing): {STREAM_FIX}")
     if isinstance(data, (tuple, list)) and data and all(isinstance(x, (torch.Tensor, np.ndarray)) for x in data):
         return to_arrays(data)
