@@ -210,7 +210,7 @@ class Trainer:
 
     def _announce(self, view: ProgressView, up: Bringup, run_dir: Path, epochs: int, warnings: list[str]) -> None:
         view.log(
-            f"mixtrain: {len(up.workers)} workers, global batch {self.global_batch}, "
+            f"mixtrain: {len(up.workers)} worker{'s' * (len(up.workers) != 1)}, global batch {self.global_batch}, "
             f"{up.num_samples} samples x {epochs} epochs, {up.backend}; run folder {run_dir}"
         )
         view.log(plan_table(up.plan, up.workers, "plan", up.left_out))
