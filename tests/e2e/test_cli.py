@@ -200,7 +200,7 @@ def test_bad_flags_name_the_flag_and_the_fix(tmp_path, capsys):
     assert proc.returncode == 2 and f"{tmp_path / 'bad.toml'}: strategy = 'gossip': choose one of" in proc.stderr
     proc = run_cli("train", "mnist", "--data-dir", str(tmp_path / "nothing"))
     assert proc.returncode == 2 and "no such folder" in proc.stderr
-    proc = run_cli("train", "--shares", "40,20", "--run-dir", str(tmp_path))
+    proc = run_cli("train", "--workers", "2", "--shares", "40,20", "--run-dir", str(tmp_path))
     assert proc.returncode == 2 and "shares=[40, 20] sum to 60 but global_batch=64" in proc.stderr
     proc = run_cli("train", "--shares", "4x")
     assert proc.returncode == 2 and "--shares" in proc.stderr
@@ -267,6 +267,8 @@ def test_train_on_an_existing_ray_cluster_via_address(tmp_path):
             "--epochs",
             "2",
             "--quiet",
+            "--workers",
+            "2",  # (the default, auto, would be one CPU worker holding the node's cores)
             "--keep-all-devices",  # two workers on this cluster; the advisor may leave one out on a loaded machine
             "--run-dir",
             str(tmp_path / "run"),

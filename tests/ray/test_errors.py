@@ -61,7 +61,11 @@ def test_resources_held_elsewhere_time_out_with_the_inventory(tmp_path, monkeypa
     try:
         x, y = data("mlp", 64)
         trainer = Trainer(
-            factory("mlp", "sgd"), (x, y), global_batch=16, run=RunConfig(run_dir=str(tmp_path), progress=False)
+            factory("mlp", "sgd"),
+            (x, y),
+            global_batch=16,
+            scaling=ScalingConfig(num_workers=2),
+            run=RunConfig(run_dir=str(tmp_path), progress=False),
         )
         with pytest.raises(RuntimeError, match=r"could not reserve 2 workers.*within 2 s.*free: CPU=1"):
             trainer.fit()
@@ -94,7 +98,13 @@ def test_workers_that_build_different_models_are_refused_naming_the_parameter_an
 
     x, y = data("mlp", 64)
     task = functools.partial(one_worker_builds_another_model, str(tmp_path / "first"))
-    trainer = Trainer(task, (x, y), global_batch=16, run=RunConfig(run_dir=str(tmp_path / "run"), progress=False))
+    trainer = Trainer(
+        task,
+        (x, y),
+        global_batch=16,
+        scaling=ScalingConfig(num_workers=2),
+        run=RunConfig(run_dir=str(tmp_path / "run"), progress=False),
+    )
     with pytest.raises(PreflightError) as info:
         trainer.fit()
     text = str(info.value)
