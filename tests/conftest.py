@@ -13,14 +13,18 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     scenarios (network namespaces on one bridge, a partition that waits out timeouts) mostly wait, so they run
     beside the rest ("main"), which runs one test after another in the other process with the session's Ray;
     the tests that need no Ray of the session's (unit, distributed: gloo in plain processes, the GPU bundle's
-    CPU path) join them ("side", about 6.5 minutes against main's 11). The tests whose assertions follow
+    CPU path) join them, and so do the CLI runs that start a Ray of their own ("side"). The tests whose assertions follow
     measured speed (balanced shares, the leave-out advisor: test_balancing) run last in main, after the side
     process has ended. (Before emulated slowdowns stretched each step's own measured compute, test_balancing
     failed in 4 of 8 such runs: a slowdown calibrated by one start-up timing per worker followed the load of
     that moment.)"""
     for item in items:
-        side = {"multihost", "unit", "distributed", "bundle"} & set(item.path.parent.relative_to(REPO).parts)
-        group = "side" if side else "main"
+        parts = set(item.path.parent.relative_to(REPO).parts)
+        side = {"multihost", "unit", "distributed", "bundle"} & parts
+        # the CLI and doc-snippet runs start their own Ray in a subprocess: beside the rest too, unless the test
+        # uses the session's Ray (the suite had grown to 13:17, main's process the longer by minutes)
+        own_ray = "e2e" in parts and "ray_session" not in getattr(item, "fixturenames", ())
+        group = "side" if side or own_ray else "main"
         item.add_marker(pytest.mark.xdist_group(group))
     items.sort(key=lambda item: item.path.name == "test_balancing.py")  # stable: the rest keep their order
 
