@@ -15,7 +15,7 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     the tests that need no Ray of the session's (unit, distributed: gloo in plain processes, the GPU bundle's
     CPU path) join them, and so do the CLI runs that start a Ray of their own ("side"). The tests whose
     assertions follow measured speed (balanced shares, the leave-out advisor: test_balancing) run last in
-    main, after the side process has ended. (Before emulated slowdowns stretched each step's own measured
+    main, beside the multi-host scenarios' waiting at the end of side. (Before emulated slowdowns stretched each step's own measured
     compute, test_balancing failed in 4 of 8 such runs: a slowdown calibrated by one start-up timing per
     worker followed the load of that moment.)"""
     for item in items:
@@ -26,7 +26,10 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
         own_ray = "e2e" in parts and "ray_session" not in getattr(item, "fixturenames", ())
         group = "side" if side or own_ray else "main"
         item.add_marker(pytest.mark.xdist_group(group))
-    items.sort(key=lambda item: item.path.name == "test_balancing.py")  # stable: the rest keep their order
+    # stable sorts: the rest keep their order. The multi-host scenarios, which mostly wait, end the side process,
+    # so what overlaps test_balancing at the end of main is waiting, not computing
+    items.sort(key=lambda item: "multihost" in item.path.parent.relative_to(REPO).parts)
+    items.sort(key=lambda item: item.path.name == "test_balancing.py")
 
 
 @pytest.fixture(scope="session")
