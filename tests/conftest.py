@@ -15,9 +15,9 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     the tests that need no Ray of the session's (unit, distributed: gloo in plain processes, the GPU bundle's
     CPU path) join them, and so do the CLI runs that start a Ray of their own ("side"). The tests whose
     assertions follow measured speed (balanced shares, the leave-out advisor: test_balancing) run last in
-    main, beside the multi-host scenarios' waiting at the end of side. (Before emulated slowdowns stretched each step's own measured
-    compute, test_balancing failed in 4 of 8 such runs: a slowdown calibrated by one start-up timing per
-    worker followed the load of that moment.)"""
+    main, beside the multi-host scenarios' waiting at the end of side. (Before emulated slowdowns stretched
+    each step's own measured compute, test_balancing failed in 4 of 8 such runs: a slowdown calibrated by one
+    start-up timing per worker followed the load of that moment.)"""
     for item in items:
         parts = set(item.path.parent.relative_to(REPO).parts)
         side = {"multihost", "unit", "distributed", "bundle"} & parts
