@@ -75,3 +75,19 @@ def test_plans_look_at_the_speed_since_the_last_plan_and_the_loader_looks_again_
         time.sleep(pause)
         session.begin_batch(10, 10)
     assert session.measured()[0] < 10 / 0.035 < session.speed()  # the slow steps, not the run's average (400)
+
+
+def test_the_wait_at_a_plan_point_is_no_steps_compute(monkeypatch):
+    """A plan point closes the last batch's interval before it gathers the speeds: the wait there for the slowest
+    worker (and a loader restarted after a move) once made a fast worker look as slow as the slow one."""
+    clock = [0.0]
+    monkeypatch.setattr("mixtrain.train._session.time.perf_counter", lambda: clock[0])
+    session = _session()
+    for step in range(4):
+        session.begin_batch(10, 10)
+        clock[0] += 0.01  # the step's compute
+        if step == 1:
+            session.close_interval()  # a plan point: then 0.5 s waiting for the others in the gather
+            clock[0] += 0.5
+    session.close_interval()
+    assert session.speed() == pytest.approx(40 / 0.04)  # 10 ms per step, the wait nowhere

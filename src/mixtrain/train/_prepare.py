@@ -142,7 +142,10 @@ class PreparedLoader:
                     session.begin_batch(len(idx), step_size(num, batch, t))
                     yield to_device(read, session.context.device) if self._move else read
                     t += 1
-                    moved = plan_shares(session, batch, shares, (epoch, t)) if t < total and _plan_point(t) else None
+                    moved = None
+                    if t < total and _plan_point(t):
+                        session.close_interval()  # the gather and a restarted loader are no step's compute
+                        moved = plan_shares(session, batch, shares, (epoch, t))
                     if moved is not None:
                         shares = moved
                         break

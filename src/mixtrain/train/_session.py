@@ -113,19 +113,32 @@ class LoopSession:
     def begin_batch(self, samples: int, step_samples: int) -> None:
         """A prepared loader hands out a batch of `samples` of its step's `step_samples`: the time since the last
         one, less the time spent in the exchange, is the last batch's compute."""
-        now, comm = time.perf_counter(), self._exchange_s()
-        if self._last_batch is not None:
-            t0, comm0, done = self._last_batch
-            compute = max(0.0, now - t0 - (comm - comm0))
-            self._compute_s += compute  # what the hooks took included: the planner sees it
-            self._samples += done
-            self._steps += 1
-            if not self.grads:  # no prepared model told its work: the step's compute, less what the hooks took
-                t1 = time.perf_counter()
-                self.work_done(max(0.0, compute - self._hooks_s))
-                self._hooks_s = time.perf_counter() - t1
-        self._last_batch = (now, comm, samples)
+        mark = self.close_interval()
+        if mark is None:  # a fresh start (an epoch's first batch, after a plan point): no hook's time falls in it
+            mark, self._hooks_s = (time.perf_counter(), self._exchange_s()), 0.0
+        self._last_batch = (*mark, samples)
         self.weight = samples / step_samples if step_samples else 0.0
+
+    def close_interval(self) -> tuple[float, float] | None:
+        """The batch handed out last is done: count its compute now, and return when (clock, exchange seconds so
+        far), before the slowdown hooks run (their time falls into the next batch's). A plan point calls it before
+        it gathers the speeds and forgets the mark, so neither the wait there for the slowest worker nor a loader
+        restarted after a move counts as a step's compute (they had made a fast worker look as slow as the slow
+        one: a move to equal shares)."""
+        if self._last_batch is None:
+            return None
+        now, comm = time.perf_counter(), self._exchange_s()
+        t0, comm0, done = self._last_batch
+        self._last_batch = None
+        compute = max(0.0, now - t0 - (comm - comm0))
+        self._compute_s += compute  # what the hooks took included: the planner sees it
+        self._samples += done
+        self._steps += 1
+        if not self.grads:  # no prepared model told its work: the step's compute, less what the hooks took
+            t1 = time.perf_counter()
+            self.work_done(max(0.0, compute - self._hooks_s))
+            self._hooks_s = time.perf_counter() - t1
+        return now, comm
 
     def end_epoch(self) -> None:
         self._last_batch = None  # the time between epochs (evaluation, a checkpoint) is not a step's
