@@ -8,32 +8,24 @@ import pytest
 REPO = Path(__file__).resolve().parent.parent
 
 
-DOC_RUNS = ("test_doc_snippets.py", "test_loop_guides.py")
-
-
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """`make test` runs `pytest -n 2 --dist loadgroup` (pytest-xdist): one group per process. The multi-host
     scenarios (network namespaces on one bridge, a partition that waits out timeouts) mostly wait, so they run
     beside the rest ("main"), which runs one test after another in the other process with the session's Ray;
     the tests that need no Ray of the session's (unit, distributed: gloo in plain processes, the GPU bundle's
-    CPU path) join them, and so do the doc scripts that start a Ray of their own ("side"). The tests whose
+    CPU path) join them ("side"). The tests whose
     assertions follow measured speed (balanced shares, the leave-out advisor: test_balancing) run last in
-    main, beside the multi-host scenarios' waiting at the end of side. (Before emulated slowdowns stretched
+    main, after the side process has ended. (Before emulated slowdowns stretched
     each step's own measured compute, test_balancing failed in 4 of 8 such runs: a slowdown calibrated by one
     start-up timing per worker followed the load of that moment.)"""
     for item in items:
         parts = set(item.path.parent.relative_to(REPO).parts)
         side = {"multihost", "unit", "distributed", "bundle"} & parts
-        # the guides' and snippets' scripts start their own Ray in a subprocess: beside the rest too, unless the
-        # test uses the session's Ray (the suite had grown to 13:17 with main the longer; all of e2e on this side
-        # made the side the longer: 14:59; test_cli.py stays in main)
-        own_ray = item.path.name in DOC_RUNS and "ray_session" not in getattr(item, "fixturenames", ())
-        group = "side" if side or own_ray else "main"
+        # (measured on fresh clones: this split 13:17; all of e2e beside it 14:59; its doc scripts beside it, the
+        # multi-host tests last, 14:41 and 15:34)
+        group = "side" if side else "main"
         item.add_marker(pytest.mark.xdist_group(group))
-    # stable sorts: the rest keep their order. The multi-host scenarios, which mostly wait, end the side process,
-    # so what overlaps test_balancing at the end of main is waiting, not computing
-    items.sort(key=lambda item: "multihost" in item.path.parent.relative_to(REPO).parts)
-    items.sort(key=lambda item: item.path.name == "test_balancing.py")
+    items.sort(key=lambda item: item.path.name == "test_balancing.py")  # stable: the rest keep their order
 
 
 @pytest.fixture(scope="session")
