@@ -89,3 +89,15 @@ def run_records(run_dir: Path, kind: str) -> list[dict]:
 
     lines = (Path(run_dir) / "metrics.jsonl").read_text().split("\n")[:-1]  # whole lines: a running run writes on
     return [r for r in map(json.loads, lines) if r["kind"] == kind]
+
+
+@pytest.fixture
+def one_rank_group():
+    """A gloo process group of one rank in this process (no Ray): what a worker alone in its group holds."""
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()

@@ -9,34 +9,33 @@ import sys
 from tests.doc_pages import block_tagged
 
 
-def test_your_own_training_code_script_trains_as_written(tmp_path):
-    (tmp_path / "own_code.py").write_text(block_tagged("own-code"))
+def _run_block(tag: str, tmp_path) -> str:
+    """The block tagged `tag`, saved as a script and run as a user would: its stdout (it must exit 0)."""
+    script = tmp_path / f"{tag.replace('-', '_')}.py"
+    script.write_text(block_tagged(tag))
     proc = subprocess.run(
-        [sys.executable, "own_code.py"], capture_output=True, text=True, timeout=300, cwd=tmp_path, check=False
+        [sys.executable, script.name], capture_output=True, text=True, timeout=300, cwd=tmp_path, check=False
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
-    accuracy = float(re.search(r"held-out accuracy (\d\.\d+)", proc.stdout).group(1))
-    assert accuracy > 0.9, proc.stdout  # a linear model cannot pass 0.5 on this XOR-shaped task
+    return proc.stdout
+
+
+def test_your_own_training_code_script_trains_as_written(tmp_path):
+    stdout = _run_block("own-code", tmp_path)
+    accuracy = float(re.search(r"held-out accuracy (\d\.\d+)", stdout).group(1))
+    assert accuracy > 0.9, stdout  # a linear model cannot pass 0.5 on this XOR-shaped task
 
 
 def test_the_schedule_with_total_steps_trains_as_written(tmp_path):
-    (tmp_path / "schedule.py").write_text(block_tagged("schedule"))
-    proc = subprocess.run(
-        [sys.executable, "schedule.py"], capture_output=True, text=True, timeout=300, cwd=tmp_path, check=False
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    match = re.search(r"(\d+) steps, held-out accuracy (\d\.\d+)", proc.stdout)
-    assert match and match.group(1) == "80" and float(match.group(2)) > 0.9, proc.stdout
+    stdout = _run_block("schedule", tmp_path)
+    match = re.search(r"(\d+) steps, held-out accuracy (\d\.\d+)", stdout)
+    assert match and match.group(1) == "80" and float(match.group(2)) > 0.9, stdout
 
 
 def test_your_own_loop_script_trains_as_written(tmp_path):
-    (tmp_path / "own_loop.py").write_text(block_tagged("own-loop"))
-    proc = subprocess.run(
-        [sys.executable, "own_loop.py"], capture_output=True, text=True, timeout=300, cwd=tmp_path, check=False
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    accuracy = float(re.search(r"held-out accuracy (\d\.\d+)", proc.stdout).group(1))
-    assert accuracy > 0.9, proc.stdout
+    stdout = _run_block("own-loop", tmp_path)
+    accuracy = float(re.search(r"held-out accuracy (\d\.\d+)", stdout).group(1))
+    assert accuracy > 0.9, stdout
 
 
 def test_a_sweep_with_kept_workers_runs_as_written(tmp_path, monkeypatch, capsys, ray_session):

@@ -4,21 +4,10 @@ backward's gradient is weighted by its batch's share, through no_sync() accumula
 
 from __future__ import annotations
 
-import pytest
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from mixtrain.comm.loop_grads import LoopGrads
-
-
-@pytest.fixture
-def group():
-    if dist.is_initialized():
-        dist.destroy_process_group()
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
 
 
 def _model():
@@ -36,7 +25,7 @@ def _plain_grad(model, x, y, weight):
     return _grads(model)
 
 
-def test_a_synchronised_backward_weights_the_gradient_by_its_share(group):
+def test_a_synchronised_backward_weights_the_gradient_by_its_share(one_rank_group):
     model, plain = _model(), _model()
     grads = LoopGrads([p for p in model.parameters()], 1 << 20, torch.device("cpu"))
     x, y = torch.randn(5, 4), torch.randint(0, 2, (5,))
@@ -49,7 +38,7 @@ def test_a_synchronised_backward_weights_the_gradient_by_its_share(group):
     assert grads.comm_s > 0
 
 
-def test_no_sync_accumulation_weights_each_backward_by_its_own_share(group):
+def test_no_sync_accumulation_weights_each_backward_by_its_own_share(one_rank_group):
     model, plain = _model(), _model()
     grads = LoopGrads([p for p in model.parameters()], 64, torch.device("cpu"))  # several small buckets
     parts = [(torch.randn(3, 4), torch.randint(0, 2, (3,)), w) for w in (0.5, 0.2, 0.3)]
@@ -64,7 +53,7 @@ def test_no_sync_accumulation_weights_each_backward_by_its_own_share(group):
         assert torch.allclose(got, expected, atol=1e-6)
 
 
-def test_an_empty_batch_counts_for_nothing_even_within_an_accumulation(group):
+def test_an_empty_batch_counts_for_nothing_even_within_an_accumulation(one_rank_group):
     model, plain = _model(), _model()
     grads = LoopGrads([p for p in model.parameters()], 1 << 20, torch.device("cpu"))
     x, y = torch.randn(4, 4), torch.randint(0, 2, (4,))

@@ -9,7 +9,6 @@ import math
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from mixtrain.comm.step_gate import StepGate, as_user_built, can_gate
 from mixtrain.comm.strategy import AllReduceStrategy, JoinContext, clip_gradients
@@ -147,15 +146,6 @@ def test_only_optimizers_whose_fused_kernel_skips_are_gated(make, ok):
     assert not can_gate(torch.optim.AdamW(model.parameters()), torch.device("meta"))  # params elsewhere
 
 
-@pytest.fixture
-def one_rank():
-    if dist.is_initialized():
-        dist.destroy_process_group()
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
-
-
 def _strategy(task: Task) -> AllReduceStrategy:
     strategy = AllReduceStrategy(StrategyConfig())
     ctx = JoinContext(bucket_bytes=1 << 20, loss_scaling=False, rank=0, world_size=1, timeout_s=10.0)
@@ -165,7 +155,7 @@ def _strategy(task: Task) -> AllReduceStrategy:
     return strategy
 
 
-def test_the_worker_ledger_gets_every_step_once_in_order_late_verdicts_included(one_rank):
+def test_the_worker_ledger_gets_every_step_once_in_order_late_verdicts_included(one_rank_group):
     task = _task()
     strategy = _strategy(task)
     plan = RoundPlan(epoch=0, first_step=0, num_steps=BAD_GRAD + 2, shares=(16,), global_batch=16, drift_tolerance=1.0)
@@ -181,7 +171,7 @@ def test_the_worker_ledger_gets_every_step_once_in_order_late_verdicts_included(
     assert strategy.optimizer_state(task)["param_groups"][0]["fused"] is None  # checkpoints: the user's setting
 
 
-def test_a_round_stopped_part_way_counts_the_step_whose_verdict_was_still_to_be_read(one_rank):
+def test_a_round_stopped_part_way_counts_the_step_whose_verdict_was_still_to_be_read(one_rank_group):
     task = _task()
     strategy = _strategy(task)
     ledger = RoundLedger(0)
