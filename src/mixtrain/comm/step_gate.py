@@ -2,9 +2,9 @@
 
 mixtrain skips a step whose summed gradient (or loss) holds a NaN or an Inf. Deciding that on the host means
 reading a value from the GPU before the optimizer's kernels can be queued: one wait per step, which left the
-GPU idle while the host queued the next kernels. On an H200 that wait alone took a plain PyTorch loop on the
-chars model from 13,417 to 12,054 samples/s (the GPU check's overhead step, 2026-11-26), and it was almost all
-of what one CUDA worker lost to a plain loop.
+GPU idle while the host queued the next kernels. On an H200 that wait took a plain PyTorch loop on the chars
+model from 13,417 to 12,054 samples/s in one run and cost about 1% in another (the GPU check's overhead step,
+2026-11-26); it was not what held one CUDA worker at 0.72-0.88x a plain loop (docs/gpu-check.md).
 
 torch's fused Adam, AdamW and SGD take the verdict as a tensor (`found_inf`, as GradScaler hands it to them)
 and skip the update on the device, the step count included. So, for a worker alone in its group (no exchange
@@ -49,7 +49,6 @@ def can_gate(optimizer: torch.optim.Optimizer, device: torch.device) -> bool:
 
 @dataclass
 class _Pending:
-    found_inf: torch.Tensor  # on the device
     on_host: torch.Tensor  # its pinned copy, valid once `ready` has passed
     ready: Any  # a torch.cuda.Event (None off CUDA: the copy is done when made)
     stats: torch.Tensor
@@ -95,7 +94,7 @@ class StepGate:
         if self.device.type == "cuda":
             ready = torch.cuda.Event()
             ready.record()
-        self.pending = _Pending(found_inf, on_host, ready, stats, norm)
+        self.pending = _Pending(on_host, ready, stats, norm)
 
     def settle(self, task: Any) -> None:
         """Read the outstanding step's verdict (waiting for that step's check alone, not for what was queued
