@@ -12,6 +12,9 @@ from typing import TYPE_CHECKING, Any
 __version__ = "0.1.0"
 
 _PUBLIC = {
+    "Callback": "mixtrain.callbacks",
+    "EarlyStopping": "mixtrain.callbacks",
+    "StopTraining": "mixtrain.callbacks",
     "DeviceGroup": "mixtrain.config",
     "RunConfig": "mixtrain.config",
     "ScalingConfig": "mixtrain.config",
@@ -29,6 +32,9 @@ _PUBLIC = {
     "release_workers": "mixtrain.core.warm_workers",
 }
 __all__ = [
+    "Callback",
+    "EarlyStopping",
+    "StopTraining",
     "DeviceGroup",
     "InputError",
     "Job",
@@ -48,6 +54,7 @@ __all__ = [
 assert sorted(__all__) == sorted(_PUBLIC)
 
 if TYPE_CHECKING:  # what a type checker and an IDE see: the names, from where they live
+    from mixtrain.callbacks import Callback, EarlyStopping, StopTraining
     from mixtrain.checkpoint import WeightsNotSaved, load_weights
     from mixtrain.config import DeviceGroup, RunConfig, ScalingConfig, StrategyConfig
     from mixtrain.core.controller import TrainingStopped
