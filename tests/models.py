@@ -49,6 +49,8 @@ def optimizer(name: str, params: Iterable[nn.Parameter]) -> torch.optim.Optimize
         return torch.optim.SGD(params, lr=0.1)
     if name == "adamw":
         return torch.optim.AdamW(params, lr=1e-3, weight_decay=0.01)
+    if name == "frozen":  # learns nothing: a held-out metric that never improves
+        return torch.optim.SGD(params, lr=0.0)
     raise ValueError(name)
 
 

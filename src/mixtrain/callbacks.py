@@ -34,6 +34,10 @@ __all__ = [
 ]
 
 
+EVAL_KEYS = ("kind", "time", "epoch", "step", "global_step", "samples")
+"""An evaluation record's fields that are not metrics."""
+
+
 class StopTraining(Exception):  # Lightning's and Keras's name for the same thing
     """Raise it in a callback to end the run at the next round boundary, with a checkpoint and final weights;
     `fit()` returns normally and `Result.stopped_early` holds the message."""
@@ -198,6 +202,7 @@ class EarlyStopping(Callback):
 
 def metric_value(metrics: dict[str, float], name: str, field: str) -> float:
     """metrics[name], or an error naming the field, the value and the metrics there are."""
+    metrics = {k: v for k, v in metrics.items() if k not in EVAL_KEYS}
     if name not in metrics:
         from mixtrain.errors import InputValueError
 

@@ -377,6 +377,11 @@ def _retire(path: Path) -> bool:
     return True
 
 
+def checkpoint_name(global_step: int) -> str:
+    """A checkpoint's folder name in RUN_DIR/checkpoints."""
+    return f"step-{global_step:09d}"
+
+
 class CheckpointStore:
     """`run_dir/checkpoints/step-000000123/{model.safetensors, state.pt, manifest.json}`, the newest `keep` of them.
 
@@ -394,6 +399,8 @@ class CheckpointStore:
             raise InputValueError(f"RunConfig.keep_checkpoints={keep}: keep at least 1")
         self.root = Path(run_dir) / "checkpoints"
         self.keep = keep
+        self.keep_also: set[str] = set()
+        """Checkpoint folder names kept beside the newest `keep` (the best one: RunConfig.keep_best)."""
 
     def _listing(self) -> list[tuple[Path, int | None]]:
         """Each `step-*` entry with its place in the save order (None: unreadable), newest first."""
@@ -427,7 +434,7 @@ class CheckpointStore:
         self._check_root()
         self.root.mkdir(parents=True, exist_ok=True)
         self._clear_temporary()
-        final = self.root / f"step-{int(meta['global_step']):09d}"
+        final = self.root / checkpoint_name(int(meta["global_step"]))
         seqs = [seq for _, seq in self._listing() if seq is not None]
         meta = {**meta, "saved_seq": 1 + max(seqs, default=0)}
         tmp = Path(tempfile.mkdtemp(dir=self.root, prefix=_TMP))
@@ -476,7 +483,8 @@ class CheckpointStore:
             _retire(aside)
 
     def prune(self, keep: int) -> list[Path]:
-        """Delete all but the newest `keep` checkpoints (and unfinished temporary folders); returns those deleted.
+        """Delete all but the newest `keep` checkpoints and those named in `keep_also` (and unfinished temporary
+        folders); returns those deleted.
         Only checkpoints that can be read count: what cannot be (a crash's leftover from an earlier version, a
         damaged manifest, a symbolic link) neither takes a good one's place nor is deleted, so the newest good
         checkpoint always stays."""
@@ -484,7 +492,7 @@ class CheckpointStore:
         self._check_root()
         self._clear_temporary()
         good = [path for path, seq in self._listing() if seq is not None]
-        return [path for path in good[keep:] if _retire(path)]
+        return [path for path in good[keep:] if path.name not in self.keep_also and _retire(path)]
 
     @staticmethod
     def verify(path: Path) -> dict[str, Any]:

@@ -6,7 +6,7 @@ import math
 import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
-from typing import Literal, cast, get_args
+from typing import Any, Literal, cast, get_args
 
 from mixtrain import _checks as check
 from mixtrain.errors import InputTypeError, InputValueError
@@ -375,6 +375,15 @@ class RunConfig:
     tensorboard: bool | None = None
     """TensorBoard event files in run_dir/tensorboard: None writes them when tensorboardX (or tensorboard)
     is installed, True requires it, False writes none."""
+    max_steps: int | None = None
+    """Stop after this many global steps (optimizer steps of the global batch, counted from the run's start):
+    overrides fit(epochs=...), and the run may end inside an epoch (with a checkpoint and an evaluation there)."""
+    eval_every: int | None = None
+    """Evaluate every this many global steps (and at the run's end) instead of at each epoch's end; each
+    evaluation is followed by a checkpoint, so a resumed run keeps the same schedule."""
+    keep_best: tuple[str, str] | None = None
+    """(metric, "min" or "max"), e.g. ("loss", "min"): the checkpoint with the best held-out value is kept
+    beside the newest ones (pruning never deletes it); Result.best_checkpoint names it. Needs eval data."""
 
     def __post_init__(self) -> None:
         check.text("RunConfig.name", self.name, none=True)
@@ -394,6 +403,22 @@ class RunConfig:
         check.boolean("RunConfig.progress", self.progress)
         check.boolean("RunConfig.rejoin", self.rejoin)
         check.boolean("RunConfig.tensorboard", self.tensorboard, none=True)
+        check.integer("RunConfig.max_steps", self.max_steps, 1, none=True, hint="None: fit(epochs=...) decides")
+        check.integer("RunConfig.eval_every", self.eval_every, 1, none=True, hint="None: at each epoch's end")
+        _check_keep_best(self.keep_best)
+        if self.keep_best is not None:  # a list from a TOML file or JSON: the same setting
+            object.__setattr__(self, "keep_best", (self.keep_best[0], self.keep_best[1]))
+
+
+def _check_keep_best(value: Any) -> None:
+    if value is None:
+        return
+    ok = isinstance(value, (tuple, list)) and len(value) == 2 and isinstance(value[0], str) and value[0]
+    if not ok or value[1] not in ("min", "max"):
+        raise InputValueError(
+            f"RunConfig.keep_best={value!r}: give (metric, mode), e.g. ('loss', 'min') or ('accuracy', 'max') "
+            "(--keep-best loss:min), or None"
+        )
 
 
 StrategyName = Literal["allreduce", "ps", "ps-async", "local-sgd", "auto"]

@@ -25,6 +25,10 @@ class Result:
     """Where each worker ran: rank, host, pid, device, threads."""
     seconds_to_first_step: float = 0.0
     """From fit() being called to the first round being sent."""
+    best_checkpoint: Path | None = None
+    """The checkpoint with the best held-out metric (RunConfig.keep_best), kept beside the newest ones."""
+    stopped_early: str | None = None
+    """Why a callback (EarlyStopping, or one raising StopTraining) ended the run before its last step."""
 
     @property
     def metrics(self) -> dict[str, Any]:

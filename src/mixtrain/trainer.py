@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import hashlib
+import json
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, cast
@@ -13,6 +14,7 @@ from typing import Any, cast
 import numpy as np
 import ray
 
+from mixtrain.callbacks import Callback, EarlyStopping, RunEnded, RunStarted
 from mixtrain.checkpoint import MANIFEST, CheckpointMeta, CheckpointStore, save_final_weights
 from mixtrain.cluster import connect
 from mixtrain.comm.state_transfer import pack, unpack
@@ -20,6 +22,7 @@ from mixtrain.comm.strategy import tensor_bytes
 from mixtrain.config import RunConfig, ScalingConfig, StrategyConfig, StrategyName, check_together
 from mixtrain.core.bringup import Bringup, Phases, bring_up
 from mixtrain.core.controller import Controller, Policies
+from mixtrain.core.hooks import Hooks, check_callbacks
 from mixtrain.core.interrupt import GracefulStop
 from mixtrain.core.run_state import RunSettings
 from mixtrain.core.tunables import Tunables
@@ -56,6 +59,7 @@ class Trainer:
         scaling: ScalingConfig | None = None,
         run: RunConfig | None = None,
         strategy: str | StrategyConfig = "allreduce",
+        callbacks: Sequence[Callback] | None = None,
     ) -> None:
         if not callable(task_factory):
             raise InputTypeError(
@@ -80,6 +84,7 @@ class Trainer:
         self.scaling = scaling
         self.run = run
         self.strategy = strategy
+        self.callbacks = check_callbacks(callbacks)
 
     def fit(self, epochs: int = 1, resume: str | Path | None = None) -> Result:
         """Train until `epochs` epochs are done. `resume`: a run folder (its newest good checkpoint) or one
@@ -98,11 +103,16 @@ class Trainer:
         phases.mark("Ray")
         group = self.worker_group_cls(self.scaling, self.run.seed, tunables)
         group.log_dir = run_dir / "logs"
-        with GracefulStop() as stop:
-            trained = self._train(group, _Start(run_dir, _run_id(resumed), resumed, epochs, warnings, phases), stop)
-        controller, up, state = trained
-        model_path = save_final_weights(state, run_dir, controller.last_checkpoint, controller.view.log)
-        return Result(
+        hooks = Hooks(self.callbacks, global_batch=self.global_batch)
+        try:
+            with GracefulStop() as stop:
+                start = _Start(run_dir, _run_id(resumed), resumed, epochs, warnings, phases)
+                controller, up, state = self._train(group, start, stop, hooks)
+            model_path = save_final_weights(state, run_dir, controller.last_checkpoint, controller.view.log)
+        except BaseException as exc:
+            hooks.run_ended(RunEnded(run_dir, error=exc))
+            raise
+        result = Result(
             run_dir=run_dir,
             model_path=model_path,
             state_dict=state,
@@ -110,20 +120,33 @@ class Trainer:
             evals=controller.evals,
             workers=[w.as_dict() for w in up.workers],
             seconds_to_first_step=controller.started_at - t_start,
+            best_checkpoint=controller.best_checkpoint,
+            stopped_early=controller.stopped_early,
         )
+        hooks.run_ended(RunEnded(run_dir, result=result, stopped_early=controller.stopped_early))
+        return result
 
-    def _train(self, group: WorkerGroup, start: _Start, stop: GracefulStop) -> tuple[Controller, Bringup, Any]:
+    def _train(
+        self, group: WorkerGroup, start: _Start, stop: GracefulStop, hooks: Hooks
+    ) -> tuple[Controller, Bringup, Any]:
         """Bring the workers up, train, and fetch the final weights; the workers stop whatever happens."""
         view, log, interrupted, finished = ProgressView(False, 0), None, False, False
         try:
             group.start()
             up = self._bring_up(group, start.phases)
-            log = self._open_log(start.run_dir, up, start.epochs, start.run_id)
-            view = ProgressView(self.run.progress, up.num_samples * start.epochs, start.epochs)
-            self._announce(view, up, start.run_dir, start.epochs, start.warnings)
-            position = (0, 0)
+            self._check_evaluation(up.num_eval)
+            num_steps = steps_per_epoch(up.num_samples, self.global_batch)
+            epochs = start.epochs if self.run.max_steps is None else -(-self.run.max_steps // num_steps)
+            log = self._open_log(start.run_dir, up, epochs, start.run_id)
+            total = up.num_samples * epochs
+            if self.run.max_steps is not None:
+                total = min(total, self.run.max_steps * self.global_batch)
+            view = ProgressView(self.run.progress, total, epochs)
+            self._announce(view, up, start.run_dir, epochs, start.warnings)
+            hooks.steps_per_epoch, hooks.num_samples, hooks.say = num_steps, up.num_samples, view.log
+            position, driver_state = (0, 0), None
             if start.resumed is not None:
-                position = self._restore(group, up, start.resumed, view)
+                position, driver_state = self._restore(group, up, start.resumed, view)
             settings = self._settings(up, start.run_id)
             controller = Controller(
                 up.ops,
@@ -134,9 +157,26 @@ class Trainer:
                 view=view,
                 checkpoints=CheckpointStore(start.run_dir, self.run.keep_checkpoints),
                 stop=stop,
+                hooks=hooks,
+            )
+            if start.resumed is not None:
+                controller.load_driver_state(driver_state)
+            resumed_from = start.resumed[2] if start.resumed is not None else None
+            config = json.loads((start.run_dir / "config.json").read_text())
+            hooks.run_started(
+                RunStarted(
+                    start.run_dir,
+                    start.run_id,
+                    config,
+                    epochs,
+                    self.run.max_steps,
+                    num_steps,
+                    controller.global_step(*position),
+                    resumed_from,
+                )
             )
             stop.arm()
-            controller.run(start.epochs, position)
+            controller.run(epochs, position)
             state = group.receive(0, "state_dict", stall_s=group.tunables.collective_timeout_s)
             finished = True
             return controller, up, unpack(state)
@@ -153,7 +193,12 @@ class Trainer:
         resumed = load_resume(resume, warnings.append)
         _, manifest, ckpt_path = resumed
         meta = CheckpointMeta.from_manifest(manifest)
-        if (meta.epoch, meta.step) >= (epochs, 0):
+        if self.run.max_steps is not None and meta.global_step >= self.run.max_steps:
+            raise InputValueError(
+                f"resume={str(resume)!r}: its checkpoint is at global step {meta.global_step}; "
+                f"RunConfig.max_steps={self.run.max_steps} has nothing left to do: ask for more steps (--max-steps)"
+            )
+        if self.run.max_steps is None and (meta.epoch, meta.step) >= (epochs, 0):
             raise InputValueError(
                 f"resume={str(resume)!r}: its checkpoint is at epoch {meta.epoch}, step {meta.step}; "
                 f"fit(epochs={epochs}) has nothing left to do: ask for more epochs"
@@ -242,6 +287,9 @@ class Trainer:
             max_failures=self.run.max_failures,
             max_nonfinite_steps=self.run.max_nonfinite_steps,
             plan_tables=self.run.plan_tables,
+            max_steps=self.run.max_steps,
+            eval_every=self.run.eval_every,
+            keep_best=self.run.keep_best,
         )
 
     def plan(self) -> Bringup:
@@ -258,13 +306,16 @@ class Trainer:
         finally:
             group.shutdown(finished=planned)
 
-    def _restore(self, group: WorkerGroup, up: Bringup, resumed: Resumed, view: ProgressView) -> tuple[int, int]:
+    def _restore(
+        self, group: WorkerGroup, up: Bringup, resumed: Resumed, view: ProgressView
+    ) -> tuple[tuple[int, int], Any]:
         """Every worker loads the checkpoint; with as many workers as before, each gets its own random
         streams back and balanced shares continue where they were, so the run continues exactly. The group
         re-forms, so the strategy starts from the loaded state (the parameter servers load it, local SGD
-        takes it as its common point)."""
+        takes it as its common point). Returns where training goes on and the driver's own saved state."""
         state, manifest, path = resumed
         rng = state.pop("rng", None)
+        driver_state = state.pop("driver", None)  # the callbacks' and the best checkpoint's: the driver's
         members = group.members
         same = rng is not None and len(rng) == len(members)
         ref = ray.put(pack(state))  # once, not once per worker; each worker reads it in place
@@ -281,7 +332,17 @@ class Trainer:
         start = (meta.epoch, meta.step)
         view.log(f"resumed from {path} at epoch {start[0]}, step {start[1]}")
         view.start_at(min(up.num_samples, start[1] * self.global_batch) + start[0] * up.num_samples)
-        return start
+        return start, driver_state
+
+    def _check_evaluation(self, num_eval: int) -> None:
+        """keep_best and EarlyStopping read held-out metrics: refuse them before training when there are none."""
+        wants = ["RunConfig.keep_best"] if self.run.keep_best else []
+        wants += [type(cb).__name__ for cb in self.callbacks if isinstance(cb, EarlyStopping)]
+        if wants and not num_eval:
+            raise InputValueError(
+                f"{' and '.join(wants)} compare held-out metrics, but this run has no held-out data: give eval_data "
+                "(a job function's Job(eval_data=...)), or drop them"
+            )
 
     def _bring_up(self, group: WorkerGroup, phases: Phases | None = None) -> Bringup:
         return bring_up(

@@ -16,13 +16,18 @@ NUM_SAMPLES = 64 * 29 + 20  # 30 steps; the last one is a partial batch of 20
 SEED = 7
 
 
-def reference(model: str, opt: str, x: torch.Tensor, y: torch.Tensor, epochs: int = 1) -> dict[str, torch.Tensor]:
-    """Plain single-process PyTorch: batch 64 in each epoch's sample order."""
+def reference(
+    model: str, opt: str, x: torch.Tensor, y: torch.Tensor, epochs: int = 1, max_steps: int | None = None
+) -> dict[str, torch.Tensor]:
+    """Plain single-process PyTorch: batch 64 in each epoch's sample order (the first `max_steps` steps)."""
     torch.manual_seed(SEED)
     task = make_task(model, opt)
+    num_steps = steps_per_epoch(len(y), GLOBAL_BATCH)
     for epoch in range(epochs):
         perm = torch.from_numpy(epoch_permutation(SEED, epoch, len(y)))
-        for step in range(steps_per_epoch(len(y), GLOBAL_BATCH)):
+        for step in range(num_steps):
+            if max_steps is not None and epoch * num_steps + step >= max_steps:
+                break
             idx = perm[step * GLOBAL_BATCH : (step + 1) * GLOBAL_BATCH]
             task.optimizer.zero_grad()
             task.loss_fn(task.model(x[idx]), y[idx]).backward()

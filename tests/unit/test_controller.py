@@ -15,6 +15,7 @@ from mixtrain.checkpoint import CheckpointStore
 from mixtrain.cluster.placement import WorkerSpec
 from mixtrain.core.changes import TrainingStopped
 from mixtrain.core.controller import Controller, Done, EpochEnd, Policies, RoundDone, RoundFailed, Stopping, Train
+from mixtrain.core.hooks import Hooks
 from mixtrain.core.interrupt import TrainingInterrupted
 from mixtrain.core.membership import Member, Membership, Status
 from mixtrain.core.messages import RoundPlan, WorkerInfo, WorkerReport
@@ -157,8 +158,12 @@ def controller(
     max_failures: int = 3,
     steps_per_round: int | None = 2,
     stop: Stop | None = None,
+    hooks: Hooks | None = None,
+    **more: Any,
 ) -> tuple[Controller, Log]:
+    """A controller over `group` with a fake log; `more`: other RunSettings (max_steps, eval_every, keep_best)."""
     settings = RunSettings(
+        **more,
         num_samples=NUM_SAMPLES,
         global_batch=GLOBAL_BATCH,
         steps_per_round=steps_per_round,
@@ -181,6 +186,7 @@ def controller(
             view=ProgressView(False, 0),
             checkpoints=CheckpointStore(tmp_path),
             stop=stop,  # type: ignore[arg-type]
+            hooks=hooks,
         ),
         log,
     )

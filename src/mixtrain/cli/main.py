@@ -215,6 +215,29 @@ def build_parser() -> argparse.ArgumentParser:
         **_field("max_failures"),
         help="lost workers survived per hour before stopping (default %(default)s)",
     )
+    train.add_argument(
+        "--max-steps",
+        type=_positive_int,
+        help="stop after this many global steps (overrides --epochs; a resume continues to it)",
+    )
+    train.add_argument(
+        "--eval-every",
+        type=_positive_int,
+        metavar="STEPS",
+        help="evaluate every this many global steps and at the end (default: at each epoch's end)",
+    )
+    train.add_argument(
+        "--keep-best",
+        type=_keep_best,
+        metavar="METRIC[:min|max]",
+        help="keep the checkpoint with the best held-out METRIC beside the newest ones (e.g. loss, accuracy:max)",
+    )
+    train.add_argument(
+        "--early-stopping",
+        type=_early_stopping,
+        metavar="METRIC[:min|max][:PATIENCE]",
+        help="stop when the held-out METRIC has not improved for PATIENCE evaluations (default 3), e.g. loss:min:3",
+    )
     train.add_argument("--quiet", action="store_true", help="no live progress")
     train.add_argument(
         "--plan-tables", action="store_true", help="the whole plan table at every re-plan (default: one line each)"
@@ -432,6 +455,34 @@ def _workers(text: str) -> int | str | list:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
+def _metric_mode(text: str, flag: str) -> tuple[str, str, list[str]]:
+    """METRIC[:min|max][:...] -> (metric, mode, the rest). The mode defaults to min for a loss, else max."""
+    parts = text.split(":")
+    metric = parts[0].strip()
+    if not metric:
+        raise argparse.ArgumentTypeError(f"{flag} {text!r}: name a held-out metric first, e.g. loss or accuracy:max")
+    rest = parts[1:]
+    if rest and rest[0] in ("min", "max"):
+        return metric, rest[0], rest[1:]
+    return metric, "min" if "loss" in metric else "max", rest
+
+
+def _keep_best(text: str) -> tuple[str, str]:
+    metric, mode, rest = _metric_mode(text, "--keep-best")
+    if rest:
+        raise argparse.ArgumentTypeError(f"--keep-best {text!r}: give METRIC or METRIC:min / METRIC:max")
+    return metric, mode
+
+
+def _early_stopping(text: str) -> tuple[str, str, int]:
+    metric, mode, rest = _metric_mode(text, "--early-stopping")
+    if len(rest) > 1 or (rest and not rest[0].isdigit()) or (rest and int(rest[0]) < 1):
+        raise argparse.ArgumentTypeError(
+            f"--early-stopping {text!r}: give METRIC[:min|max][:PATIENCE], PATIENCE an integer >= 1, e.g. loss:min:3"
+        )
+    return metric, mode, int(rest[0]) if rest else 3
+
+
 def _task(args: argparse.Namespace) -> tuple[str, str]:
     """(target, the flag it came from)."""
     if args.task and args.example and args.task != args.example:
@@ -477,6 +528,9 @@ def _trainer(
         "progress": not getattr(args, "quiet", True),
         "plan_tables": getattr(args, "plan_tables", False),
         "tensorboard": True if getattr(args, "tensorboard", False) else None,
+        "max_steps": getattr(args, "max_steps", None),
+        "eval_every": getattr(args, "eval_every", None),
+        "keep_best": getattr(args, "keep_best", None),
     }
     strategy = {**given[StrategyConfig], "overlap": args.overlap, "ps_shards": args.ps_shards or "auto"}
     return job, job.trainer(
@@ -484,7 +538,19 @@ def _trainer(
         scaling=ScalingConfig(**scaling),
         strategy=StrategyConfig(**strategy),
         run=RunConfig(**run),
+        callbacks=_callbacks(args),
     )
+
+
+def _callbacks(args: argparse.Namespace) -> list[Any]:
+    """The callbacks the flags ask for."""
+    from mixtrain.callbacks import EarlyStopping
+
+    out: list[Any] = []
+    if getattr(args, "early_stopping", None):
+        metric, mode, patience = args.early_stopping
+        out.append(EarlyStopping(metric, mode, patience))
+    return out
 
 
 _CONFIGS = (ScalingConfig, RunConfig, StrategyConfig)
@@ -598,6 +664,7 @@ def _check_resumed_job(args: argparse.Namespace) -> None:
 
 def cmd_train(args: argparse.Namespace, raw: list[str]) -> int:
 
+    from mixtrain.callbacks import EVAL_KEYS
     from mixtrain.observe.runlog import check_new_run_dir, new_run_name
 
     run_dir = Path(args.run_dir or args.resume or Path("mixtrain_runs") / new_run_name())
@@ -612,8 +679,12 @@ def cmd_train(args: argparse.Namespace, raw: list[str]) -> int:
         save_command(raw, run_dir, _task(args)[0], args.config_data, args.job_args)
     result = trainer.fit(epochs=args.epochs or job.epochs, resume=args.resume)
     metrics = result.metrics
-    summary = ", ".join(f"{k} {v:.4f}" for k, v in metrics.items() if k not in ("samples", "epoch"))
+    summary = ", ".join(f"{k} {v:.4f}" for k, v in metrics.items() if k not in EVAL_KEYS)
     print(f"held-out {summary}")
+    if result.stopped_early:
+        print(f"stopped early: {result.stopped_early}")
+    if result.best_checkpoint is not None:
+        print(f"best checkpoint: {result.best_checkpoint}")
     print(f"run folder: {result.run_dir}")
     return 0
 

@@ -1,27 +1,34 @@
 """The driver's loop, as a small state machine. Workers do the steps; the policies decide (policies/decisions.py);
 the controller carries their decisions out between rounds.
 
-    Train(epoch, step) --a round--> RoundDone --(pace, balance, checkpoint, admit)--> Train(epoch, step + n)
+    Train(epoch, step) --a round--> RoundDone --(pace, balance, evaluate, checkpoint, admit)--> Train(epoch, step + n)
           |                \\--a worker lost or out of memory--> RoundFailed --(recover)--> Train(where it goes on)
-          |--the epoch's steps are done--> EpochEnd --(checkpoint, evaluate)--> Train(epoch + 1, 0) or Done
+          |--the epoch's steps are done--> EpochEnd --(evaluate, checkpoint)--> Train(epoch + 1, 0) or Done
+          |--max_steps reached, or a callback raised StopTraining--> Finishing --(evaluate, checkpoint)--> Done
           \\--Ctrl-C--> Stopping --(checkpoint)--> raises TrainingInterrupted
 
-`run()` is a loop over `step(state)`; each transition is one method and returns the next state. Recovery is a
+`run()` is a loop over `step(state)`; each transition is one method and returns the next state. Every record the
+controller writes passes the user's callbacks (core/hooks.py) on its way to metrics.jsonl. Recovery is a
 transition too: a lost worker (in a round, a checkpoint or an evaluation) leads to where training goes on, the
 last checkpoint included. No Ray here: the group is a `GroupPort` (core/port.py), which the tests fake.
 """
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, TypeVar
 
-from mixtrain.checkpoint import CheckpointStore
+from mixtrain.callbacks import EVAL_KEYS
+from mixtrain.checkpoint import CheckpointStore, checkpoint_name
 from mixtrain.core import evaluation
 from mixtrain.core.balancing import Balancing
+from mixtrain.core.best import Best
 from mixtrain.core.changes import Changes, TrainingStopped
+from mixtrain.core.hooks import Hooks
 from mixtrain.core.interrupt import GracefulStop, TrainingInterrupted
 from mixtrain.core.messages import RoundPlan
 from mixtrain.core.port import GroupPort, RoundOutcome, WorkersLost
@@ -30,6 +37,7 @@ from mixtrain.core.run_state import RunSettings
 from mixtrain.core.schedule import Checkpoints, eval_batches, eval_split
 from mixtrain.core.tunables import Tunables
 from mixtrain.data.sampling import steps_per_epoch
+from mixtrain.errors import InputValueError
 from mixtrain.observe.progress import ProgressView, state_memory_line
 from mixtrain.observe.runlog import RunLog
 from mixtrain.policies.decisions import Adopt, FailureBudget, LeaveOut, NonFiniteStreak, Readmit, Rebalancer, Stop
@@ -78,11 +86,19 @@ class Stopping:
 
 
 @dataclass(frozen=True)
+class Finishing:
+    """The run ends inside an epoch, at (epoch, step): max_steps reached, or a callback raised StopTraining."""
+
+    epoch: int
+    step: int
+
+
+@dataclass(frozen=True)
 class Done:
     pass
 
 
-State = Train | RoundDone | RoundFailed | EpochEnd | Stopping | Done
+State = Train | RoundDone | RoundFailed | EpochEnd | Finishing | Stopping | Done
 
 
 @dataclass(frozen=True)
@@ -120,6 +136,7 @@ class Controller:
         view: ProgressView,
         checkpoints: CheckpointStore | None = None,
         stop: GracefulStop | None = None,
+        hooks: Hooks | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.port = port
@@ -127,6 +144,9 @@ class Controller:
         self.settings = settings
         self.tunables = tunables
         self.policies = policies
+        self.hooks = hooks or Hooks()
+        """The user's callbacks: they hear every record written to `log`, and may ask the run to stop."""
+        log = self.hooks.watch(log)  # type: ignore[assignment]
         self.log = log
         self.view = view
         self.stop = stop
@@ -148,11 +168,21 @@ class Controller:
         )
         self.num_steps = steps_per_epoch(settings.num_samples, settings.global_batch)
         self.epochs = 0  # set by run()
+        self.best = Best(*settings.keep_best) if settings.keep_best else None
+        self.evaluated_at: int | None = None
+        """The global step of the last evaluation (none twice at one step)."""
+        self.stopped_early: str | None = None
         # a short first round measures the step time (local SGD: H steps, the shortest without an early exchange)
         first = settings.steps_per_round or max(2, settings.min_round_steps)
         self.round_steps = whole_exchanges(first, settings.steps_per_exchange)
         self.started_at = 0.0
         """time.perf_counter() when run() began: the first step."""
+
+    @property
+    def last_step(self) -> int:
+        """The global step the run ends at: RunConfig.max_steps, or the last epoch's end."""
+        end = self.epochs * self.num_steps
+        return end if self.settings.max_steps is None else min(end, self.settings.max_steps)
 
     @property
     def last_checkpoint(self) -> Any:
@@ -179,6 +209,8 @@ class Controller:
             return self._round_failed(state)
         if isinstance(state, EpochEnd):
             return self._epoch_end(state)
+        if isinstance(state, Finishing):
+            return self._finishing(state)
         if isinstance(state, Stopping):
             return self._stopping(state)
         raise AssertionError(f"no transition from {state}")
@@ -189,7 +221,9 @@ class Controller:
             return Stopping(at.epoch, at.step)
         if at.step >= self.num_steps:
             return EpochEnd(at.epoch)
-        plan = self._round_plan(at, min(self.round_steps, self.num_steps - at.step))
+        if self.hooks.stop_reason is not None or self.global_step(at.epoch, at.step) >= self.last_step:
+            return Finishing(at.epoch, at.step)
+        plan = self._round_plan(at, self._round_length(at))
         outcome = self.port.run_round(plan)
         if outcome.failed:
             return RoundFailed(plan, outcome)
@@ -207,7 +241,11 @@ class Controller:
             self.balancing.measure(record)
             self._balance(record)
         at = (plan.epoch, plan.first_step + plan.num_steps)
-        if at[1] < self.num_steps and self.checkpoints.due():
+        if at[1] < self.num_steps and self._eval_due(*at):
+            rewound = self._evaluate_and_checkpoint(at, at)
+            if rewound is not None:
+                return rewound
+        elif at[1] < self.num_steps and self.checkpoints.due():
             rewound = self._checkpoint(at)
             if rewound is not None:
                 return rewound
@@ -244,27 +282,52 @@ class Controller:
         return Train(*self.changes.recover(outcome.lost, outcome.reports, at, committed))
 
     def _epoch_end(self, end: EpochEnd) -> State:
-        epoch = end.epoch
-        if self.checkpoints.due_at_epoch_end(epoch, self.epochs):
-            rewound = self._checkpoint((epoch + 1, 0))
-            if rewound is not None:
-                return rewound
+        """The epoch's line; an evaluation when one is due here; then a checkpoint (after the evaluation, so it
+        holds what the callbacks and the best checkpoint made of it, and a resumed run goes on counting)."""
+        epoch, after = end.epoch, (end.epoch + 1, 0)
+        last = epoch + 1 >= self.epochs or self.global_step(*after) >= self.last_step or self.hooks.stop_reason
         rounds = [r for r in self.history if r.epoch == epoch and not r.superseded]
         line = f"epoch {epoch + 1}/{self.epochs}:"
         if rounds:  # none when a run resumed exactly at this epoch's end (a Ctrl-C after its last round)
             samples, wall = sum(r.samples for r in rounds), sum(r.wall_s for r in rounds)
             line += f" loss {rounds[-1].last_loss:.4f}  {samples / wall:,.0f} samples/s"
-        if self.settings.num_eval:
-            ev = self._tolerant("evaluate", self.evaluate, (epoch + 1, 0))
-            if isinstance(ev, Train):
-                return ev
-            ev["epoch"] = epoch
-            self.evals.append(ev)
-            self.log.write("eval", ev)
-            line += f"  held-out loss {ev['loss']:.4f}"
-            line += "".join(f"  {k} {v:.4f}" for k, v in ev.items() if k not in ("loss", "samples", "epoch"))
         self.view.log(line)
-        return Done() if epoch + 1 >= self.epochs else Train(epoch + 1, 0)
+        if self._eval_due(epoch, self.num_steps) or (last and self.settings.num_eval):
+            rewound = self._evaluate_and_checkpoint((epoch, self.num_steps), after)
+        elif self.checkpoints.due_at_epoch_end(epoch, self.epochs) or (last and self.checkpoints.enabled):
+            rewound = self._checkpoint(after)
+        else:
+            rewound = None
+        if rewound is not None:
+            return rewound
+        if last:
+            self._stopped_early(*after)
+            return Done()
+        return Train(*after)
+
+    def _finishing(self, end: Finishing) -> State:
+        """max_steps reached inside an epoch, or a callback's StopTraining: an evaluation and a checkpoint here
+        (a resume with a larger max_steps goes on from this step), then done."""
+        at = (end.epoch, end.step)
+        if self.settings.num_eval:
+            rewound = self._evaluate_and_checkpoint(at, at)
+        else:
+            rewound = self._checkpoint(at) if self.checkpoints.enabled and self.checkpoints.at != at else None
+        if rewound is not None:
+            return rewound
+        self._stopped_early(*at)
+        return Done()
+
+    def _stopped_early(self, epoch: int, step: int) -> None:
+        """Say why the run ends here when a callback asked (Result.stopped_early) or max_steps ends an epoch."""
+        where = f"epoch {epoch}, step {step} (global step {self.global_step(epoch, step)})"
+        reason = self.hooks.stop_reason
+        if reason is not None:
+            self.stopped_early = reason
+            self.log.write("stopped_early", {"epoch": epoch, "step": step, "reason": reason})
+            self.view.log(f"stopped at {where}: {reason}")
+        elif step and step < self.num_steps:
+            self.view.log(f"RunConfig.max_steps={self.settings.max_steps} reached at {where}")
 
     def _stopping(self, stop: Stopping) -> State:
         """Ctrl-C: a checkpoint here (unless one was just written here), then stop with the resume command."""
@@ -280,6 +343,65 @@ class Controller:
         )
 
     # ---- what the transitions share -------------------------------------------------------------
+    def global_step(self, epoch: int, step: int) -> int:
+        return epoch * self.num_steps + step
+
+    def _round_length(self, at: Train) -> int:
+        """The next round's steps: up to the epoch's end, max_steps, and the next evaluation (RunConfig.eval_every),
+        so those fall on a round boundary."""
+        step = self.global_step(at.epoch, at.step)
+        limit = min(self.round_steps, self.num_steps - at.step, self.last_step - step)
+        every = self.settings.eval_every
+        if every and self.settings.num_eval:
+            limit = min(limit, every - step % every)
+        return limit
+
+    def _eval_due(self, epoch: int, step: int) -> bool:
+        """An evaluation after `step` steps of `epoch`: every eval_every global steps, else at each epoch's end."""
+        if not self.settings.num_eval:
+            return False
+        every = self.settings.eval_every
+        if every:
+            return self.global_step(epoch, step) % every == 0
+        return step >= self.num_steps
+
+    def _evaluate_and_checkpoint(self, where: tuple[int, int], at: tuple[int, int]) -> Train | None:
+        """The held-out metrics after `where` = (epoch, steps done in it), then a checkpoint continuing at `at`
+        (marked best when RunConfig.keep_best says so). None, or where training goes on after a rewind."""
+        ev = self._evaluated(where, at)
+        if isinstance(ev, Train):
+            return ev
+        best = self._is_best(ev, at)
+        if not self.checkpoints.enabled or (self.checkpoints.at == at and not best):
+            return None
+        return self._checkpoint(at, best=best)
+
+    def _evaluated(self, where: tuple[int, int], at: tuple[int, int]) -> dict[str, Any] | Train | None:
+        step = self.global_step(*where)
+        if self.evaluated_at == step:  # an epoch's end that is also an eval_every point
+            return None
+        ev = self._tolerant("evaluate", self.evaluate, at)
+        if isinstance(ev, Train):
+            return ev
+        ev.update(epoch=where[0], step=where[1], global_step=step)
+        self.evaluated_at = step
+        self.evals.append(ev)
+        self.log.write("eval", ev)
+        line = f"held-out after step {step}: loss {ev['loss']:.4f}"
+        line += "".join(f"  {k} {v:.4f}" for k, v in ev.items() if k not in ("loss", *EVAL_KEYS))
+        self.view.log(line)
+        return ev
+
+    def _is_best(self, ev: dict[str, Any] | None, at: tuple[int, int]) -> bool:
+        if self.best is None or ev is None:
+            return False
+        try:
+            return self.best.improved(ev)
+        except InputValueError as exc:  # the metric is not there: say so once a checkpoint holds the training
+            if self.checkpoints.enabled and self.checkpoints.at != at:
+                self._checkpoint(at)
+            raise InputValueError(f"{exc}. {self.checkpoints.resume_hint(self.port.scaling)}") from None
+
     def _round_plan(self, at: Train, num_steps: int) -> RoundPlan:
         return RoundPlan(
             epoch=at.epoch,
@@ -335,12 +457,18 @@ class Controller:
                 f"training stopped: {decision.reason}. {self.checkpoints.resume_hint(self.port.scaling)}"
             )
 
-    def _checkpoint(self, at: tuple[int, int]) -> Train | None:
-        """Rank 0's training state and every rank's random streams, to continue at `at`. A worker lost meanwhile
-        is recovered from first; None, or where training goes on when that took it back to the last checkpoint."""
+    def _checkpoint(self, at: tuple[int, int], best: bool = False) -> Train | None:
+        """Rank 0's training state, every rank's random streams and the driver's own (callbacks, best checkpoint),
+        to continue at `at`. A worker lost meanwhile is recovered from first; None, or where training goes on when
+        that took it back to the last checkpoint. `best`: kept beside the newest ones (RunConfig.keep_best)."""
         state = self._tolerant("checkpoint", self._collect_state, at)
         if isinstance(state, Train):
             return state
+        if best and self.best is not None and self.checkpoints.store is not None:
+            name = checkpoint_name(self.global_step(*at))
+            self.checkpoints.store.keep_also = {name}
+            self.best.name = name
+        state["driver"] = self.driver_state()
         self.checkpoints.write(at, state, self.members, self.num_steps)
         return None
 
@@ -348,6 +476,34 @@ class Controller:
         state = self.port.full_state()
         state["rng"] = self.port.rng_states()
         return state
+
+    def driver_state(self) -> str:
+        """What the driver keeps in a checkpoint beside the workers' state, as JSON."""
+        best = self.best.state() if self.best is not None else None
+        return json.dumps({"callbacks": self.hooks.state(), "best": best})
+
+    def load_driver_state(self, saved: Any) -> None:
+        """The callbacks' state and the best checkpoint, from a checkpoint's driver_state(). (A checkpoint at an
+        evaluation is written after it, and a resumed run starts with a round: nothing is evaluated twice.)"""
+        try:
+            driver = json.loads(saved) if isinstance(saved, str) else {}
+        except ValueError:
+            driver = {}
+        if not isinstance(driver, dict):
+            driver = {}
+        self.hooks.load_state(driver.get("callbacks"))
+        if self.best is not None:
+            self.best.load(driver.get("best"))
+            if self.best.name is not None and self.checkpoints.store is not None:
+                self.checkpoints.store.keep_also = {self.best.name}
+
+    @property
+    def best_checkpoint(self) -> Path | None:
+        """The best checkpoint's folder (RunConfig.keep_best), when it is still there."""
+        if self.best is None or self.best.name is None or self.checkpoints.store is None:
+            return None
+        path = self.checkpoints.store.root / self.best.name
+        return path if path.is_dir() else None
 
     def _tolerant(self, what: str, call: Callable[[], T], at: tuple[int, int]) -> T | Train:
         """`call()` (a checkpoint, an evaluation), surviving workers lost while it runs: re-form the group without

@@ -9,9 +9,10 @@ import json
 import traceback
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Literal, Protocol, cast
 
 from mixtrain.callbacks import (
+    EVAL_KEYS,
     Callback,
     CheckpointSaved,
     Evaluated,
@@ -22,6 +23,8 @@ from mixtrain.callbacks import (
     WorkersChanged,
 )
 from mixtrain.errors import InputTypeError
+
+Change = Literal["lost", "left_out", "readmitted", "rejoined"]
 
 
 class Sink(Protocol):
@@ -81,19 +84,20 @@ class Hooks:
         if not self.callbacks:
             return
         if kind == "round":
-            self.call("on_round_end", self.round_event(r))
+            self.fire("on_round_end", self.round_event(r))
         elif kind == "eval":
-            self.call("on_eval_end", self.eval_event(r))
+            self.fire("on_eval_end", self.eval_event(r))
         elif kind == "checkpoint":
             event = CheckpointSaved(Path(r["path"]), r["epoch"], r["step"], r["global_step"])
-            self.call("on_checkpoint", event)
+            self.fire("on_checkpoint", event)
         elif kind in ("left_out", "readmitted", "rejoined"):
-            worker = r.get("worker") or {}
-            self.call("on_workers_changed", WorkersChanged(kind, [worker], str(r.get("reason", "")), r))
+            change = WorkersChanged(cast(Change, kind), [_worker(r.get("worker"))], str(r.get("reason", "")), dict(r))
+            self.fire("on_workers_changed", change)
         elif kind == "failure":
             lost = r.get("lost", [])
             reason = "; ".join(str(x.get("reason", "")) for x in lost)
-            self.call("on_workers_changed", WorkersChanged("lost", [x.get("worker") or {} for x in lost], reason, r))
+            workers = [_worker(x.get("worker")) for x in lost]
+            self.fire("on_workers_changed", WorkersChanged("lost", workers, reason, dict(r)))
 
     def global_step(self, epoch: int, step: int) -> int:
         return epoch * self.steps_per_epoch + step
@@ -113,7 +117,7 @@ class Hooks:
             shares=list(r["shares"]),
             grad_norm=r.get("grad_norm"),
             lr=list(r.get("lr") or []),
-            record=r,
+            record=dict(r),
         )
 
     def eval_event(self, r: dict[str, Any]) -> Evaluated:
@@ -122,13 +126,13 @@ class Hooks:
         return Evaluated(epoch, step, self.global_step(epoch, step), self.samples_seen(epoch, step), metrics)
 
     def run_started(self, event: RunStarted) -> None:
-        self.call("on_run_start", event)
+        self.fire("on_run_start", event)
 
     def run_ended(self, event: RunEnded) -> None:
-        self.call("on_run_end", event)
+        self.fire("on_run_end", event)
 
     # ---- calling --------------------------------------------------------------------------------
-    def call(self, hook: str, event: Any) -> None:
+    def fire(self, hook: str, event: Any) -> None:
         for cb in self.callbacks:
             try:
                 getattr(cb, hook)(event)
@@ -194,10 +198,6 @@ class Hooks:
                 self._failed(cb, "load_state_dict", exc)
 
 
-EVAL_KEYS = ("kind", "time", "epoch", "step", "global_step", "samples")
-"""An eval record's fields that are not metrics."""
-
-
 class Watched:
     """A log whose writes the callbacks also hear (the controller, its changes and its checkpoints write here)."""
 
@@ -211,6 +211,13 @@ class Watched:
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.inner, name)
+
+
+def _worker(info: Any) -> dict[str, Any]:
+    """A worker as Result.workers describes it (the records carry WorkerInfo objects)."""
+    if info is None:
+        return {}
+    return info.as_dict() if hasattr(info, "as_dict") else dict(info)
 
 
 def _trace(exc: BaseException) -> str:

@@ -33,5 +33,11 @@ class RunSettings:
     checkpoint_every_s: float = 60.0
     max_failures: int = 3
     max_nonfinite_steps: int = 10
+    max_steps: int | None = None
+    """Stop at this global step (RunConfig.max_steps); None: at the last epoch's end."""
+    eval_every: int | None = None
+    """Evaluate every this many global steps (RunConfig.eval_every); None: at each epoch's end."""
+    keep_best: tuple[str, str] | None = None
+    """(metric, mode): keep the checkpoint with the best held-out value (RunConfig.keep_best)."""
     plan_tables: bool = False
     """A re-plan prints its whole table (RunConfig.plan_tables); else one line."""

@@ -91,6 +91,7 @@ class Checkpoints:
         assert self.last is not None, "a sharded run writes one before its first step"
         state, manifest = CheckpointStore.read(self.last)
         state.pop("rng", None)
+        state.pop("driver", None)  # the driver's own state: the driver has it
         return state, CheckpointMeta.from_manifest(manifest)
 
     def resume_hint(self, scaling: ScalingConfig) -> str:
