@@ -210,6 +210,9 @@ class WorkerReport:
     already (a closed connection is not this: the peer died, or left on purpose, as after out of memory)."""
     out_of_memory: bool = False
     """With peer_lost: this worker ran out of device memory (its message says so); the others lost it as a peer."""
+    lr: list[float] = field(default_factory=list)
+    """Per optimizer param group, the learning rate after the round's last step (and scheduler step): what the
+    next round starts with. Empty when the round did not finish."""
     committed_steps: int = 0
     """How many of the round's steps stand should the round turn out failed (a peer lost): this replica's
     committed steps; all of them after a round it finished; 0 under parameter servers (rounds are redone whole)."""

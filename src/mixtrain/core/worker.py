@@ -22,7 +22,7 @@ from mixtrain.comm import netif, process_group, registry, state_transfer
 from mixtrain.comm.state_transfer import pack, unpack
 from mixtrain.comm.strategy import JoinContext, SyncStrategy
 from mixtrain.core import evaluation, probe, warm_workers
-from mixtrain.core.ledger import RoundLedger
+from mixtrain.core.ledger import RoundLedger, learning_rates
 from mixtrain.core.messages import (
     BuildReport,
     DataReport,
@@ -464,7 +464,8 @@ class TrainWorker:
             ledger.report.cpu_share, ledger.report.cpu_wait_s = measured
         weight = plan.shares[self.rank] / sum(plan.shares)  # for buffer averaging: this rank's part of the round
         sync = self.strategy.end_round(self.task, weight, plan.drift_tolerance)
-        return ledger.close(plan, sync, self.kind.memory_in_use(index), self._state_bytes())
+        lr = learning_rates(self.task.optimizer)  # after end_round: a step read late has had its scheduler step
+        return ledger.close(plan, sync, self.kind.memory_in_use(index), self._state_bytes(), lr)
 
     def _compute(
         self, segments: list[Segment], batches: Iterator[Any], step_total: int, inner: int | None, cpu: CpuShare
