@@ -25,6 +25,9 @@ class Result:
     """Where each worker ran: rank, host, pid, device, threads."""
     seconds_to_first_step: float = 0.0
     """From fit() being called to the first round being sent."""
+    hf_model_path: Path | None = None
+    """When the model is a Hugging Face transformers.PreTrainedModel: RUN_DIR/hf_model, the final weights as
+    save_pretrained writes them (AutoModel.from_pretrained(path) loads it); None for any other model."""
 
     @property
     def metrics(self) -> dict[str, Any]:

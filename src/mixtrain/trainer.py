@@ -30,6 +30,7 @@ from mixtrain.errors import InputTypeError, InputValueError
 from mixtrain.observe.progress import ProgressView, plan_table, probe_memory_line
 from mixtrain.observe.runlog import RunLog, check_tensorboard, make_run_dir
 from mixtrain.policies.planner import plan_record, resolve_shares
+from mixtrain.pretrained import save_final_hf_model
 from mixtrain.result import Result
 from mixtrain.task import Task
 
@@ -102,6 +103,7 @@ class Trainer:
             trained = self._train(group, _Start(run_dir, _run_id(resumed), resumed, epochs, warnings, phases), stop)
         controller, up, state = trained
         model_path = save_final_weights(state, run_dir, controller.last_checkpoint, controller.view.log)
+        hf_model_path = save_final_hf_model(state, up.hf_model, run_dir, controller.view.log)
         return Result(
             run_dir=run_dir,
             model_path=model_path,
@@ -110,6 +112,7 @@ class Trainer:
             evals=controller.evals,
             workers=[w.as_dict() for w in up.workers],
             seconds_to_first_step=controller.started_at - t_start,
+            hf_model_path=hf_model_path,
         )
 
     def _train(self, group: WorkerGroup, start: _Start, stop: GracefulStop) -> tuple[Controller, Bringup, Any]:
@@ -200,6 +203,7 @@ class Trainer:
             "backend": up.backend,
             "shares": up.plan.shares,
             "num_samples": up.num_samples,
+            "hf_model": up.hf_model,  # a Hugging Face model's class and config: `mixtrain export` rebuilds it
         }
         log = RunLog(run_dir, config, self.run.tensorboard)
         log.write("workers", {"workers": up.workers})

@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from mixtrain import compat, devices
+from mixtrain import compat, devices, pretrained
 from mixtrain.comm import netif, process_group, registry, state_transfer
 from mixtrain.comm.state_transfer import pack, unpack
 from mixtrain.comm.strategy import JoinContext, SyncStrategy
@@ -219,6 +219,7 @@ class TrainWorker:
             trainable_bytes=sum(p.numel() * 4 for p in model.parameters() if p.requires_grad),
             nccl=torch.distributed.is_nccl_available(),
             max_grad_norm=self.task.max_grad_norm,
+            hf_model=pretrained.spec_of(model),
         )
 
     def check_numerics(self, tolerance: float | None = None, count: int = 8) -> NumericsResult:
