@@ -71,17 +71,22 @@ def save_pretrained(
 
 
 def save_final_hf_model(
-    state_dict: dict[str, Any], spec: HFModelSpec | None, run_dir: Path, say: Callable[[str], None]
+    state_dict: dict[str, Any],
+    spec: HFModelSpec | None,
+    run_dir: Path,
+    say: Callable[[str], None],
+    name: str = HF_MODEL,
 ) -> Path | None:
-    """RUN_DIR/hf_model for a Hugging Face model (None for any other). A failure is said, not raised: the weights
-    are in model.safetensors already, and `mixtrain export RUN_DIR` writes the folder later."""
+    """RUN_DIR/`name` (hf_model: the final weights; hf_best for the best checkpoint's) for a Hugging Face model, None
+    for any other. A failure is said, not raised: the weights are in the run folder already, and `mixtrain export`
+    writes the folder later."""
     if spec is None:
         return None
     try:
-        path = save_pretrained(state_dict, spec, run_dir / HF_MODEL, import_module=True)
+        path = save_pretrained(state_dict, spec, run_dir / name, import_module=True)
     except Exception as exc:
-        say(f"could not write the Hugging Face folder {run_dir / HF_MODEL}: {exc} (the weights are in "
-            f"{run_dir / 'model.safetensors'}; `mixtrain export {run_dir}` tries again)")  # fmt: skip
+        say(f"could not write the Hugging Face folder {run_dir / name}: {exc} (the weights are in the run folder: "
+            "`mixtrain export RUN_DIR`, or `mixtrain export CHECKPOINT --out DIR`, tries again)")  # fmt: skip
         return None
     say(f"done: Hugging Face model in {path} (AutoModel.from_pretrained reads it)")
     return path

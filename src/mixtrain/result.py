@@ -12,7 +12,8 @@ import torch
 @dataclass
 class Result:
     run_dir: Path
-    """Folder with config.json, metrics.jsonl and model.safetensors (the final weights)."""
+    """Folder with config.json, metrics.jsonl and model.safetensors (the final weights); hf_model/ too for a Hugging
+    Face model."""
     model_path: Path
     """The final weights as a .safetensors file: mixtrain.load_weights(path), or safetensors itself."""
     state_dict: dict[str, torch.Tensor]

@@ -133,3 +133,17 @@ def test_the_readmes_two_lines_load_the_weights_file_into_a_fresh_model(tmp_path
     model.load_state_dict(mixtrain.load_weights(model_path))
     _assert_same(model, trained.state_dict())
     assert model.lm_head.weight.data_ptr() == model.transformer.wte.weight.data_ptr()  # still tied
+
+
+def test_at_the_end_of_fit_a_folder_that_cannot_be_written_is_said_not_raised(tmp_path):
+    from mixtrain.pretrained import save_final_hf_model
+
+    model = _trained()
+    said: list[str] = []
+    assert save_final_hf_model(model.state_dict(), None, tmp_path, said.append) is None  # not a Hugging Face model
+    gone = HFModelSpec(model_class="a_module_that_is_not_there:Model", config={})
+    assert save_final_hf_model(model.state_dict(), gone, tmp_path, said.append) is None
+    assert len(said) == 1 and said[0].startswith(f"could not write the Hugging Face folder {tmp_path / HF_MODEL}: ")
+    spec = spec_of(model)
+    assert save_final_hf_model(model.state_dict(), spec, tmp_path, said.append, "hf_best") == tmp_path / "hf_best"
+    assert said[-1] == f"done: Hugging Face model in {tmp_path / 'hf_best'} (AutoModel.from_pretrained reads it)"
