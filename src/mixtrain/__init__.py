@@ -29,6 +29,7 @@ _PUBLIC = {
     "WeightsNotSaved": "mixtrain.checkpoint",
     "WorkerError": "mixtrain.core.worker_group",
     "load_weights": "mixtrain.checkpoint",
+    "export_pretrained": "mixtrain.pretrained",
     "release_workers": "mixtrain.core.warm_workers",
 }
 __all__ = [
@@ -49,6 +50,7 @@ __all__ = [
     "WeightsNotSaved",
     "WorkerError",
     "load_weights",
+    "export_pretrained",
     "release_workers",
 ]
 assert sorted(__all__) == sorted(_PUBLIC)
@@ -63,6 +65,7 @@ if TYPE_CHECKING:  # what a type checker and an IDE see: the names, from where t
     from mixtrain.core.worker_group import WorkerError
     from mixtrain.errors import InputError
     from mixtrain.job import Job
+    from mixtrain.pretrained import export_pretrained
     from mixtrain.result import Result
     from mixtrain.task import Task
     from mixtrain.trainer import Trainer

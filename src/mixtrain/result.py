@@ -12,7 +12,8 @@ import torch
 @dataclass
 class Result:
     run_dir: Path
-    """Folder with config.json, metrics.jsonl and model.safetensors (the final weights)."""
+    """Folder with config.json, metrics.jsonl and model.safetensors (the final weights); hf_model/ too for a Hugging
+    Face model."""
     model_path: Path
     """The final weights as a .safetensors file: mixtrain.load_weights(path), or safetensors itself."""
     state_dict: dict[str, torch.Tensor]
@@ -29,6 +30,9 @@ class Result:
     """The checkpoint with the best held-out metric (RunConfig.keep_best), kept beside the newest ones."""
     stopped_early: str | None = None
     """Why a callback (EarlyStopping, or one raising StopTraining) ended the run before its last step."""
+    hf_model_path: Path | None = None
+    """When the model is a Hugging Face transformers.PreTrainedModel: RUN_DIR/hf_model, the final weights as
+    save_pretrained writes them (AutoModel.from_pretrained(path) loads it); None for any other model."""
 
     @property
     def metrics(self) -> dict[str, Any]:

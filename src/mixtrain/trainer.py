@@ -33,6 +33,7 @@ from mixtrain.errors import InputTypeError, InputValueError
 from mixtrain.observe.progress import ProgressView, plan_table, probe_memory_line
 from mixtrain.observe.runlog import RunLog, check_tensorboard, make_run_dir
 from mixtrain.policies.planner import plan_record, resolve_shares
+from mixtrain.pretrained import save_final_hf_model
 from mixtrain.result import Result
 from mixtrain.task import Task
 
@@ -109,6 +110,8 @@ class Trainer:
                 start = _Start(run_dir, _run_id(resumed), resumed, epochs, warnings, phases)
                 controller, up, state = self._train(group, start, stop, hooks)
             model_path = save_final_weights(state, run_dir, controller.last_checkpoint, controller.view.log)
+            hf_model_path = save_final_hf_model(state, up.hf_model, run_dir, controller.view.log)
+            _save_best_hf_model(controller.best_checkpoint, up.hf_model, run_dir, controller.view.log)
         except BaseException as exc:
             hooks.run_ended(RunEnded(run_dir, error=exc))
             raise
@@ -122,6 +125,7 @@ class Trainer:
             seconds_to_first_step=controller.started_at - t_start,
             best_checkpoint=controller.best_checkpoint,
             stopped_early=controller.stopped_early,
+            hf_model_path=hf_model_path,
         )
         hooks.run_ended(RunEnded(run_dir, result=result, stopped_early=controller.stopped_early))
         return result
@@ -245,6 +249,7 @@ class Trainer:
             "backend": up.backend,
             "shares": up.plan.shares,
             "num_samples": up.num_samples,
+            "hf_model": up.hf_model,  # a Hugging Face model's class and config: `mixtrain export` rebuilds it
         }
         log = RunLog(run_dir, config, self.run.tensorboard)
         log.write("workers", {"workers": up.workers})
@@ -416,6 +421,12 @@ def _run_id(resumed: Resumed | None) -> str:
         if run_id:
             return run_id
     return uuid.uuid4().hex[:12]
+
+
+def _save_best_hf_model(best: Path | None, hf_model: Any, run_dir: Path, say: Callable[[str], None]) -> None:
+    """The best checkpoint's weights as a Hugging Face folder too (RUN_DIR/hf_best), for a Hugging Face model."""
+    if best is not None and hf_model is not None:
+        save_final_hf_model(CheckpointStore.read(best)[0]["model"], hf_model, run_dir, say, name="hf_best")
 
 
 def _cpus_needed(scaling: ScalingConfig) -> float:

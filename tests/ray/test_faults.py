@@ -14,6 +14,7 @@ from mixtrain.checkpoint import MANIFEST_SHA256, CheckpointStore, _manifest_dige
 from mixtrain.core.controller import TrainingStopped
 from mixtrain.core.worker import TrainWorker
 from mixtrain.core.worker_group import WorkerGroup
+from mixtrain.data.sampling import steps_per_epoch
 from tests.conftest import run_records
 from tests.models import data, eval_memory_task, factory, faulty_task, with_a_slow_first_step
 from tests.ray.test_exactness import GLOBAL_BATCH, NUM_SAMPLES, SEED, assert_same_weights, reference
@@ -338,3 +339,16 @@ def test_resuming_mid_epoch_with_dropout_and_an_lr_schedule_continues_exactly(tm
     assert (resumed.history[0]["epoch"], resumed.history[0]["first_step"]) == (0, 12)
     for name, want in straight.state_dict.items():
         assert torch.equal(resumed.state_dict[name], want), name
+    # each round's recorded rate is the task's schedule's after the steps so far (no step skipped), bit for bit;
+    # the resumed run's too
+    schedule = dropout_task_with_schedule().scheduler
+    assert schedule is not None
+    rates = [schedule.get_last_lr()]
+    for _ in range(2 * steps_per_epoch(NUM_SAMPLES, GLOBAL_BATCH)):
+        schedule.optimizer.step()
+        schedule.step()
+        rates.append(schedule.get_last_lr())
+    assert len({tuple(r) for r in rates}) > 5  # the schedule does change the rate
+    for r in straight.history + resumed.history:
+        done = r["epoch"] * steps_per_epoch(NUM_SAMPLES, GLOBAL_BATCH) + r["first_step"] + r["num_steps"]
+        assert r["lr"] == rates[done], (done, r["lr"])

@@ -11,7 +11,9 @@ import torch
 from torch import nn
 from torch.utils.data import default_collate
 
+import mixtrain
 from mixtrain import RunConfig, ScalingConfig, StrategyConfig, Task, Trainer, WorkerError
+from mixtrain.checkpoint import CheckpointStore
 from mixtrain.core.preflight import PreflightError
 from mixtrain.data import Loader, seed_sample
 from mixtrain.data.sampling import epoch_permutation, steps_per_epoch
@@ -189,3 +191,26 @@ def test_a_hugging_face_gpt2_trains_on_dict_batches_and_its_held_out_loss_falls(
     ).fit(epochs=2)
     first, last = result.evals[0]["loss"], result.evals[-1]["loss"]
     assert last < first < gpt2.uniform_loss(job) and last < gpt2.uniform_loss(job) - 1.0
+    # the final weights as a Hugging Face folder: AutoModelForCausalLM loads them exactly, the tied lm_head
+    # included, and scores the held-out text as the run did
+    from transformers import AutoModelForCausalLM
+
+    assert result.hf_model_path == result.run_dir / "hf_model"
+    loaded = AutoModelForCausalLM.from_pretrained(result.hf_model_path)
+    assert loaded.lm_head.weight.data_ptr() == loaded.transformer.wte.weight.data_ptr()
+    for name, want in result.state_dict.items():
+        assert torch.equal(loaded.state_dict()[name], want), name
+    held = gpt2.gpt2_windows("held", 40_000, str(tmp_path / "tokens"))
+    batch = default_collate([held[i] for i in range(len(held))])
+    with torch.no_grad():
+        assert float(loaded(**batch).loss) == pytest.approx(last, rel=1e-5)
+    # a checkpoint of the run, exported the same way (what the best checkpoint gets)
+    newest = CheckpointStore(result.run_dir).paths()[0]
+    best = mixtrain.export_pretrained(newest, result.run_dir / "hf_best")
+    for name, want in CheckpointStore.read(newest)[0]["model"].items():
+        assert torch.equal(AutoModelForCausalLM.from_pretrained(best).state_dict()[name], want), name
+    # README: the weights file into a fresh model, for any model
+    model = job.task_factory().model
+    model.load_state_dict(mixtrain.load_weights(result.model_path))
+    for name, want in result.state_dict.items():
+        assert torch.equal(model.state_dict()[name], want), name

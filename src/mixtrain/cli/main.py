@@ -275,6 +275,16 @@ def build_parser() -> argparse.ArgumentParser:
     )
     report.add_argument("run_dir", metavar="RUN_DIR", help="the run folder (it holds metrics.jsonl)")
     report.add_argument("--out", help="folder for the files (default RUN_DIR/report)")
+    export = sub.add_parser(
+        "export",
+        help="a run's or a checkpoint's weights as a Hugging Face model folder",
+        description="Write the weights of a run folder (its final weights) or of one of its checkpoints with "
+        "save_pretrained, for AutoModel.from_pretrained; the run must have trained a transformers.PreTrainedModel.",
+    )
+    export.add_argument(
+        "path", metavar="PATH", help="a run folder, or a checkpoint folder (RUN_DIR/checkpoints/step-N)"
+    )
+    export.add_argument("--out", help="the folder to write (default RUN_DIR/hf_model, or RUN_DIR/hf_step-N)")
     _add_cluster_parser(sub)
     return parser
 
@@ -809,6 +819,13 @@ def cmd_report(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_export(args: argparse.Namespace) -> int:
+    from mixtrain.pretrained import export_pretrained
+
+    print(f"wrote {export_pretrained(args.path, args.out)}")
+    return 0
+
+
 def _version() -> str:
     from mixtrain import __version__
 
@@ -824,6 +841,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "cluster": cmd_cluster,
         "env": cmd_env,
         "report": cmd_report,
+        "export": cmd_export,
     }
     ray_was_up = "ray" in sys.modules and sys.modules["ray"].is_initialized()  # a caller's own (tests): theirs
     try:

@@ -22,7 +22,7 @@ from mixtrain.config import ScalingConfig, StrategyConfig
 from mixtrain.core import preflight
 from mixtrain.core.group_ops import GroupOps, user_cap
 from mixtrain.core.membership import Membership
-from mixtrain.core.messages import BuildReport, LeftOut, ProbeResult, WorkerInfo
+from mixtrain.core.messages import BuildReport, HFModelSpec, LeftOut, ProbeResult, WorkerInfo
 from mixtrain.core.worker_group import WorkerGroup
 from mixtrain.data.sampling import Arrays
 from mixtrain.data.sources import Loader
@@ -82,6 +82,11 @@ class Bringup:
     @property
     def strategy(self) -> StrategyConfig:
         return self.ops.strategy
+
+    @property
+    def hf_model(self) -> HFModelSpec | None:
+        """Rank 0's Hugging Face model class and config (None: another kind of model)."""
+        return self.ops.reference.hf_model if self.ops.reference is not None else None
 
 
 def bring_up(

@@ -43,10 +43,17 @@ class RoundLedger:
         self._local.append((step, local_loss))
 
     def close(
-        self, plan: RoundPlan, sync: RoundSync, memory_bytes: int | None, state_bytes: dict[str, int]
+        self,
+        plan: RoundPlan,
+        sync: RoundSync,
+        memory_bytes: int | None,
+        state_bytes: dict[str, int],
+        lr: list[float] | None = None,
     ) -> WorkerReport:
-        """The round's end: the last results, the replicas' drift, wall time and memory; logged once."""
+        """The round's end: the last results, the replicas' drift, wall time, memory and the learning rates the
+        optimizer holds now (per param group); logged once."""
         r = self.report
+        r.lr = list(lr or [])
         self._take(sync.done)
         assert not self._waiting, f"steps {list(self._waiting)} ended the round without a result"
         self._read_tensors()
@@ -107,6 +114,11 @@ class RoundLedger:
         r.grad_norms = _floats(self._norms)
         local = _floats([t for _, t in self._local])
         r.nonfinite_steps = [step for (step, _), value in zip(self._local, local) if not math.isfinite(value)]
+
+
+def learning_rates(optimizer: torch.optim.Optimizer) -> list[float]:
+    """The optimizer's learning rate per param group, as floats (a group's lr may be a tensor)."""
+    return [float(group["lr"]) for group in optimizer.param_groups]
 
 
 def _floats(values: list[torch.Tensor] | list[torch.Tensor | float]) -> list[float]:

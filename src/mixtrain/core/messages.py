@@ -82,6 +82,17 @@ class WorkerInfo:
 
 
 @dataclass(frozen=True, kw_only=True)
+class HFModelSpec:
+    """What rebuilds a Hugging Face model around its state dict on the driver (mixtrain.pretrained)."""
+
+    model_class: str
+    """The class a worker built, as "module:QualifiedName", e.g.
+    "transformers.models.gpt2.modeling_gpt2:GPT2LMHeadModel"."""
+    config: dict[str, Any]
+    """Its config, as `model.config.to_json_string()` writes it."""
+
+
+@dataclass(frozen=True, kw_only=True)
 class BuildReport:
     """What a worker built, for the preflight to compare across workers. `problem` is set (and the device
     fields are empty) when the worker could not build, so every worker's problem shows in one table."""
@@ -101,6 +112,9 @@ class BuildReport:
     nccl: bool = False
     max_grad_norm: float | None = None
     """The task clips the gradient norm (not every strategy can)."""
+    hf_model: HFModelSpec | None = None
+    """The model is a transformers.PreTrainedModel: its class and config (the final weights get a save_pretrained
+    folder too)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -210,6 +224,9 @@ class WorkerReport:
     already (a closed connection is not this: the peer died, or left on purpose, as after out of memory)."""
     out_of_memory: bool = False
     """With peer_lost: this worker ran out of device memory (its message says so); the others lost it as a peer."""
+    lr: list[float] = field(default_factory=list)
+    """Per optimizer param group, the learning rate after the round's last step (and scheduler step): what the
+    next round starts with. Empty when the round did not finish."""
     committed_steps: int = 0
     """How many of the round's steps stand should the round turn out failed (a peer lost): this replica's
     committed steps; all of them after a round it finished; 0 under parameter servers (rounds are redone whole)."""

@@ -3,7 +3,7 @@ of that dict (the report reads it back from the file)."""
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, field, fields
 from statistics import fmean
 from typing import Any
 
@@ -63,6 +63,9 @@ class RoundRecord:
     shares: list[int]
     grad_norm: float | None
     workers: list[WorkerRound]
+    lr: list[float] = field(default_factory=list)
+    """Per optimizer param group, the learning rate after the round's last step (rank 0's; every replica's is the
+    same): the rate the round ended with, which the next round's first step uses."""
     partial: bool = False
     """A lost peer cut the round short: these are the steps that stand."""
     superseded: bool = False
@@ -137,6 +140,7 @@ def summarize_round(
         shares=list(plan.shares),
         grad_norm=_mean_norm(reports),
         workers=worker_times(reports),
+        lr=next((list(r.lr) for r in reports if r.lr), []),
         partial=partial is not None,
     )
 

@@ -17,12 +17,12 @@ from typing import Any
 import numpy as np
 import torch
 
-from mixtrain import compat, devices
+from mixtrain import compat, devices, pretrained
 from mixtrain.comm import netif, process_group, registry, state_transfer
 from mixtrain.comm.state_transfer import pack, unpack
 from mixtrain.comm.strategy import JoinContext, SyncStrategy
 from mixtrain.core import evaluation, probe, warm_workers
-from mixtrain.core.ledger import RoundLedger
+from mixtrain.core.ledger import RoundLedger, learning_rates
 from mixtrain.core.messages import (
     BuildReport,
     DataReport,
@@ -219,6 +219,7 @@ class TrainWorker:
             trainable_bytes=sum(p.numel() * 4 for p in model.parameters() if p.requires_grad),
             nccl=torch.distributed.is_nccl_available(),
             max_grad_norm=self.task.max_grad_norm,
+            hf_model=pretrained.spec_of(model),
         )
 
     def check_numerics(self, tolerance: float | None = None, count: int = 8) -> NumericsResult:
@@ -464,7 +465,8 @@ class TrainWorker:
             ledger.report.cpu_share, ledger.report.cpu_wait_s = measured
         weight = plan.shares[self.rank] / sum(plan.shares)  # for buffer averaging: this rank's part of the round
         sync = self.strategy.end_round(self.task, weight, plan.drift_tolerance)
-        return ledger.close(plan, sync, self.kind.memory_in_use(index), self._state_bytes())
+        lr = learning_rates(self.task.optimizer)  # after end_round: a step read late has had its scheduler step
+        return ledger.close(plan, sync, self.kind.memory_in_use(index), self._state_bytes(), lr)
 
     def _compute(
         self, segments: list[Segment], batches: Iterator[Any], step_total: int, inner: int | None, cpu: CpuShare

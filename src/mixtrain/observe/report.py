@@ -197,6 +197,8 @@ def summarize(run_dir: Path, config: dict[str, Any], records: list[dict[str, Any
         f"backend {config.get('backend', '?')}",
         f"  training loss {rounds[0]['loss']:.4f} (first round) -> {rounds[-1]['loss']:.4f} (last round)",
     ]
+    if rounds[0].get("lr") and rounds[-1].get("lr"):  # runs from before the rate was recorded have none
+        lines.append(f"  learning rate {_rates(rounds[0]['lr'])} (after the first round) -> {_rates(rounds[-1]['lr'])}")
     if evals:
         lines.append(_eval_line(evals))
     lines.append("  per device (mean over rounds): share, samples/s, busy / waiting / communicating, peak memory")
@@ -205,6 +207,12 @@ def summarize(run_dir: Path, config: dict[str, Any], records: list[dict[str, Any
     checkpoints = sum(r["kind"] == "checkpoint" for r in records)
     lines.append(f"  {checkpoints} checkpoints written")
     return "\n".join(lines)
+
+
+def _rates(lr: list[float]) -> str:
+    """One rate per param group: "0.001", or "[0.001, 0.0001]" for several."""
+    text = [f"{x:.4g}" for x in lr]
+    return text[0] if len(text) == 1 else f"[{', '.join(text)}]"
 
 
 def _eval_line(evals: list[dict[str, Any]]) -> str:

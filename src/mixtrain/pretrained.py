@@ -1,0 +1,200 @@
+"""Weights Hugging Face users load as they load any model: when the task's model is a `transformers.PreTrainedModel`,
+the final weights are also written with `save_pretrained` into RUN_DIR/hf_model (Result.hf_model_path), which
+`AutoModelForCausalLM.from_pretrained` (or the model's own class) loads; `export_pretrained` does the same for a
+checkpoint or a run folder (`mixtrain export`).
+
+The model lives on the workers; the driver has its state dict. So each worker says at bring-up which class it built
+and with what config (HFModelSpec, rank 0's is kept, and written into the run's config.json); the driver rebuilds
+the model from them (no weights are downloaded: `from_pretrained` gets the config and the state dict), checks that
+every tensor came in unchanged, and writes the folder itself, as workers may be on other hosts."""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import json
+import os
+import secrets
+import shutil
+import sys
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from mixtrain.core.messages import HFModelSpec
+from mixtrain.errors import InputValueError, require
+
+HF_MODEL = "hf_model"
+"""The folder in the run folder with the final weights as `save_pretrained` writes them."""
+CONFIG_KEY = "hf_model"
+"""The key of config.json (the run's) that holds the HFModelSpec, for exporting its checkpoints later."""
+
+
+def spec_of(model: torch.nn.Module) -> HFModelSpec | None:
+    """On a worker: the class and config of a Hugging Face model, or None for any other model. transformers is
+    never imported for this: a model of it means it is imported already."""
+    modeling = sys.modules.get("transformers.modeling_utils")
+    if modeling is None or not isinstance(model, modeling.PreTrainedModel):
+        return None
+    cls = type(model)
+    config = json.loads(model.config.to_json_string(use_diff=False))  # JSON-clean (dtypes as names)
+    return HFModelSpec(model_class=f"{cls.__module__}:{cls.__qualname__}", config=config)
+
+
+def save_pretrained(
+    state_dict: dict[str, Any], spec: HFModelSpec, out_dir: str | Path, *, import_module: bool = False
+) -> Path:
+    """Rebuild `spec`'s model around `state_dict` (every tensor must load, unchanged) and write it with
+    save_pretrained into `out_dir`, atomically: a folder that was there is replaced only once the new one is whole.
+    `import_module`: import the class's module when it is not imported yet (a spec from this run's workers); a spec
+    read from a file names only an imported module or one of transformers', so a run folder cannot make this
+    process import code of its choosing."""
+    require("transformers", "transformers", "hf", "writing a Hugging Face model folder")
+    model = _rebuild(state_dict, spec, import_module)
+    out = Path(out_dir)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(f".tmp-{out.name}-{secrets.token_hex(4)}")
+    aside = out.with_name(f".tmp-{out.name}-old-{secrets.token_hex(4)}")
+    try:
+        with _quiet_transformers():
+            model.save_pretrained(tmp)
+        if os.path.lexists(out):
+            os.rename(out, aside)
+        os.rename(tmp, out)
+    finally:
+        for leftover in (tmp, aside):
+            if os.path.lexists(leftover):
+                shutil.rmtree(leftover, ignore_errors=True)
+    return out
+
+
+def save_final_hf_model(
+    state_dict: dict[str, Any],
+    spec: HFModelSpec | None,
+    run_dir: Path,
+    say: Callable[[str], None],
+    name: str = HF_MODEL,
+) -> Path | None:
+    """RUN_DIR/`name` (hf_model: the final weights; hf_best for the best checkpoint's) for a Hugging Face model, None
+    for any other. A failure is said, not raised: the weights are in the run folder already, and `mixtrain export`
+    writes the folder later."""
+    if spec is None:
+        return None
+    try:
+        path = save_pretrained(state_dict, spec, run_dir / name, import_module=True)
+    except Exception as exc:
+        say(f"could not write the Hugging Face folder {run_dir / name}: {exc} (the weights are in the run folder: "
+            "`mixtrain export RUN_DIR`, or `mixtrain export CHECKPOINT --out DIR`, tries again)")  # fmt: skip
+        return None
+    say(f"done: Hugging Face model in {path} (AutoModel.from_pretrained reads it)")
+    return path
+
+
+def export_pretrained(source: str | Path, out_dir: str | Path | None = None) -> Path:
+    """Write the weights of a run folder (its final weights) or of one of its checkpoints (a folder under
+    RUN_DIR/checkpoints) as a Hugging Face model folder; returns the folder. The model's class and config come
+    from the run's config.json. `out_dir` defaults to RUN_DIR/hf_model for a run folder and to
+    RUN_DIR/hf_<checkpoint name> for a checkpoint."""
+    from mixtrain.checkpoint import MANIFEST, CheckpointStore, load_weights
+
+    path = Path(source)
+    if (path / MANIFEST).is_file():  # a checkpoint: RUN_DIR/checkpoints/step-N
+        run_dir, default = path.parent.parent, path.parent.parent / f"hf_{path.name}"
+        state_dict = CheckpointStore.read(path)[0]["model"]  # verified against its manifest
+    elif (path / "model.safetensors").is_file() or (path / "model.pt").is_file():
+        run_dir, default = path, path / HF_MODEL
+        state_dict = load_weights(path)
+    else:
+        raise InputValueError(
+            f"export: {str(source)!r} is neither a run folder (with model.safetensors) nor a checkpoint folder (with "
+            f"{MANIFEST}); give one of them"
+        )
+    return save_pretrained(state_dict, read_spec(run_dir), out_dir if out_dir is not None else default)
+
+
+def read_spec(run_dir: Path) -> HFModelSpec:
+    """The HFModelSpec the run wrote into its config.json; a run of another model has none."""
+    try:
+        config = json.loads((run_dir / "config.json").read_text())
+    except (OSError, ValueError) as exc:
+        raise InputValueError(
+            f"export: cannot read {run_dir / 'config.json'} ({exc}); is {run_dir} a run folder?"
+        ) from None
+    entry = config.get(CONFIG_KEY) if isinstance(config, dict) else None
+    if not (
+        isinstance(entry, dict) and isinstance(entry.get("model_class"), str) and isinstance(entry.get("config"), dict)
+    ):
+        raise InputValueError(
+            f"export: the run in {run_dir} did not train a Hugging Face transformers.PreTrainedModel (its config.json "
+            f"has no {CONFIG_KEY!r} entry), so there is no class and config to rebuild it from; load its weights with "
+            "mixtrain.load_weights into your own model instead"
+        )
+    return HFModelSpec(model_class=entry["model_class"], config=entry["config"])
+
+
+def _rebuild(state_dict: dict[str, Any], spec: HFModelSpec, import_module: bool) -> Any:
+    """The model of `spec` holding `state_dict`, checked tensor by tensor."""
+    from transformers import PreTrainedModel
+
+    cls: Any = _model_class(spec.model_class, import_module)
+    if not (isinstance(cls, type) and issubclass(cls, PreTrainedModel)):
+        raise InputValueError(
+            f"model_class={spec.model_class!r} is not a transformers.PreTrainedModel subclass: only those are written "
+            "with save_pretrained"
+        )
+    config_class: Any = cls.config_class
+    if config_class is None:
+        raise InputValueError(f"model_class={spec.model_class!r} has no config_class to build its config from")
+    tensors = {k: v for k, v in state_dict.items() if isinstance(v, torch.Tensor)}
+    with _quiet_transformers():  # no weights are downloaded: from the config and the state dict only
+        config = config_class.from_dict(spec.config)
+        loaded: Any = cls.from_pretrained(None, config=config, state_dict=tensors, output_loading_info=True)
+    model, info = loaded
+    model.tie_weights()  # loading a state dict may leave tied tensors apart; save_pretrained writes one of them
+    dtypes = {t.dtype for t in tensors.values() if t.is_floating_point()}
+    if len(dtypes) == 1 and model.dtype not in dtypes:  # a model trained in bf16 stays bf16
+        model.to(dtypes.pop())
+    problems = {k: sorted(v) for k, v in info.items() if v and k != "error_msgs"}
+    theirs = model.state_dict()
+    changed = [k for k, t in tensors.items() if k in theirs and not torch.equal(theirs[k].cpu(), t.cpu())]
+    if problems or info.get("error_msgs") or changed:
+        raise InputValueError(
+            f"the weights do not fit {spec.model_class} built from its config: {problems or ''} "
+            f"{info.get('error_msgs') or ''} {('changed on loading: ' + str(changed[:5])) if changed else ''}".strip()
+        )
+    return model
+
+
+def _model_class(name: str, import_module: bool) -> Any:
+    module_name, _, qualname = name.partition(":")
+    if not qualname:
+        raise InputValueError(f"model_class={name!r}: expected 'module:QualifiedName'")
+    allowed = import_module or module_name in sys.modules or module_name.split(".")[0] == "transformers"
+    if not allowed:
+        raise InputValueError(
+            f"model_class={name!r}: its module {module_name!r} is not imported, and a run folder's file does not get "
+            f"to import code; import {module_name} first (then export again)"
+        )
+    obj: Any = importlib.import_module(module_name)
+    for part in qualname.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+@contextlib.contextmanager
+def _quiet_transformers() -> Iterator[None]:
+    """No progress bars or config warnings from transformers while mixtrain rebuilds and writes a model; the
+    user's settings come back after."""
+    from transformers.utils import logging
+
+    level, bars = logging.get_verbosity(), logging.is_progress_bar_enabled()
+    logging.set_verbosity_error()
+    logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        logging.set_verbosity(level)
+        if bars:
+            logging.enable_progress_bar()
