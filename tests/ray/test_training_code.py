@@ -187,7 +187,7 @@ def test_a_hugging_face_gpt2_trains_on_dict_batches_and_its_held_out_loss_falls(
     job = gpt2.example(max_chars=40_000, data_dir=str(tmp_path / "tokens"))
     result = job.trainer(
         scaling=ScalingConfig(num_workers=2),
-        run=RunConfig(run_dir=str(tmp_path / "run"), seed=SEED, progress=False),
+        run=RunConfig(run_dir=str(tmp_path / "run"), seed=SEED, progress=False, keep_best=("loss", "min")),
     ).fit(epochs=2)
     first, last = result.evals[0]["loss"], result.evals[-1]["loss"]
     assert last < first < gpt2.uniform_loss(job) and last < gpt2.uniform_loss(job) - 1.0
@@ -204,11 +204,15 @@ def test_a_hugging_face_gpt2_trains_on_dict_batches_and_its_held_out_loss_falls(
     batch = default_collate([held[i] for i in range(len(held))])
     with torch.no_grad():
         assert float(loaded(**batch).loss) == pytest.approx(last, rel=1e-5)
-    # a checkpoint of the run, exported the same way (what the best checkpoint gets)
-    newest = CheckpointStore(result.run_dir).paths()[0]
-    best = mixtrain.export_pretrained(newest, result.run_dir / "hf_best")
-    for name, want in CheckpointStore.read(newest)[0]["model"].items():
-        assert torch.equal(AutoModelForCausalLM.from_pretrained(best).state_dict()[name], want), name
+    # the best checkpoint (keep_best), written the same way by fit; and any checkpoint, exported by hand
+    assert result.best_checkpoint is not None and (result.run_dir / "hf_best" / "config.json").is_file()
+    best = AutoModelForCausalLM.from_pretrained(result.run_dir / "hf_best").state_dict()
+    for name, want in CheckpointStore.read(result.best_checkpoint)[0]["model"].items():
+        assert torch.equal(best[name], want), name
+    oldest = CheckpointStore(result.run_dir).paths()[-1]
+    exported = mixtrain.export_pretrained(oldest, result.run_dir / "hf_oldest")
+    for name, want in CheckpointStore.read(oldest)[0]["model"].items():
+        assert torch.equal(AutoModelForCausalLM.from_pretrained(exported).state_dict()[name], want), name
     # README: the weights file into a fresh model, for any model
     model = job.task_factory().model
     model.load_state_dict(mixtrain.load_weights(result.model_path))
