@@ -5,6 +5,7 @@ from __future__ import annotations
 import re
 import subprocess
 import sys
+from pathlib import Path
 
 from tests.doc_pages import block_tagged
 
@@ -53,3 +54,13 @@ def test_a_sweep_with_kept_workers_runs_as_written(tmp_path, monkeypatch, capsys
             ("sweep-lr0.001", "sweep-lr0.003")]  # fmt: skip
     assert logs[0] == logs[1] and len(logs[0]) == 2, logs  # worker-RANK-cpu-pidPID.log: the same processes
     assert mixtrain.core.warm_workers.kept() == 0  # release_workers() freed them
+
+
+def test_the_habits_script_evaluates_every_25_steps_and_keeps_the_best(tmp_path):
+    stdout = _run_block("habits", tmp_path)
+    steps = [int(s) for s in re.findall(r"^step (\d+): held-out accuracy", stdout, re.M)]
+    assert steps and steps == list(range(25, 25 * len(steps) + 1, 25)) and steps[-1] <= 400, stdout
+    stopped = re.search(r"stopped early: (.*)", stdout).group(1)
+    assert steps[-1] == 400 or "EarlyStopping" in stopped, stdout  # ran to max_steps, or stopped saying why
+    best = re.search(r"best checkpoint: (\S+)", stdout).group(1)
+    assert Path(best).is_dir() and Path(best).parent.name == "checkpoints", stdout

@@ -207,7 +207,7 @@ def build_parser() -> argparse.ArgumentParser:
         **_field("checkpoint_every"),
         metavar="SECONDS",
         help="write a checkpoint after the round that ends this long after the last one (default %(default)g; 0: every "
-        "round); one is also written before each held-out evaluation and after the last epoch",
+        "round); one is also written after each held-out evaluation and at the run's end",
     )
     train.add_argument(
         "--max-failures",

@@ -54,13 +54,14 @@ class Checkpoints:
         return self.enabled and self.clock() - self._written_at >= self.settings.checkpoint_every_s
 
     def due_at_epoch_end(self, epoch: int, epochs: int) -> bool:
-        """At the end of `epoch`: before an evaluation (a worker lost in it must not cost the epoch), after the
-        last epoch (so `--resume --epochs N` goes on from there), and otherwise when one is due by time. Not at
-        every epoch end: an epoch of a small data set takes well under a second on a GPU, and a checkpoint of
-        every one cost 13% of training in the GPU check's overhead step (80 ms each, 0.6 s epochs)."""
+        """At the end of `epoch` without an evaluation (one with an evaluation always gets its checkpoint, written
+        after it: the controller's _evaluate_and_checkpoint): after the last epoch (so `--resume --epochs N` goes
+        on from there), and otherwise when one is due by time. Not at every epoch end: an epoch of a small data
+        set takes well under a second on a GPU, and a checkpoint of every one cost 13% of training in the GPU
+        check's overhead step (80 ms each, 0.6 s epochs)."""
         if not self.enabled:
             return False
-        return bool(self.settings.num_eval) or epoch + 1 == epochs or self.due()
+        return epoch + 1 == epochs or self.due()
 
     def write(self, at: tuple[int, int], state: dict[str, Any], members: Membership, num_steps: int) -> None:
         """Rank 0's training state and every rank's random streams (in `state`), to continue at `at`."""
