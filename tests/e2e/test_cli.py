@@ -216,6 +216,34 @@ def test_bad_flags_name_the_flag_and_the_fix(tmp_path, capsys):
     assert "(--compress bf16), or strategy='local-sgd' (--strategy local-sgd)" in proc.stderr
     proc = run_cli("plan", "--max-micro-batch", "0")
     assert proc.returncode == 2 and "--max-micro-batch" in proc.stderr and ">= 1" in proc.stderr
+    proc = run_cli("train", "--keep-best", "accuracy:up")
+    assert proc.returncode == 2 and "--keep-best 'accuracy:up': give METRIC or METRIC:min" in proc.stderr
+    proc = run_cli("train", "--early-stopping", "loss:min:0")
+    assert proc.returncode == 2 and "PATIENCE an integer >= 1, e.g. loss:min:3" in proc.stderr
+    proc = run_cli("train", "--max-steps", "0")
+    assert proc.returncode == 2 and "--max-steps" in proc.stderr
+
+
+def test_max_steps_eval_every_keep_best_and_early_stopping_from_the_cli_with_a_resume(tmp_path, ray_address):
+    """digits has 23 steps an epoch: 40 steps end inside the second, with evaluations at 15, 30 and 40; the
+    resume goes on to 60 (45, 60), the best checkpoint kept beside the newest and named at the end."""
+    run = str(tmp_path / "run")
+    flags = ["--eval-every", "15", "--keep-best", "accuracy", "--early-stopping", "loss:min:50", "--quiet"]
+    proc = run_cli("train", "digits", "--workers", "2", "--max-steps", "40", "--run-dir", run, *flags,
+                   "--address", ray_address)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    best = re.search(r"best checkpoint: (\S+)", proc.stdout).group(1)
+    assert [e["global_step"] for e in run_records(run, "eval")] == [15, 30, 40]
+    assert sum(r["num_steps"] for r in run_records(run, "round")) == 40
+    proc = run_cli("train", "--resume", run, "--max-steps", "60", "--address", ray_address)
+    assert proc.returncode == 0, proc.stderr
+    assert [e["global_step"] for e in run_records(run, "eval")] == [15, 30, 40, 45, 60]
+    evals = run_records(run, "eval")
+    want = max(evals, key=lambda e: (e["accuracy"], -e["global_step"]))["global_step"]  # the first of the best
+    assert re.search(r"best checkpoint: (\S+)", proc.stdout).group(1).endswith(f"step-{want:09d}")
+    assert Path(best).parent == Path(run, "checkpoints")  # the first run's best, named when it ended
+    proc = run_cli("train", "--resume", run, "--max-steps", "60", "--address", ray_address)
+    assert proc.returncode == 2 and "RunConfig.max_steps=60 has nothing left to do" in proc.stderr
 
 
 def _free_port() -> int:

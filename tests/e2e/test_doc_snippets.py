@@ -59,8 +59,8 @@ def test_a_sweep_with_kept_workers_runs_as_written(tmp_path, monkeypatch, capsys
 def test_the_habits_script_evaluates_every_25_steps_and_keeps_the_best(tmp_path):
     stdout = _run_block("habits", tmp_path)
     steps = [int(s) for s in re.findall(r"^step (\d+): held-out accuracy", stdout, re.M)]
-    assert steps and steps == list(range(25, 25 * len(steps) + 1, 25)) and steps[-1] <= 400, stdout
+    assert steps and steps == list(range(25, 25 * len(steps) + 1, 25)) and steps[-1] <= 200, stdout
     stopped = re.search(r"stopped early: (.*)", stdout).group(1)
-    assert steps[-1] == 400 or "EarlyStopping" in stopped, stdout  # ran to max_steps, or stopped saying why
+    assert steps[-1] == 200 or "EarlyStopping" in stopped, stdout  # ran to max_steps, or stopped saying why
     best = re.search(r"best checkpoint: (\S+)", stdout).group(1)
     assert Path(best).is_dir() and Path(best).parent.name == "checkpoints", stdout
