@@ -154,6 +154,28 @@ def test_the_best_checkpoint_survives_pruning_and_is_named(tmp_path):
     names = sorted(p.name for p in CheckpointStore(tmp_path).paths())
     assert names == ["step-000000004", "step-000000006", "step-000000008"]  # the best beside the 2 newest
     assert json.loads(ctl.driver_state())["best"] == {"metric": "loss", "mode": "min", "value": 0.4, "name": names[0]}
+    saved = json.loads(CheckpointStore.read(ctl.best_checkpoint)[0]["driver"])["best"]
+    assert saved["name"] == names[0]  # the best checkpoint says it is the best: a resume from it keeps it
+
+
+def test_a_best_checkpoint_that_could_not_be_written_leaves_the_previous_best_kept(tmp_path, monkeypatch):
+    group = Scripted([0.9, 0.4, 0.3])
+    ctl, log = controller(group, tmp_path, num_eval=10, eval_every=2, keep_best=("loss", "min"), max_steps=6)
+    ctl.checkpoints.store = store = CheckpointStore(tmp_path, keep=1)
+    real_save, calls = store.save, []
+
+    def save(state, meta):  # the third checkpoint (step 6, the new best) finds the disk full, twice
+        calls.append(meta["global_step"])
+        if meta["global_step"] == 6:
+            raise OSError(28, "No space left on device")
+        return real_save(state, meta)
+
+    monkeypatch.setattr(store, "save", save)
+    ctl.run(epochs=1)
+    assert [e["global_step"] for e in ctl.evals] == [2, 4, 6]
+    assert calls == [2, 4, 6, 6, 6, 6]  # tried after the evaluation and again at the run's end, each twice
+    assert ctl.best_checkpoint == tmp_path / "checkpoints" / "step-000000004" and store.keep_also == {"step-000000004"}
+    assert log.kinds("checkpoint_failed")
 
 
 def test_early_stopping_counts_on_after_a_resume(tmp_path):
@@ -189,7 +211,7 @@ def test_a_checkpoint_whose_driver_state_was_tampered_with_cannot_point_the_best
         None,
     ):
         ctl.load_driver_state(saved)
-        assert ctl.best is not None and ctl.best.name is None and ctl.checkpoints.store is not None
+        assert ctl.checkpoints.best is not None and ctl.checkpoints.best.name is None and ctl.checkpoints.store
         assert ctl.checkpoints.store.keep_also == set()
         assert ctl.hooks.callbacks[0].bad_evals == 0  # type: ignore[attr-defined]
 

@@ -26,7 +26,6 @@ from mixtrain.callbacks import EVAL_KEYS
 from mixtrain.checkpoint import CheckpointStore, checkpoint_name
 from mixtrain.core import evaluation
 from mixtrain.core.balancing import Balancing
-from mixtrain.core.best import Best
 from mixtrain.core.changes import Changes, TrainingStopped
 from mixtrain.core.hooks import Hooks
 from mixtrain.core.interrupt import GracefulStop, TrainingInterrupted
@@ -34,7 +33,7 @@ from mixtrain.core.messages import RoundPlan
 from mixtrain.core.port import GroupPort, RoundOutcome, WorkersLost
 from mixtrain.core.rounds import RoundRecord, next_round_steps, summarize_round, whole_exchanges
 from mixtrain.core.run_state import RunSettings
-from mixtrain.core.schedule import Checkpoints, eval_batches, eval_split
+from mixtrain.core.schedule import Checkpoints, Steps, eval_batches, eval_split
 from mixtrain.core.tunables import Tunables
 from mixtrain.data.sampling import steps_per_epoch
 from mixtrain.errors import InputValueError
@@ -167,8 +166,7 @@ class Controller:
             clock=clock,
         )
         self.num_steps = steps_per_epoch(settings.num_samples, settings.global_batch)
-        self.epochs = 0  # set by run()
-        self.best = Best(*settings.keep_best) if settings.keep_best else None
+        self.steps = Steps(self.num_steps, 0, settings.max_steps, settings.eval_every, bool(settings.num_eval))
         self.evaluated_at: int | None = None
         """The global step of the last evaluation (none twice at one step)."""
         self.stopped_early: str | None = None
@@ -179,10 +177,15 @@ class Controller:
         """time.perf_counter() when run() began: the first step."""
 
     @property
-    def last_step(self) -> int:
-        """The global step the run ends at: RunConfig.max_steps, or the last epoch's end."""
-        end = self.epochs * self.num_steps
-        return end if self.settings.max_steps is None else min(end, self.settings.max_steps)
+    def epochs(self) -> int:
+        return self.steps.epochs
+
+    @epochs.setter
+    def epochs(self, epochs: int) -> None:
+        self.steps.epochs = epochs
+
+    def global_step(self, epoch: int, step: int) -> int:
+        return self.steps.at(epoch, step)
 
     @property
     def last_checkpoint(self) -> Any:
@@ -221,9 +224,9 @@ class Controller:
             return Stopping(at.epoch, at.step)
         if at.step >= self.num_steps:
             return EpochEnd(at.epoch)
-        if self.hooks.stop_reason is not None or self.global_step(at.epoch, at.step) >= self.last_step:
+        if self.hooks.stop_reason is not None or self.global_step(at.epoch, at.step) >= self.steps.last:
             return Finishing(at.epoch, at.step)
-        plan = self._round_plan(at, self._round_length(at))
+        plan = self._round_plan(at, self.steps.round_length(at.epoch, at.step, self.round_steps))
         outcome = self.port.run_round(plan)
         if outcome.failed:
             return RoundFailed(plan, outcome)
@@ -241,7 +244,7 @@ class Controller:
             self.balancing.measure(record)
             self._balance(record)
         at = (plan.epoch, plan.first_step + plan.num_steps)
-        if at[1] < self.num_steps and self._eval_due(*at):
+        if at[1] < self.num_steps and self.steps.eval_due(*at):
             rewound = self._evaluate_and_checkpoint(at, at)
             if rewound is not None:
                 return rewound
@@ -285,14 +288,14 @@ class Controller:
         """The epoch's line; an evaluation when one is due here; then a checkpoint (after the evaluation, so it
         holds what the callbacks and the best checkpoint made of it, and a resumed run goes on counting)."""
         epoch, after = end.epoch, (end.epoch + 1, 0)
-        last = epoch + 1 >= self.epochs or self.global_step(*after) >= self.last_step or self.hooks.stop_reason
+        last = epoch + 1 >= self.epochs or self.global_step(*after) >= self.steps.last or self.hooks.stop_reason
         rounds = [r for r in self.history if r.epoch == epoch and not r.superseded]
         line = f"epoch {epoch + 1}/{self.epochs}:"
         if rounds:  # none when a run resumed exactly at this epoch's end (a Ctrl-C after its last round)
             samples, wall = sum(r.samples for r in rounds), sum(r.wall_s for r in rounds)
             line += f" loss {rounds[-1].last_loss:.4f}  {samples / wall:,.0f} samples/s"
         self.view.log(line)
-        if self._eval_due(epoch, self.num_steps) or (last and self.settings.num_eval):
+        if self.steps.eval_due(epoch, self.num_steps) or (last and self.settings.num_eval):
             rewound = self._evaluate_and_checkpoint((epoch, self.num_steps), after)
         elif self.checkpoints.due_at_epoch_end(epoch, self.epochs) or (last and self.checkpoints.enabled):
             rewound = self._checkpoint(after)
@@ -343,28 +346,6 @@ class Controller:
         )
 
     # ---- what the transitions share -------------------------------------------------------------
-    def global_step(self, epoch: int, step: int) -> int:
-        return epoch * self.num_steps + step
-
-    def _round_length(self, at: Train) -> int:
-        """The next round's steps: up to the epoch's end, max_steps, and the next evaluation (RunConfig.eval_every),
-        so those fall on a round boundary."""
-        step = self.global_step(at.epoch, at.step)
-        limit = min(self.round_steps, self.num_steps - at.step, self.last_step - step)
-        every = self.settings.eval_every
-        if every and self.settings.num_eval:
-            limit = min(limit, every - step % every)
-        return limit
-
-    def _eval_due(self, epoch: int, step: int) -> bool:
-        """An evaluation after `step` steps of `epoch`: every eval_every global steps, else at each epoch's end."""
-        if not self.settings.num_eval:
-            return False
-        every = self.settings.eval_every
-        if every:
-            return self.global_step(epoch, step) % every == 0
-        return step >= self.num_steps
-
     def _evaluate_and_checkpoint(self, where: tuple[int, int], at: tuple[int, int]) -> Train | None:
         """The held-out metrics after `where` = (epoch, steps done in it), then a checkpoint continuing at `at`
         (marked best when RunConfig.keep_best says so). None, or where training goes on after a rewind."""
@@ -393,10 +374,11 @@ class Controller:
         return ev
 
     def _is_best(self, ev: dict[str, Any] | None, at: tuple[int, int]) -> bool:
-        if self.best is None or ev is None:
+        best = self.checkpoints.best
+        if best is None or ev is None:
             return False
         try:
-            return self.best.improved(ev)
+            return best.improved(ev)
         except InputValueError as exc:  # the metric is not there: say so once a checkpoint holds the training
             if self.checkpoints.enabled and self.checkpoints.at != at:
                 self._checkpoint(at)
@@ -464,12 +446,8 @@ class Controller:
         state = self._tolerant("checkpoint", self._collect_state, at)
         if isinstance(state, Train):
             return state
-        if best and self.best is not None and self.checkpoints.store is not None:
-            name = checkpoint_name(self.global_step(*at))
-            self.checkpoints.store.keep_also = {name}
-            self.best.name = name
-        state["driver"] = self.driver_state()
-        self.checkpoints.write(at, state, self.members, self.num_steps)
+        state["driver"] = self.driver_state(checkpoint_name(self.global_step(*at)) if best else None)
+        self.checkpoints.write(at, state, self.members, self.num_steps, best=best)
         return None
 
     def _collect_state(self) -> dict[str, Any]:
@@ -477,10 +455,12 @@ class Controller:
         state["rng"] = self.port.rng_states()
         return state
 
-    def driver_state(self) -> str:
-        """What the driver keeps in a checkpoint beside the workers' state, as JSON."""
-        best = self.best.state() if self.best is not None else None
-        return json.dumps({"callbacks": self.hooks.state(), "best": best})
+    def driver_state(self, new_best: str | None = None) -> str:
+        """What the driver keeps in a checkpoint beside the workers' state, as JSON; `new_best`: the name of the
+        checkpoint it goes into, when that one is the new best."""
+        best = self.checkpoints.best
+        kept = None if best is None else {**best.state(), **({"name": new_best} if new_best else {})}
+        return json.dumps({"callbacks": self.hooks.state(), "best": kept})
 
     def load_driver_state(self, saved: Any) -> None:
         """The callbacks' state and the best checkpoint, from a checkpoint's driver_state(). (A checkpoint at an
@@ -492,18 +472,12 @@ class Controller:
         if not isinstance(driver, dict):
             driver = {}
         self.hooks.load_state(driver.get("callbacks"))
-        if self.best is not None:
-            self.best.load(driver.get("best"))
-            if self.best.name is not None and self.checkpoints.store is not None:
-                self.checkpoints.store.keep_also = {self.best.name}
+        self.checkpoints.load_best(driver.get("best"))
 
     @property
     def best_checkpoint(self) -> Path | None:
         """The best checkpoint's folder (RunConfig.keep_best), when it is still there."""
-        if self.best is None or self.best.name is None or self.checkpoints.store is None:
-            return None
-        path = self.checkpoints.store.root / self.best.name
-        return path if path.is_dir() else None
+        return self.checkpoints.best_path
 
     def _tolerant(self, what: str, call: Callable[[], T], at: tuple[int, int]) -> T | Train:
         """`call()` (a checkpoint, an evaluation), surviving workers lost while it runs: re-form the group without

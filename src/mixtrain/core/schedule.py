@@ -5,18 +5,56 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from mixtrain.checkpoint import CheckpointMeta, CheckpointStore
+from mixtrain.checkpoint import CheckpointMeta, CheckpointStore, checkpoint_name
 from mixtrain.config import ScalingConfig
+from mixtrain.core.best import Best
 from mixtrain.core.checkpointing import save_making_room
 from mixtrain.core.membership import Membership
 from mixtrain.core.run_state import RunSettings
 from mixtrain.observe.progress import ProgressView
 from mixtrain.observe.runlog import RunLog
 from mixtrain.policies.planner import equal_shares, largest_remainder
+
+
+@dataclass
+class Steps:
+    """Where a run ends and when it evaluates, in global steps (epoch x steps per epoch + step): the last epoch's
+    end or RunConfig.max_steps, whichever comes first; an evaluation every RunConfig.eval_every steps, or at each
+    epoch's end, when there is held-out data. Rounds are cut so each of these falls on a round boundary."""
+
+    per_epoch: int
+    epochs: int = 0
+    max_steps: int | None = None
+    eval_every: int | None = None
+    evaluates: bool = False
+
+    def at(self, epoch: int, step: int) -> int:
+        return epoch * self.per_epoch + step
+
+    @property
+    def last(self) -> int:
+        end = self.epochs * self.per_epoch
+        return end if self.max_steps is None else min(end, self.max_steps)
+
+    def round_length(self, epoch: int, step: int, wanted: int) -> int:
+        """`wanted` steps from (epoch, step), or fewer: up to the epoch's end, the last step, the next evaluation."""
+        now = self.at(epoch, step)
+        limit = min(wanted, self.per_epoch - step, self.last - now)
+        if self.eval_every and self.evaluates:
+            limit = min(limit, self.eval_every - now % self.eval_every)
+        return limit
+
+    def eval_due(self, epoch: int, step: int) -> bool:
+        """An evaluation after `step` steps of `epoch` (the run's own end aside: it always evaluates)."""
+        if not self.evaluates:
+            return False
+        if self.eval_every:
+            return self.at(epoch, step) % self.eval_every == 0
+        return step >= self.per_epoch
 
 
 class Checkpoints:
@@ -41,6 +79,8 @@ class Checkpoints:
         self.at: tuple[int, int] | None = None
         """(epoch, step) the last one continues at."""
         self._written_at = clock()
+        self.best = Best(*settings.keep_best) if settings.keep_best else None
+        """The best evaluation so far and its checkpoint (RunConfig.keep_best), kept beside the newest ones."""
 
     @property
     def enabled(self) -> bool:
@@ -63,8 +103,11 @@ class Checkpoints:
             return False
         return epoch + 1 == epochs or self.due()
 
-    def write(self, at: tuple[int, int], state: dict[str, Any], members: Membership, num_steps: int) -> None:
-        """Rank 0's training state and every rank's random streams (in `state`), to continue at `at`."""
+    def write(
+        self, at: tuple[int, int], state: dict[str, Any], members: Membership, num_steps: int, best: bool = False
+    ) -> None:
+        """Rank 0's training state and every rank's random streams (in `state`), to continue at `at`; `best`: the
+        new best checkpoint (the previous best is kept until this one is in place)."""
         assert self.store is not None
         epoch, step = at
         meta = CheckpointMeta(
@@ -80,12 +123,35 @@ class Checkpoints:
             seed=self.settings.seed,
             data_fingerprint=self.settings.data_fingerprint,
         )
+        if best:
+            self.store.keep_also.add(checkpoint_name(meta.global_step))
         path = save_making_room(self.store, state, asdict(meta), self.log, self.view, self.last)
+        if best and self.best is not None and path is not None:
+            self.best.name = path.name
+        self._keep_best()
         if path is None:
             return
         self.last, self.at = path, at
         self._written_at = self.clock()
         self.log.write("checkpoint", {"path": str(path), **asdict(meta)})
+
+    def _keep_best(self) -> None:
+        if self.store is not None:
+            self.store.keep_also = {self.best.name} if self.best is not None and self.best.name else set()
+
+    def load_best(self, saved: Any) -> None:
+        """The best so far from a checkpoint a run resumes from (checked: Best.load)."""
+        if self.best is not None:
+            self.best.load(saved)
+            self._keep_best()
+
+    @property
+    def best_path(self) -> Path | None:
+        """The best checkpoint's folder (RunConfig.keep_best), when it is there."""
+        if self.best is None or self.best.name is None or self.store is None:
+            return None
+        path = self.store.root / self.best.name
+        return path if path.is_dir() else None
 
     def read_last(self) -> tuple[dict[str, Any], CheckpointMeta]:
         """The last checkpoint's state (without the random streams) and where it continues."""
