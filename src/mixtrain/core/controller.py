@@ -294,13 +294,13 @@ class Controller:
         if rounds:  # none when a run resumed exactly at this epoch's end (a Ctrl-C after its last round)
             samples, wall = sum(r.samples for r in rounds), sum(r.wall_s for r in rounds)
             line += f" loss {rounds[-1].last_loss:.4f}  {samples / wall:,.0f} samples/s"
-        self.view.log(line)
         if self.steps.eval_due(epoch, self.num_steps) or (last and self.settings.num_eval):
-            rewound = self._evaluate_and_checkpoint((epoch, self.num_steps), after)
+            rewound = self._evaluate_and_checkpoint((epoch, self.num_steps), after, line)
         elif self.checkpoints.due_at_epoch_end(epoch, self.epochs) or (last and self.checkpoints.enabled):
             rewound = self._checkpoint(after)
         else:
             rewound = None
+            self.view.log(line)
         if rewound is not None:
             return rewound
         if last:
@@ -346,10 +346,11 @@ class Controller:
         )
 
     # ---- what the transitions share -------------------------------------------------------------
-    def _evaluate_and_checkpoint(self, where: tuple[int, int], at: tuple[int, int]) -> Train | None:
-        """The held-out metrics after `where` = (epoch, steps done in it), then a checkpoint continuing at `at`
-        (marked best when RunConfig.keep_best says so). None, or where training goes on after a rewind."""
-        ev = self._evaluated(where, at)
+    def _evaluate_and_checkpoint(self, where: tuple[int, int], at: tuple[int, int], line: str = "") -> Train | None:
+        """The held-out metrics after `where` = (epoch, steps done in it), shown after `line` (the epoch's), then a
+        checkpoint continuing at `at` (marked best when RunConfig.keep_best says so). None, or where training
+        goes on after a rewind."""
+        ev = self._evaluated(where, at, line)
         if isinstance(ev, Train):
             return ev
         best = self._is_best(ev, at)
@@ -357,9 +358,11 @@ class Controller:
             return None
         return self._checkpoint(at, best=best)
 
-    def _evaluated(self, where: tuple[int, int], at: tuple[int, int]) -> dict[str, Any] | Train | None:
+    def _evaluated(self, where: tuple[int, int], at: tuple[int, int], line: str) -> dict[str, Any] | Train | None:
         step = self.global_step(*where)
         if self.evaluated_at == step:  # an epoch's end that is also an eval_every point
+            if line:
+                self.view.log(line)
             return None
         ev = self._tolerant("evaluate", self.evaluate, at)
         if isinstance(ev, Train):
@@ -368,8 +371,8 @@ class Controller:
         self.evaluated_at = step
         self.evals.append(ev)
         self.log.write("eval", ev)
-        line = f"held-out after step {step}: loss {ev['loss']:.4f}"
-        line += "".join(f"  {k} {v:.4f}" for k, v in ev.items() if k not in ("loss", *EVAL_KEYS))
+        line = f"{line}  held-out loss" if line else f"held-out after step {step}: loss"
+        line += f" {ev['loss']:.4f}" + "".join(f"  {k} {v:.4f}" for k, v in ev.items() if k not in ("loss", *EVAL_KEYS))
         self.view.log(line)
         return ev
 

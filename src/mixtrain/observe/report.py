@@ -16,6 +16,7 @@ from statistics import fmean
 from typing import Any
 
 from mixtrain._files import PrivateFolder
+from mixtrain.callbacks import EVAL_KEYS
 from mixtrain.core.rounds import device_samples_per_s, time_split, worker_name
 from mixtrain.errors import InputValueError, require
 from mixtrain.observe.progress import format_bytes
@@ -220,12 +221,14 @@ def _eval_line(evals: list[dict[str, Any]]) -> str:
     line = f"  held-out loss {last['loss']:.4f}"
     if "accuracy" in last:
         best = max(evals, key=lambda e: e.get("accuracy", 0.0))
-        line += f", accuracy {last['accuracy']:.4f} (best {best['accuracy']:.4f} after epoch {best['epoch'] + 1})"
+        when = f"epoch {best['epoch'] + 1}"
+        when = f"step {best['global_step']}, {when}" if "global_step" in best else when
+        line += f", accuracy {last['accuracy']:.4f} (best {best['accuracy']:.4f} after {when})"
     own = [k for k, v in last.items() if k not in _EVAL_FIELDS and isinstance(v, (int, float))]
     return line + "".join(f", {k} {last[k]:.4f}" for k in own)
 
 
-_EVAL_FIELDS = ("kind", "time", "epoch", "samples", "loss", "accuracy")
+_EVAL_FIELDS = (*EVAL_KEYS, "loss", "accuracy")
 """Fields of an eval record that are not a task's own metric."""
 
 

@@ -114,10 +114,12 @@ def _plain(obj: Any) -> Any:
 
 
 def samples_seen(record: dict[str, Any], num_samples: int, global_batch: int) -> int:
-    """Training samples used up to the end of a round or an epoch's evaluation. From (epoch, step), not a
-    running sum, so a resumed run that repeats rounds after its checkpoint counts them once."""
-    if record.get("kind") == "eval":
-        return (record["epoch"] + 1) * num_samples
+    """Training samples used up to the end of a round or an evaluation. From (epoch, step), not a running sum,
+    so a resumed run that repeats rounds after its checkpoint counts them once."""
+    if record.get("kind") == "eval" or "first_step" not in record:
+        if "step" not in record:  # an evaluation at an epoch's end (written so before eval_every)
+            return (record["epoch"] + 1) * num_samples
+        return record["epoch"] * num_samples + min(num_samples, record["step"] * global_batch)
     end = record["first_step"] + record["num_steps"]
     return record["epoch"] * num_samples + min(num_samples, end * global_batch)
 
