@@ -56,6 +56,9 @@ KEEP_WORKERS_MAX_FITS = ("MIXTRAIN_KEEP_WORKERS_MAX_FITS", 20.0)
 has built and dropped many tasks is not assumed to stay as fast and as lean as a new one."""
 PS_START_TIMEOUT_S = ("MIXTRAIN_PS_START_TIMEOUT_S", 120.0)
 """How long the parameter-server actors may take to build their part of the model and answer."""
+WANDB_INIT_TIMEOUT_S = ("MIXTRAIN_WANDB_INIT_TIMEOUT_S", 30.0)
+"""How long WandbLogger's wandb.init may take (W&B's own default is 90 s): an unreachable server costs the run
+this long once, then the logger is reported as failed and training goes on without it."""
 
 
 MIN_TIMEOUT_S = 0.001

@@ -30,8 +30,9 @@ from mixtrain.core.worker_group import WorkerGroup
 from mixtrain.data.sampling import Arrays, steps_per_epoch
 from mixtrain.data.sources import Loader, describe, known_length
 from mixtrain.errors import InputTypeError, InputValueError
+from mixtrain.loggers._tensorboard import TensorBoardLogger, check_tensorboard, summary_writer_class
 from mixtrain.observe.progress import ProgressView, plan_table, probe_memory_line
-from mixtrain.observe.runlog import RunLog, check_tensorboard, make_run_dir
+from mixtrain.observe.runlog import RunLog, make_run_dir
 from mixtrain.policies.planner import plan_record, resolve_shares
 from mixtrain.pretrained import save_final_hf_model
 from mixtrain.result import Result
@@ -104,7 +105,7 @@ class Trainer:
         phases.mark("Ray")
         group = self.worker_group_cls(self.scaling, self.run.seed, tunables)
         group.log_dir = run_dir / "logs"
-        hooks = Hooks(self.callbacks, global_batch=self.global_batch)
+        hooks = Hooks([*self.callbacks, *self._tensorboard()], global_batch=self.global_batch)
         try:
             with GracefulStop() as stop:
                 start = _Start(run_dir, _run_id(resumed), resumed, epochs, warnings, phases)
@@ -129,6 +130,15 @@ class Trainer:
         )
         hooks.run_ended(RunEnded(run_dir, result=result, stopped_early=controller.stopped_early))
         return result
+
+    def _tensorboard(self) -> list[Callback]:
+        """RunConfig.tensorboard's logger (True: always, None: when tensorboardX or tensorboard is installed),
+        after the user's callbacks (their saved states are matched by position), unless they gave one."""
+        wanted = self.run.tensorboard
+        given = any(isinstance(cb, TensorBoardLogger) for cb in self.callbacks)
+        if given or wanted is False or (wanted is None and summary_writer_class() is None):
+            return []
+        return [TensorBoardLogger()]
 
     def _train(
         self, group: WorkerGroup, start: _Start, stop: GracefulStop, hooks: Hooks
@@ -251,7 +261,7 @@ class Trainer:
             "num_samples": up.num_samples,
             "hf_model": up.hf_model,  # a Hugging Face model's class and config: `mixtrain export` rebuilds it
         }
-        log = RunLog(run_dir, config, self.run.tensorboard)
+        log = RunLog(run_dir, config)
         log.write("workers", {"workers": up.workers})
         log.write("preflight", up.checks)
         log.write("plan", {"after_round": 0, **plan_record(up.plan)})

@@ -10,6 +10,7 @@ from mixtrain import RunConfig, ScalingConfig, Trainer
 from mixtrain.job import load_job
 from mixtrain.observe.report import write_report
 from tests.conftest import run_records
+from tests.trackers import tensorboard_scalars
 
 pytestmark = pytest.mark.usefixtures("ray_session")
 
@@ -70,25 +71,8 @@ def test_worker_output_goes_to_the_run_folder(run_dir):
         assert "asking for cpu" in text and "epoch 2 steps" in text
 
 
-def _events(folder):
-    """The scalars in TensorBoard event files: TFRecords of Event protos, read without TensorFlow."""
-    from tensorboardX.proto import event_pb2
-
-    out: dict[str, list[tuple[int, float]]] = {}
-    for path in folder.glob("events.out.tfevents.*"):
-        data = path.read_bytes()
-        at = 0
-        while at < len(data):
-            (length,) = struct.unpack("<Q", data[at : at + 8])
-            event = event_pb2.Event.FromString(data[at + 12 : at + 12 + length])
-            at += 12 + length + 4
-            for value in event.summary.value:
-                out.setdefault(value.tag, []).append((event.step, value.simple_value))
-    return out
-
-
 def test_tensorboard_event_files_hold_loss_held_out_metrics_and_per_device_speed(run_dir):
-    scalars = _events(run_dir / "tensorboard")
+    scalars = tensorboard_scalars(run_dir / "tensorboard")
     evals = run_records(run_dir, "eval")
     assert [v for _, v in scalars["held_out/accuracy"]] == pytest.approx([e["accuracy"] for e in evals])
     assert [s for s, _ in scalars["held_out/accuracy"]] == [1438, 2876, 4314]  # samples seen at each epoch end

@@ -23,8 +23,8 @@ SETTINGS = (
     "OMP_NUM_THREADS",
 )
 """Environment variables that change what mixtrain, torch or Ray do (plus every MIXTRAIN_* one)."""
-OPTIONAL = ("matplotlib", "tensorboardX", "tensorboard", "scikit-learn", "rich")
-"""Distributions some features use: report plots, TensorBoard files, the digits data, live progress."""
+OPTIONAL = ("matplotlib", "tensorboardX", "tensorboard", "mlflow-skinny", "mlflow", "wandb", "scikit-learn", "rich")
+"""Distributions some features use: report plots, TensorBoard files, the loggers, the digits data, live progress."""
 
 
 def bug_report() -> dict[str, Any]:

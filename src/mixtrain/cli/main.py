@@ -92,6 +92,16 @@ def _seed(text: str) -> int:
     return value
 
 
+def _loggers(text: str) -> list[str]:
+    from mixtrain.loggers import NAMES
+
+    names = [n.strip() for n in text.split(",") if n.strip()]
+    wrong = [n for n in names if n not in NAMES]
+    if wrong or not names:
+        raise argparse.ArgumentTypeError(f"{text!r}: choose from {', '.join(NAMES)} (one, or several with commas)")
+    return names
+
+
 def _number(low: float, *, above: bool = False, below: float = math.inf, finite: bool = True) -> Callable[[str], float]:
     """A float flag in [low, below) ((low, below) when `above`), finite unless `finite=False`."""
 
@@ -246,6 +256,15 @@ def build_parser() -> argparse.ArgumentParser:
         "--tensorboard",
         action="store_true",
         help="require TensorBoard event files in RUN_DIR/tensorboard (default: written when tensorboardX is installed)",
+    )
+    train.add_argument(
+        "--logger",
+        type=_loggers,
+        action="extend",
+        metavar="NAME",
+        help="also log the run to mlflow (its store: $MLFLOW_TRACKING_URI, else RUN_DIR/mlflow.db), wandb (offline "
+        "unless WANDB_MODE=online; RUN_DIR/wandb) or tensorboard (RUN_DIR/tensorboard); repeat it, or give "
+        'names with commas. Each needs its extra: pip install "mixtrain[mlflow]" (wandb, tensorboard)',
     )
     plan = sub.add_parser(
         "plan",
@@ -519,6 +538,7 @@ def _trainer(
     micro = args.max_micro_batch
     if micro is not None and len(micro) == 1 and counted:
         micro = micro * args.workers  # one value for every worker
+    callbacks = _callbacks(args)  # a logger's missing library: said now, before the job loads and Ray starts
     target, flag = _task(args)
     job = load_job(target, lr=args.lr, seed=args.seed, data_dir=args.data_dir, args=args.job_args, flag=flag)
     scaling = {
@@ -548,18 +568,21 @@ def _trainer(
         scaling=ScalingConfig(**scaling),
         strategy=StrategyConfig(**strategy),
         run=RunConfig(**run),
-        callbacks=_callbacks(args),
+        callbacks=callbacks,
     )
 
 
 def _callbacks(args: argparse.Namespace) -> list[Any]:
-    """The callbacks the flags ask for."""
+    """The callbacks the flags ask for: --early-stopping, then each --logger once (a resumed run's saved flags
+    and the ones given again would name it twice)."""
     from mixtrain.callbacks import EarlyStopping
+    from mixtrain.loggers import by_name
 
     out: list[Any] = []
     if getattr(args, "early_stopping", None):
         metric, mode, patience = args.early_stopping
         out.append(EarlyStopping(metric, mode, patience))
+    out += [by_name(name) for name in dict.fromkeys(getattr(args, "logger", None) or [])]
     return out
 
 

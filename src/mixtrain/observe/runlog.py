@@ -1,10 +1,9 @@
-"""The run folder: resolved config, metrics.jsonl, TensorBoard event files (optional), final weights."""
+"""The run folder: resolved config, metrics.jsonl, final weights. (TensorBoard files: mixtrain.loggers.)"""
 
 from __future__ import annotations
 
 import json
 import os
-import re
 import secrets
 import time
 from dataclasses import asdict, is_dataclass
@@ -12,11 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from mixtrain.config import RunConfig
-from mixtrain.core.rounds import device_samples_per_s, worker_name
 from mixtrain.errors import InputValueError
-
-TENSORBOARD_DIR = "tensorboard"
-
 
 RUN_FILES = ("metrics.jsonl", "checkpoints", "model.safetensors", "model.pt")
 """What a run leaves in its folder; a folder holding any of them belongs to that run."""
@@ -124,40 +119,10 @@ def samples_seen(record: dict[str, Any], num_samples: int, global_batch: int) ->
     return record["epoch"] * num_samples + min(num_samples, end * global_batch)
 
 
-def _summary_writer_class() -> Any:
-    try:
-        from tensorboardX import SummaryWriter
-    except ImportError:
-        try:
-            from torch.utils.tensorboard import SummaryWriter
-        except ImportError:
-            return None
-    return SummaryWriter
-
-
-def check_tensorboard(wanted: bool | None) -> None:
-    """Fail before anything starts when TensorBoard files are required but cannot be written."""
-    if wanted and _summary_writer_class() is None:
-        raise InputValueError(
-            "RunConfig.tensorboard=True (--tensorboard) but neither tensorboardX nor tensorboard is installed: "
-            "pip install 'mixtrain[tensorboard]', or leave tensorboard at None (write when installed)"
-        )
-
-
-def tensorboard_writer(run_dir: Path, wanted: bool | None) -> Any:
-    """A SummaryWriter in RUN_DIR/tensorboard: tensorboardX's, or torch's (which needs `tensorboard`).
-    `wanted`: None writes when either is installed, True requires one, False writes none."""
-    if wanted is False:
-        return None
-    check_tensorboard(wanted)
-    writer = _summary_writer_class()
-    return None if writer is None else writer(str(run_dir / TENSORBOARD_DIR), flush_secs=10)
-
-
 class RunLog:
-    """Appends one JSON line per event to metrics.jsonl, and the main scalars to TensorBoard."""
+    """Appends one JSON line per event to metrics.jsonl (the callbacks, TensorBoard's among them, hear each line)."""
 
-    def __init__(self, run_dir: Path, config: dict[str, Any], tensorboard: bool | None = None) -> None:
+    def __init__(self, run_dir: Path, config: dict[str, Any]) -> None:
         from mixtrain._files import write_json
 
         self.run_dir = run_dir
@@ -165,40 +130,17 @@ class RunLog:
         self._metrics = open(run_dir / "metrics.jsonl", "a", buffering=1)
         self.write_error: OSError | None = None
         """The first error writing metrics.jsonl (a full disk): later lines are dropped, training goes on."""
-        self._size = (int(config.get("num_samples", 0)), int(config.get("global_batch", 1)))
-        self._tb = tensorboard_writer(run_dir, tensorboard)
 
     def write(self, kind: str, record: dict[str, Any]) -> None:
         line = {"kind": kind, "time": time.time(), **_plain(record)}
         try:
             if self.write_error is None:
                 self._metrics.write(json.dumps(line) + "\n")
-            if self._tb is not None and kind in ("round", "eval"):
-                self._scalars(line)
         except OSError as exc:  # a full disk must not end a healthy run: the records are a by-product
             self.write_error = self.write_error or exc
-
-    def _scalars(self, r: dict[str, Any]) -> None:
-        step = samples_seen(r, *self._size)
-        add = self._tb.add_scalar
-        if r["kind"] == "eval":
-            for key, value in r.items():  # loss, accuracy and the task's own metrics
-                if key not in ("kind", "time", "epoch", "samples") and isinstance(value, (int, float)):
-                    add(f"held_out/{key}", value, step)
-            return
-        add("train/loss", r["loss"], step)
-        add("train/samples_per_s", r["samples_per_s"], step)
-        if r.get("grad_norm") is not None:  # the task clips: the mean norm before clipping
-            add("train/grad_norm", r["grad_norm"], step)
-        for rank, (w, share) in enumerate(zip(r["workers"], r["shares"])):
-            name = re.sub(r"[^\w.\-]+", "_", worker_name(w, rank)).strip("_")  # TensorBoard's tag alphabet
-            add(f"samples_per_s/{name}", device_samples_per_s(r, w), step)
-            add(f"share/{name}", share, step)
 
     def close(self) -> None:
         try:
             self._metrics.close()
-            if self._tb is not None:
-                self._tb.close()
         except OSError as exc:
             self.write_error = self.write_error or exc
