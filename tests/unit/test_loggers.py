@@ -133,6 +133,31 @@ def test_wandb_a_failed_run_exits_with_code_1(tmp_path):
     assert run["exit_code"] == 1 and run["summary"]["error"] == "RuntimeError: x"
 
 
+def test_wandb_online_without_an_api_key_fails_when_made_not_mid_run(tmp_path, monkeypatch):
+    from mixtrain.errors import InputValueError
+    from mixtrain.loggers import WandbLogger
+
+    monkeypatch.setenv("HOME", str(tmp_path))  # no ~/.netrc
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    monkeypatch.setenv("WANDB_BASE_URL", "http://127.0.0.1:9")  # nothing listens: never the real service
+    with pytest.raises(InputValueError, match=r"no W&B API key is configured; run `wandb login`"):
+        WandbLogger(mode="online")
+
+
+def test_wandb_online_with_its_server_unreachable_costs_the_init_timeout_once(tmp_path, monkeypatch):
+    from mixtrain.loggers import WandbLogger
+
+    monkeypatch.setenv("WANDB_API_KEY", "k" * 40)
+    monkeypatch.setenv("WANDB_BASE_URL", "http://127.0.0.1:9")  # a closed port: refused at once, retried
+    monkeypatch.setenv("MIXTRAIN_WANDB_INIT_TIMEOUT_S", "1")
+    lines: list[str] = []
+    hooks = Hooks([WandbLogger(mode="online")], say=lines.append)
+    hooks.run_started(started(tmp_path))
+    hooks.fire("on_round_end", round_end(0, 2, 1.0))
+    hooks.run_ended(RunEnded(tmp_path, None, None))
+    assert len(lines) == 1 and "WandbLogger.on_run_start raised" in lines[0], lines
+
+
 def test_tensorboard_logger_writes_the_tags_at_the_samples_seen(tmp_path):
     from mixtrain.loggers import TensorBoardLogger
 

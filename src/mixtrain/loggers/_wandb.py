@@ -13,7 +13,7 @@ from typing import Any, Literal, cast
 from mixtrain import _checks as check
 from mixtrain._constants import WANDB_INIT_TIMEOUT_S, env_float
 from mixtrain.callbacks import Callback, Evaluated, RoundEnded, RunEnded, RunStarted
-from mixtrain.errors import require
+from mixtrain.errors import InputValueError, require
 from mixtrain.loggers._scalars import eval_scalars, plain, round_scalars
 
 Mode = Literal["offline", "online", "disabled"]
@@ -50,6 +50,8 @@ class WandbLogger(Callback):
         check.text("WandbLogger.entity", entity, none=True)
         self.project, self.name, self.entity = project, name, entity
         self.mode = cast(Mode, chosen)
+        if self.mode == "online":
+            _check_login()
         self.tags = list(tags or [])
         self.save_dir = Path(save_dir) if save_dir is not None else None
         """Where wandb writes its folder (`wandb/`): the run folder unless given."""
@@ -102,3 +104,22 @@ class WandbLogger(Callback):
         if event.error is not None:
             run.summary["error"] = f"{type(event.error).__name__}: {event.error}"
         run.finish(exit_code=1 if event.error is not None else 0)
+
+
+def _check_login() -> None:
+    """Online: W&B must have an API key now, before any worker starts, while the terminal is free: wandb.init
+    would ask for one in the middle of the run, the workers waiting, or fail there."""
+    if os.environ.get("WANDB_API_KEY"):
+        return
+    import wandb
+
+    try:
+        logged_in = wandb.login(verify=False, prompt=False)  # the key it has (netrc), without asking or checking
+    except Exception:
+        logged_in = False
+    if not logged_in:
+        raise InputValueError(
+            "WandbLogger(mode='online') (or WANDB_MODE=online): no W&B API key is configured; run `wandb login` "
+            "(or set WANDB_API_KEY), or log offline (mode='offline', the default) and upload the run later with "
+            "`wandb sync RUN_DIR/wandb/offline-run-*`"
+        )
