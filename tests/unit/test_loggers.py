@@ -4,6 +4,7 @@ an MLflow SQLite store, a W&B offline run, TensorBoard event files. No Ray, no n
 from __future__ import annotations
 
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -47,7 +48,9 @@ class FakeResult:
         self.model_path = model_path
 
 
-def run_through(logger, run_dir: Path, error: BaseException | None = None, resumed: Path | None = None) -> None:
+def run_through(
+    logger, run_dir: Path, error: BaseException | None = None, resumed: Path | None = None, epochs: int = 2
+) -> None:
     """A two-epoch run's events, in the driver's order, through the real dispatcher (which would report an error)."""
     run_dir.mkdir(exist_ok=True)
     (run_dir / "config.json").write_text("{}")
@@ -56,7 +59,8 @@ def run_through(logger, run_dir: Path, error: BaseException | None = None, resum
     weights.write_bytes(b"weights")
     lines: list[str] = []
     hooks = Hooks([logger], steps_per_epoch=4, num_samples=128, global_batch=32, say=lines.append)
-    hooks.run_started(started(run_dir, resumed))
+    start = started(run_dir, resumed)
+    hooks.run_started(replace(start, config={**start.config, "epochs": epochs}))
     for epoch in range(2):
         hooks.fire("on_round_end", round_end(epoch, 2, 1.0 - epoch * 0.3))
         hooks.fire("on_round_end", round_end(epoch, 4, 0.9 - epoch * 0.3))
@@ -100,10 +104,12 @@ def test_mlflow_a_failed_run_ends_failed_and_a_resumed_one_continues_its_mlflow_
     assert "model/model.safetensors" not in mlflow_artifacts(client, run)
     assert not (tmp_path / "run" / "mlflow.db").exists()  # $MLFLOW_TRACKING_URI wins over the run folder
     assert (tmp_path / "mlartifacts").is_dir() and not (Path.cwd() / "mlruns").exists()  # beside the store
-    run_through(MLflowLogger(experiment="e"), tmp_path / "run", resumed=tmp_path / "run" / "checkpoints" / "x")
+    resumed = tmp_path / "run" / "checkpoints" / "x"
+    run_through(MLflowLogger(experiment="e"), tmp_path / "run", resumed=resumed, epochs=3)
     client, again = mlflow_run(uri, "e")  # still one run: the same, continued
     assert again.info.run_id == run.info.run_id and again.info.status == "FINISHED"
     assert len(mlflow_steps(client, again, "train/loss")) == 8 and "mixtrain.resumed_from" in again.data.tags
+    assert again.data.params["epochs"] == "2" and again.data.tags["mixtrain.resumed.epochs"] == "3"  # MLflow: fixed
 
 
 def test_wandb_offline_run_holds_the_config_and_the_metrics_at_the_global_step(tmp_path, monkeypatch):

@@ -91,10 +91,13 @@ class MLflowLogger(Callback):
         if run_id is None:
             tags = {RUN_ID_TAG: event.run_id, "mixtrain.run_dir": str(event.run_dir), **self.tags}
             run_id = client.create_run(exp_id, tags=tags, run_name=self.run_name or event.run_dir.name).info.run_id
-        else:  # params cannot change in MLflow: a resumed run adds only new ones (--epochs is the total to reach)
+        else:  # params cannot change in MLflow: a resumed run adds new ones, and a changed one as a tag
             client.update_run(run_id, status="RUNNING")
             client.set_tag(run_id, "mixtrain.resumed_from", str(event.resumed_from))
             kept = client.get_run(run_id).data.params
+            for k, v in params.items():
+                if k in kept and kept[k] != v:  # --epochs on a resume: the total to reach now
+                    client.set_tag(run_id, f"mixtrain.resumed.{k}", v)
             params = {k: v for k, v in params.items() if k not in kept}
         self._batch(client, run_id, params=params)
         self.client, self.run_id = client, run_id
