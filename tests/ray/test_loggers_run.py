@@ -6,12 +6,19 @@ from __future__ import annotations
 import pytest
 
 from mixtrain import RunConfig, ScalingConfig, Trainer
-from mixtrain.loggers import MLflowLogger, WandbLogger
 from tests.conftest import run_records
 from tests.models import data, factory
-from tests.trackers import mlflow_artifacts, mlflow_run, mlflow_steps, tensorboard_scalars, wandb_run
+from tests.trackers import (
+    mlflow_artifacts,
+    mlflow_run,
+    mlflow_steps,
+    needs_mlflow,
+    needs_wandb,
+    tensorboard_scalars,
+    wandb_run,
+)
 
-pytestmark = pytest.mark.usefixtures("ray_session")
+pytestmark = [pytest.mark.usefixtures("ray_session"), needs_mlflow, needs_wandb]
 
 GLOBAL_BATCH = 64
 NUM_SAMPLES = 64 * 8  # 8 steps an epoch
@@ -20,6 +27,8 @@ NUM_SAMPLES = 64 * 8  # 8 steps an epoch
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
     """Two epochs of the MLP on 2 workers, evaluated at each epoch's end, with all three loggers and a broken one."""
+    from mixtrain.loggers import MLflowLogger, WandbLogger
+
     mp = pytest.MonkeyPatch()
     mp.setenv("WANDB_MODE", "offline")
     mp.delenv("MLFLOW_TRACKING_URI", raising=False)

@@ -13,7 +13,15 @@ from mixtrain.callbacks import CheckpointSaved, Evaluated, RoundEnded, RunEnded,
 from mixtrain.config import RunConfig, ScalingConfig
 from mixtrain.core.hooks import Hooks
 from mixtrain.errors import MissingExtraError
-from tests.trackers import mlflow_artifacts, mlflow_run, mlflow_steps, tensorboard_scalars, wandb_run
+from tests.trackers import (
+    mlflow_artifacts,
+    mlflow_run,
+    mlflow_steps,
+    needs_mlflow,
+    needs_wandb,
+    tensorboard_scalars,
+    wandb_run,
+)
 
 LOSSES = [(2, 1.0), (4, 0.9), (6, pytest.approx(0.7)), (8, pytest.approx(0.6))]
 """(global step, training loss) of run_through's rounds."""
@@ -70,6 +78,7 @@ def run_through(
     assert lines == [], lines  # no hook failed
 
 
+@needs_mlflow
 def test_mlflow_logs_params_metrics_at_the_global_step_artifacts_and_the_status(tmp_path, monkeypatch):
     from mixtrain.loggers import MLflowLogger
 
@@ -93,6 +102,7 @@ def test_mlflow_logs_params_metrics_at_the_global_step_artifacts_and_the_status(
     assert run.data.tags["mixtrain.last_checkpoint"].endswith("checkpoints/x")
 
 
+@needs_mlflow
 def test_mlflow_a_failed_run_ends_failed_and_a_resumed_one_continues_its_mlflow_run(tmp_path, monkeypatch):
     from mixtrain.loggers import MLflowLogger
 
@@ -112,6 +122,7 @@ def test_mlflow_a_failed_run_ends_failed_and_a_resumed_one_continues_its_mlflow_
     assert again.data.params["epochs"] == "2" and again.data.tags["mixtrain.resumed.epochs"] == "3"  # MLflow: fixed
 
 
+@needs_wandb
 def test_wandb_offline_run_holds_the_config_and_the_metrics_at_the_global_step(tmp_path, monkeypatch):
     from mixtrain.loggers import WandbLogger
 
@@ -131,6 +142,7 @@ def test_wandb_offline_run_holds_the_config_and_the_metrics_at_the_global_step(t
     assert {"train/lr/group0", "train/grad_norm", "share/cpu_on_box_pid_7"} <= set(run["history"][0])
 
 
+@needs_wandb
 def test_wandb_a_failed_run_exits_with_code_1(tmp_path):
     from mixtrain.loggers import WandbLogger
 
@@ -139,6 +151,7 @@ def test_wandb_a_failed_run_exits_with_code_1(tmp_path):
     assert run["exit_code"] == 1 and run["summary"]["error"] == "RuntimeError: x"
 
 
+@needs_wandb
 def test_wandb_online_without_an_api_key_fails_when_made_not_mid_run(tmp_path, monkeypatch):
     from mixtrain.errors import InputValueError
     from mixtrain.loggers import WandbLogger
@@ -150,6 +163,7 @@ def test_wandb_online_without_an_api_key_fails_when_made_not_mid_run(tmp_path, m
         WandbLogger(mode="online")
 
 
+@needs_wandb
 def test_wandb_online_with_its_server_unreachable_costs_the_init_timeout_once(tmp_path, monkeypatch):
     from mixtrain.loggers import WandbLogger
 
@@ -175,6 +189,7 @@ def test_tensorboard_logger_writes_the_tags_at_the_samples_seen(tmp_path):
     assert {"train/grad_norm", "samples_per_s/cpu_on_box_pid_7", "share/cuda_0_on_box_pid_8"} <= set(scalars)
 
 
+@needs_mlflow
 def test_a_logger_that_cannot_write_is_reported_once_and_the_run_goes_on(tmp_path):
     """An MLflow store under a file (unwritable even for root): the start fails, the dispatcher says so once,
     and the logger stays quiet for the rest of the run instead of failing at every round."""
@@ -229,6 +244,8 @@ def test_cli_logger_flag_takes_names_repeated_or_with_commas():
         build_parser().parse_args(["train", "--logger", "neptune"])
 
 
+@needs_mlflow
+@needs_wandb
 def test_cli_loggers_reach_the_trainer_once_each(tmp_path):
     from mixtrain.cli.main import _parse, _trainer
 
