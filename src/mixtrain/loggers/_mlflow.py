@@ -66,6 +66,8 @@ class MLflowLogger(Callback):
         self.client: Any = None
         self.run_id: str | None = None
         """The MLflow run's id, once started (None before, or when the start failed: nothing is logged then)."""
+        self.pending: Any = None
+        """The metrics batch being written in MLflow's background thread (a SQLite write takes ~20 ms a round)."""
 
     # ---- start --------------------------------------------------------------------------------------
     def store_uri(self, run_dir: Path) -> tuple[str, str | None]:
@@ -123,14 +125,21 @@ class MLflowLogger(Callback):
             return
         from mlflow.entities import Metric
 
+        self._wait()  # the last round's batch: written while the workers trained (its error surfaces here)
         now = int(time.time() * 1000)
-        self._batch(self.client, self.run_id, metrics=[Metric(k, v, now, step) for k, v in values.items()])
+        metrics = [Metric(k, v, now, step) for k, v in values.items()]
+        self.pending = self.client.log_batch(self.run_id, metrics=metrics, synchronous=False)
+
+    def _wait(self) -> None:
+        pending, self.pending = self.pending, None
+        if pending is not None:
+            pending.wait()
 
     @staticmethod
-    def _batch(client: Any, run_id: str, params: dict[str, str] | None = None, metrics: list | None = None) -> None:
+    def _batch(client: Any, run_id: str, params: dict[str, str] | None = None) -> None:
         from mlflow.entities import Param
 
-        client.log_batch(run_id, metrics=metrics or [], params=[Param(k, v) for k, v in (params or {}).items()])
+        client.log_batch(run_id, params=[Param(k, v) for k, v in (params or {}).items()])
 
     # ---- end ----------------------------------------------------------------------------------------
     def on_run_end(self, event: RunEnded) -> None:
@@ -139,6 +148,7 @@ class MLflowLogger(Callback):
         client, run_id = self.client, self.run_id
         self.run_id = None  # whatever happens below, the run is not logged to again
         try:
+            self._wait()
             self._artifacts(client, run_id, event)
         finally:
             if event.stopped_early:
