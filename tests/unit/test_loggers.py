@@ -235,10 +235,13 @@ def test_the_extras_and_dev_name_the_libraries():
     assert set(extras["mlflow"]) | set(extras["wandb"]) <= set(extras["dev"])  # CI runs these tests, never skips
 
 
-def test_cli_logger_flag_takes_names_repeated_or_with_commas():
-    from mixtrain.cli.main import build_parser
+def test_cli_logger_flag_takes_names_repeated_or_with_commas_or_from_a_config_file(tmp_path):
+    from mixtrain.cli.main import _parse, build_parser
 
     args = build_parser().parse_args(["train", "--logger", "mlflow,wandb", "--logger", "tensorboard"])
+    assert args.logger == ["mlflow", "wandb", "tensorboard"]
+    (tmp_path / "c.toml").write_text('task = "digits"\nlogger = ["mlflow", "wandb"]\n')
+    args, _ = _parse(["train", "--config", str(tmp_path / "c.toml"), "--logger", "tensorboard"])
     assert args.logger == ["mlflow", "wandb", "tensorboard"]
     with pytest.raises(SystemExit):
         build_parser().parse_args(["train", "--logger", "neptune"])
