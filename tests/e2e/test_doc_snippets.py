@@ -64,3 +64,22 @@ def test_the_habits_script_evaluates_every_25_steps_and_keeps_the_best(tmp_path)
     assert steps[-1] == 200 or "EarlyStopping" in stopped, stdout  # ran to max_steps, or stopped saying why
     best = re.search(r"best checkpoint: (\S+)", stdout).group(1)
     assert Path(best).is_dir() and Path(best).parent.name == "checkpoints", stdout
+
+
+def test_the_loggers_script_writes_all_three_stores(tmp_path, monkeypatch, capsys, ray_session):
+    """The loggers snippet, in this process (its Ray is the session's: no second start-up); each store it
+    writes is read back with the tracker's own library."""
+    from tests.trackers import mlflow_run, mlflow_steps, tensorboard_scalars, wandb_run
+
+    monkeypatch.chdir(tmp_path)  # its run folder: mixtrain_runs/ under the current folder
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    monkeypatch.delenv("WANDB_MODE", raising=False)
+    exec(compile(block_tagged("loggers"), "loggers.py", "exec"), {"__name__": "__main__"})
+    out = capsys.readouterr().out
+    run_dir = Path(re.search(r"run folder: (\S+)", out).group(1))
+    for name in ("mlflow.db", "mlartifacts", "wandb", "tensorboard"):
+        assert f"'{name}'" in out, out
+    client, run = mlflow_run(f"sqlite:///{run_dir / 'mlflow.db'}", "digits")
+    assert [s for s, _ in mlflow_steps(client, run, "held_out/accuracy")] == [23, 46]
+    assert wandb_run(run_dir)["exit_code"] == 0
+    assert "train/lr/group0" in tensorboard_scalars(run_dir / "tensorboard")
