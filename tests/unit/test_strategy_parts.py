@@ -108,6 +108,18 @@ def test_auto_adopts_allreduce_on_a_fast_link_and_local_sgd_with_h_and_compressi
     assert (tiny.name, tiny.local_steps, tiny.compress) == ("local-sgd", 64, "none")
 
 
+def test_overlap_local_steps_is_the_h_choose_gives_for_that_wire():
+    """The slow-link benchmark's rows at "the advisor's H" take it from here: the same H `choose` adopts."""
+    from mixtrain.policies.advice import choose, overlap_local_steps
+
+    assert overlap_local_steps(0.1, 0.2) == 8  # 2 / (0.1 x 4) = 5 -> 8, as choose above
+    assert overlap_local_steps(1.0, 8.0) == 32 and overlap_local_steps(1.0, 0.01) == 2  # at least 2
+    assert overlap_local_steps(0.1, 100.0) == 64  # at most MAX_LOCAL_STEPS
+    for compute_s, exchange_s in ((0.13, 0.42), (0.13, 2.2), (1.0, 8.0)):
+        picked = choose(compute_s, exchange_s, StrategyConfig(name="auto"), 2, 2**20)
+        assert picked.local_steps == overlap_local_steps(compute_s, exchange_s)
+
+
 def test_one_rank_keeps_plain_gradients_and_agrees_on_finiteness():
     """SoloGrads (one worker): autograd's own gradients, no bucket views; NaN/Inf anywhere (a gradient or the
     loss) is caught, a norm that merely overflows is not mistaken for one, and the loss scale unscales."""
