@@ -91,7 +91,12 @@ def _avg(values: list[float]) -> float | None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("json", nargs="+", help="sweeps from benchmarks/slow_link.py (one per workload)")
+    parser.add_argument(
+        "json",
+        nargs="+",
+        help="sweeps from benchmarks/slow_link.py, one per workload; A.json+B.json joins two sweeps of one workload "
+        "(a row measured in both: B's figure; the ceiling and alone: the mean of every run)",
+    )
     parser.add_argument("--png", default="docs/img/slow-link-curve.png")
     args = parser.parse_args()
     import matplotlib
@@ -101,7 +106,7 @@ def main() -> None:
 
     fig, axes = plt.subplots(1, len(args.json), figsize=(6.5 * len(args.json), 4.6), squeeze=False)
     for ax, path in zip(axes[0], args.json):
-        rows = json.loads(Path(path).read_text())
+        rows = [row for part in path.split("+") for row in json.loads(Path(part).read_text())]
         c = curves(rows)
         rates = sorted(c["best"])
         for family, points in sorted(c["rows"].items()):
@@ -113,7 +118,7 @@ def main() -> None:
                 ax.plot([rates[0], rates[-1]], [c[name]] * 2, style, label=label, linewidth=1.2)
         if c["break_even"]:
             ax.axvline(c["break_even"], color="grey", linestyle=":", label=f"break-even {c['break_even']:g} Mbit/s")
-        workload = Path(path).stem.removeprefix("slow_link_curve_")
+        workload = Path(path.split("+")[0]).stem.removeprefix("slow_link_curve_")
         ax.set(xscale="log", xlabel="link speed, Mbit/s (each way, tbf)", ylabel="samples/s", title=workload)
         ax.set_ylim(bottom=0)
         ax.grid(alpha=0.3)
