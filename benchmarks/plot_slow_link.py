@@ -34,14 +34,12 @@ def curves(rows: list[dict]) -> dict:
     rates = sorted({r["rate_mbit"] for r in rows})
     best = {rate: max((c[rate] for c in by.values() if rate in c), default=0.0) for rate in rates}
     alone = mean["alone"] or 0.0
-    # the slowest rate from which the best pair row stays ahead of alone at every faster rate
-    break_even = None
-    for rate in reversed(rates):
-        if best[rate] > alone:
-            break_even = rate
-        else:
-            break
-    return {"rows": by, "ceiling": mean["ceiling"], "alone": mean["alone"], "best": best, "break_even": break_even}
+    # the slowest measured rate where the best pair row beats alone (and the faster ones where none does)
+    ahead = [rate for rate in rates if best[rate] > alone]
+    break_even = ahead[0] if ahead else None
+    behind = [rate for rate in rates if break_even is not None and rate > break_even and best[rate] <= alone]
+    return {"rows": by, "ceiling": mean["ceiling"], "alone": mean["alone"], "best": best, "break_even": break_even,
+            "behind_above": behind}  # fmt: skip
 
 
 def table(c: dict, rows: list[dict]) -> str:
@@ -82,7 +80,7 @@ def _pick(row: dict) -> str:
     text = row.get("advice", "")
     if not text.startswith("auto chose "):
         return "?"
-    return text.removeprefix("auto chose ").split(":")[0].replace("local-sgd ", "").replace(" on the wire", "")
+    return text.removeprefix("auto chose ").split(":")[0].replace(" on the wire", "")
 
 
 def _avg(values: list[float]) -> float | None:
@@ -124,7 +122,9 @@ def main() -> None:
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
         print(table(c, rows))
-        print(f"{workload}: ceiling {c['ceiling']}, alone {c['alone']}, break-even {c['break_even']} Mbit/s")
+        print(f"{workload}: ceiling {c['ceiling']:.1f}, alone {c['alone']:.1f}, break-even {c['break_even']} Mbit/s"
+              f" (the slowest measured rate where the best pair row beats alone); above it, behind alone at "
+              f"{c['behind_above'] or 'none'}")  # fmt: skip
     fig.tight_layout()
     Path(args.png).parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(args.png, dpi=110)
