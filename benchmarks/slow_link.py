@@ -80,16 +80,18 @@ def _strategy(spec: str) -> dict:
     return out
 
 
-CHARS_CONTEXT, CHARS_WIDTH, CHARS_LAYERS, CHARS_MAX_CHARS = 32, 256, 8, 60_000
+CHARS_CONTEXT, CHARS_LAYERS, CHARS_MAX_CHARS = 32, 8, 60_000
+CHARS_WIDTH = {"chars": 256, "chars-large": 512}
+"""Model width per workload: 6.4M parameters at 256, 25.3M at 512 (8 blocks each)."""
 
 
-def _chars_task(vocab: int):
+def _chars_task(vocab: int, width: int = CHARS_WIDTH["chars"]):
     import torch
 
     from mixtrain import Task
     from mixtrain.examples.chars import CharTransformer, next_char_loss
 
-    model = CharTransformer(vocab, context=CHARS_CONTEXT, width=CHARS_WIDTH, layers=CHARS_LAYERS, heads=4)
+    model = CharTransformer(vocab, context=CHARS_CONTEXT, width=width, layers=CHARS_LAYERS, heads=4)
     return Task(model=model, optimizer=torch.optim.AdamW(model.parameters(), lr=1e-3), loss_fn=next_char_loss)
 
 
@@ -102,8 +104,9 @@ def _chars_windows(part: str):
     return TokenWindows(token_file(part, CHARS_MAX_CHARS), CHARS_CONTEXT, np.uint16)
 
 
-def chars_job():
-    """The communication-bound workload: 6.4M parameters, a step of 16 windows of 32 characters."""
+def chars_job(workload: str = "chars"):
+    """The communication-bound workload: 6.4M parameters (chars-large: 25.3M), a step of 16 windows of 32
+    characters."""
     import functools
 
     from mixtrain.examples.chars import encode, python_docs_text
@@ -111,7 +114,19 @@ def chars_job():
 
     _, alphabet = encode(python_docs_text()[:CHARS_MAX_CHARS])
     train, held = (functools.partial(_chars_windows, part) for part in ("train", "held"))
-    return Job(functools.partial(_chars_task, len(alphabet)), train, held, global_batch=16)
+    task = functools.partial(_chars_task, len(alphabet), CHARS_WIDTH[workload])
+    return Job(task, train, held, global_batch=16)
+
+
+def num_params(workload: str) -> int:
+    """Parameters of the workload's model (what one fp32 exchange carries, 4 bytes each)."""
+    if workload == "digits":
+        from mixtrain.examples.digits import example
+
+        task = example().task_factory()
+    else:
+        task = chars_job(workload).task_factory()
+    return sum(p.numel() for p in task.model.parameters())
 
 
 def drive(
@@ -123,7 +138,7 @@ def drive(
     from mixtrain.examples.digits import example
 
     use_cluster_token(address)
-    ex = chars_job() if workload == "chars" else example()
+    ex = chars_job(workload) if workload.startswith("chars") else example()
     slowdown = {int(r): float(f) for r, f in (emulate.split(":"),)} if emulate and spec != "alone" else None
     run_dir = out / re.sub(r"[^\w.-]", "_", spec)
     trainer = Trainer(
@@ -148,15 +163,25 @@ def drive(
     from mixtrain.core.interrupt import TrainingInterrupted
 
     # a row that would take too long is stopped as Ctrl-C stops it: at a round boundary, with a checkpoint
-    timer = threading.Timer(max_seconds or 1e9, lambda: os.kill(os.getpid(), signal.SIGINT))
-    timer.daemon = True
-    timer.start()
+    # counted from the first step (the run's plan record), not from start-up: `auto` on a slow link spends
+    # minutes measuring exchanges before it, and an interrupt there is not a round boundary
+    done = threading.Event()
+
+    def stop_later() -> None:
+        log = run_dir / "metrics.jsonl"
+        while not done.wait(0.5):
+            if log.exists() and '"kind": "plan"' in log.read_text():
+                if not done.wait(max_seconds or 1e9):
+                    os.kill(os.getpid(), signal.SIGINT)
+                return
+
+    threading.Thread(target=stop_later, daemon=True).start()
     try:
         trainer.fit(epochs=epochs)
         stopped = False
     except TrainingInterrupted:
         stopped = True
-    timer.cancel()
+    done.set()
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     start = next(r["time"] for r in records if r["kind"] == "plan")
     rounds = [r for r in records if r["kind"] == "round"]
@@ -171,6 +196,8 @@ def drive(
                 "strategy": spec,
                 "evals": evals,
                 "samples_per_s": sum(r["samples"] for r in rounds) / sum(r["wall_s"] for r in rounds),
+                "samples": sum(r["samples"] for r in rounds),
+                "rounds": [{"end": r["time"], "wall_s": r["wall_s"], "samples": r["samples"]} for r in rounds],
                 "sent_mb_per_worker": sum(w["sent_bytes"] for r in rounds for w in r["workers"])
                 / (1 if spec == "alone" else 2)
                 / 2**20,
@@ -190,25 +217,128 @@ def _final(result: dict, metric: str) -> str:
     return last
 
 
+def rate_mbit(rate: str) -> float:
+    """tc's rate text (5mbit, 1gbit, 500kbit) in Mbit/s."""
+    m = re.fullmatch(r"([\d.]+)\s*([kmg]?)bit", rate.strip().lower())
+    if m is None:
+        raise ValueError(f"--rates item {rate!r}: use tc's form, e.g. 5mbit, 100mbit, 1gbit")
+    return float(m.group(1)) * {"k": 1e-3, "m": 1.0, "g": 1e3, "": 1e-6}[m.group(2)]
+
+
 def _shape(net: netns.Network, rate: str, delay: str) -> str:
     """Shape each host's outgoing traffic (so both directions are): netem with rate and delay, or a
-    token bucket with the rate alone where this kernel has no netem. Returns what was set."""
+    token bucket with the rate alone where this kernel has no netem. Replaces what was set before, so one
+    cluster serves every rate of a sweep. Returns what was set."""
     link = f"{rate} with {delay} of delay each way (netem)"
     for i, host in enumerate(net.hosts):
-        dev = ["tc", "qdisc", "add", "dev", net.interface(i), "root"]
+        dev = ["tc", "qdisc", "replace", "dev", net.interface(i), "root"]
         netem = subprocess.run(host.cmd(*dev, "netem", "rate", rate, "delay", delay), capture_output=True, text=True)
         if netem.returncode != 0:
-            subprocess.run(host.cmd(*dev, "tbf", "rate", rate, "burst", "64kb", "latency", "100ms"), check=True)
+            # a burst of at least one timer tick's bytes at high rates, else tbf cannot reach the rate
+            burst = max(64, int(rate_mbit(rate) * 1e6 / 8 / 250 / 1024))
+            subprocess.run(host.cmd(*dev, "tbf", "rate", rate, "burst", f"{burst}kb", "latency", "100ms"), check=True)
             link = f"{rate} (tbf; no added delay: this kernel has no netem: {netem.stderr.strip()})"
     return link
+
+
+def advisor_local_steps(spec: str, rate: str, params: int, compute_s: float) -> str:
+    """`local-sgd:adv+int4+overlap` -> the H the advisor (policies/advice.py) gives for that wire at this rate:
+    one exchange of `params` values over the link against `compute_s` of compute per step."""
+    body, *flags = spec.split("+")
+    if body != "local-sgd:adv":
+        return spec
+    from mixtrain.policies.advice import WIRE_BYTES, overlap_local_steps
+
+    wire = next((f for f in flags if f in WIRE_BYTES), "none")
+    exchange_s = params * WIRE_BYTES[wire] * 8 / (rate_mbit(rate) * 1e6)
+    return "+".join([f"local-sgd:{overlap_local_steps(compute_s, exchange_s)}", *flags])
+
+
+def _in_window(result: dict, start: float, end: float) -> float:
+    """samples/s over the rounds that ran wholly inside [start, end]."""
+    inside = [r for r in result["rounds"] if r["end"] - r["wall_s"] >= start and r["end"] <= end]
+    wall = sum(r["wall_s"] for r in inside)
+    return sum(r["samples"] for r in inside) / wall if wall else 0.0
+
+
+def ceiling(head: netns.Host, home: Path, drive_argv: list[str], out: Path) -> dict:
+    """The machine's own ceiling: two `alone` runs started together, each one worker on a host of its own (the
+    cluster has one CPU per host, so the second lands where the first is not), training their own replicas with
+    no exchange at all. samples/s is the sum of both over the window where both trained."""
+    runs = []
+    for side in "ab":
+        (out / side).mkdir()
+        argv = [*drive_argv, "alone", str(out / side)]
+        runs.append(subprocess.Popen(head.cmd(*argv), env=_env(home), cwd=REPO, stdout=subprocess.PIPE,
+                                     stderr=subprocess.PIPE, text=True))  # fmt: skip
+    for run in runs:
+        _, err = run.communicate(timeout=3600)
+        if run.returncode != 0:
+            raise RuntimeError(f"ceiling half failed:\n{err[-3000:]}")
+    a, b = (json.loads((out / side / "result.json").read_text()) for side in "ab")
+    if a["hosts"] == b["hosts"]:
+        raise RuntimeError(f"ceiling: both halves ran on {a['hosts']}; they must run on a host each")
+    start = max(r["rounds"][0]["end"] - r["rounds"][0]["wall_s"] for r in (a, b))
+    end = min(r["rounds"][-1]["end"] for r in (a, b))
+    halves = [_in_window(r, start, end) for r in (a, b)]
+    return {
+        **a,
+        "strategy": "ceiling",
+        "samples_per_s": sum(halves),
+        "halves_samples_per_s": halves,
+        "together_s": end - start,
+        "samples": a["samples"] + b["samples"],
+        "sent_mb_per_worker": 0.0,
+        "hosts": a["hosts"] + b["hosts"],
+        "evals_b": b["evals"],
+    }
+
+
+def _measured_compute_s(results: list[dict]) -> float:
+    """A step's compute as the latest pair row's start-up measured it (what the advisor itself sees); before
+    any, the global batch over the ceiling's samples/s."""
+    for r in reversed(results):
+        m = re.search(r"against ([\d,.]+) ms of compute per step", r.get("advice", ""))
+        if m:
+            return float(m.group(1).replace(",", "")) / 1e3
+    ceil = _mean(results, "ceiling")
+    return 16 / ceil if ceil else 0.1
+
+
+def _mean(results: list[dict], spec: str, key: str = "samples_per_s") -> float | None:
+    values = [r[key] for r in results if r["strategy"] == spec and not r.get("skipped")]
+    return sum(values) / len(values) if values else None
+
+
+def summary(results: list[dict], metric: str) -> None:
+    """One table: each row's samples/s as a fraction of the ceiling and against one worker alone (both the mean
+    of their runs in this sweep), and its last held-out figure after how many samples."""
+    ceil, alone = _mean(results, "ceiling"), _mean(results, "alone")
+    print(f"ceiling (two workers, no exchange) {ceil or 0:,.1f} samples/s; one worker alone {alone or 0:,.1f}")
+    print(f"| Mbit/s | row | samples/s | of ceiling | vs alone | MB sent per worker | held-out {metric} (samples) |")
+    print("|---:|---|---:|---:|---:|---:|---|")
+    for r in results:
+        if r.get("skipped"):
+            print(f"| {r['rate_mbit']:g} | {r['strategy']} | - | - | - | - | not run: {r['skipped']} |")
+            continue
+        of_ceiling = f"{r['samples_per_s'] / ceil:.2f}" if ceil else "-"
+        vs_alone = f"{r['samples_per_s'] / alone:.2f}x" if alone else "-"
+        print(f"| {r['rate_mbit']:g} | {r['strategy']} | {r['samples_per_s']:,.1f} | {of_ceiling} | {vs_alone} "
+              f"| {r['sent_mb_per_worker']:,.1f} | {_final(r, metric)} ({r['samples']:,}) |")  # fmt: skip
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--strategies", default="allreduce,local-sgd:8")
     parser.add_argument("--rate", default="100mbit")
+    parser.add_argument("--rates", help="a sweep, e.g. 1gbit,100mbit,20mbit: every row at each rate (one cluster)")
+    parser.add_argument(
+        "--yardsticks",
+        default="",
+        help="rows run at the sweep's first and last rate only, e.g. ceiling,alone (they send nothing)",
+    )
     parser.add_argument("--delay", default="5ms")
-    parser.add_argument("--workload", choices=("digits", "chars"), default="digits")
+    parser.add_argument("--workload", choices=("digits", "chars", "chars-large"), default="digits")
     parser.add_argument(
         "--target", type=float, help="held-out accuracy to reach (digits, default 0.95) or loss (chars, default 2.6)"
     )
@@ -217,25 +347,36 @@ def main() -> None:
     parser.add_argument(
         "--max-seconds", type=float, help="stop a row after this long (at a round boundary, as Ctrl-C does)"
     )
+    parser.add_argument(
+        "--max-step-exchange-s",
+        type=float,
+        help="skip all-reduce rows whose one fp32/bf16 exchange per step would take longer than this at the rate",
+    )
+    parser.add_argument(
+        "--compute-s",
+        type=float,
+        help="a step's compute for local-sgd:adv rows; default: the global batch over the ceiling's samples/s",
+    )
     parser.add_argument("--json", default="bench_results/slow_link.json")
     parser.add_argument("--drive", nargs=3, metavar=("ADDRESS", "STRATEGY", "OUT"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.drive:
         drive(*args.drive[:2], Path(args.drive[2]), args.epochs, args.workload, args.emulate, args.max_seconds)
         return
-    metric = "loss" if args.workload == "chars" else "accuracy"
+    metric = "loss" if args.workload.startswith("chars") else "accuracy"
     target = args.target if args.target is not None else (2.6 if metric == "loss" else 0.95)
     if netns.available() is not None:
         sys.exit(f"slow_link: {netns.available()}")
+    rates = (args.rates or args.rate).split(",")
+    params = num_params(args.workload)
     tag = str(os.getpid() % 10000)
     tmp = Path(tempfile.mkdtemp(prefix="mt-slowlink-"))
     homes = {"head": tmp / "head", "other": tmp / "other"}
     mixtrain = os.path.join(BIN, "mixtrain")
-    results = []
+    results: list[dict] = []
+    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
     with netns.Network(tag, 2, subnet=78) as net:
         head, other = net.hosts
-        link = _shape(net, args.rate, args.delay)
-        print(f"link: {link}", flush=True)
         try:
             up = _run(head, [mixtrain, "cluster", "up", "--interface", net.interface(0), "--num-cpus", "1",
                              "--temp-dir", f"/tmp/mt{tag}a"], homes["head"])  # fmt: skip
@@ -244,45 +385,63 @@ def main() -> None:
             token_file = str(homes["head"] / "auth_token")  # as scp would bring it to the other machine
             _run(other, [mixtrain, "cluster", "join", address, "--token-file", token_file, "--num-cpus", "1",
                          "--temp-dir", f"/tmp/mt{tag}b"], homes["other"])  # fmt: skip
-            for spec in args.strategies.split(","):
-                out = tmp / f"out-{len(results)}"
-                out.mkdir()
-                emulate = ["--emulate", args.emulate] if args.emulate else []
-                emulate += ["--max-seconds", str(args.max_seconds)] if args.max_seconds else []
-                cmd = [sys.executable, __file__, "--epochs", str(args.epochs), "--workload", args.workload,
-                       *emulate, "--drive", address, spec, str(out)]  # fmt: skip
-                _run(head, cmd, homes["head"], timeout=3600)
-                res = json.loads((out / "result.json").read_text())
-                better = (lambda v: v <= target) if metric == "loss" else (lambda v: v >= target)
-                reached = next((e["t"] for e in res["evals"] if better(e[metric])), None)
-                res["seconds_to_target"] = reached
-                results.append(res)
-                print(
-                    f"  {spec:20s} to {metric} {target:.2f}: {reached if reached is None else round(reached, 1)} s, "
-                    f"{res['samples_per_s']:,.0f} samples/s, final {metric} {_final(res, metric)}, "
-                    f"{res['sent_mb_per_worker']:,.1f} MB sent per worker, hosts {res['hosts']}\n"
-                    f"    measured: {res['advice']}",
-                    flush=True,
-                )
+            yardsticks = [s for s in args.yardsticks.split(",") if s]
+            for k, rate in enumerate(rates):
+                link = _shape(net, rate, args.delay)
+                print(f"link: {link}", flush=True)
+                rows = args.strategies.split(",")
+                rows = (yardsticks if k == 0 else []) + rows + (yardsticks if k == len(rates) - 1 and k else [])
+                for asked in rows:
+                    compute_s = args.compute_s or _measured_compute_s(results)
+                    spec = advisor_local_steps(asked, rate, params, compute_s)
+                    res = _row(spec, rate, params, args, head, homes["head"], address, tmp / f"out-{len(results)}")
+                    res.update(asked=asked, rate=rate, rate_mbit=rate_mbit(rate), link=link, load=os.getloadavg())
+                    results.append(res)
+                    Path(args.json).write_text(json.dumps(results, indent=1))
+                    _print_row(res, metric, target)
         finally:
             for host, name in ((other, "other"), (head, "head")):
                 subprocess.run(host.cmd(mixtrain, "cluster", "down"), env=_env(homes[name]), capture_output=True)
             for side in "ab":
                 shutil.rmtree(f"/tmp/mt{tag}{side}", ignore_errors=True)
-    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.json).write_text(json.dumps(results, indent=1))
-    base = results[0].get("seconds_to_target")
-    print(f"link: {link}" + (f"; emulated slowdown {args.emulate}" if args.emulate else ""))
-    first = results[0]["strategy"]
-    print(f"| strategy | seconds to held-out {metric} {target:.2f} | speed-up vs {first} | samples/s "
-          f"| MB sent per worker | final held-out {metric} |")  # fmt: skip
-    print("|---|---:|---:|---:|---:|---:|")
-    for r in results:
-        t = r["seconds_to_target"]
-        ratio = f"{base / t:.2f}x" if base and t else "-"
-        shown = f"{t:.1f}" if t is not None else "not reached"
-        print(f"| {r['strategy']} | {shown} | {ratio} | {r['samples_per_s']:,.0f} | {r['sent_mb_per_worker']:,.1f} "
-              f"| {_final(r, metric)} |")  # fmt: skip
+    print(f"{args.workload}, {params / 1e6:.1f}M parameters" + (f"; emulated {args.emulate}" if args.emulate else ""))
+    summary(results, metric)
+
+
+def _row(spec: str, rate: str, params: int, args: argparse.Namespace, head: netns.Host, home: Path, address: str,
+         out: Path) -> dict:  # fmt: skip
+    """One row at the link's current rate: run it (or say why not), with seconds to the target filled in."""
+    if spec.startswith("allreduce") and args.max_step_exchange_s:
+        wire = 2 if "bf16" in spec else 4
+        exchange_s = params * wire * 8 / (rate_mbit(rate) * 1e6)
+        if exchange_s > args.max_step_exchange_s:
+            why = f"one exchange per step would take {exchange_s:.1f} s (at most {16 / exchange_s:.2f} samples/s)"
+            return {"strategy": spec, "skipped": why, "bound_samples_per_s": 16 / exchange_s}
+    out.mkdir()
+    flags = ["--emulate", args.emulate] if args.emulate else []
+    flags += ["--max-seconds", str(args.max_seconds)] if args.max_seconds else []
+    drive_argv = [sys.executable, __file__, "--epochs", str(args.epochs), "--workload", args.workload, *flags,
+                  "--drive", address]  # fmt: skip
+    if spec == "ceiling":
+        res = ceiling(head, home, drive_argv, out)
+    else:
+        _run(head, [*drive_argv, spec, str(out)], home, timeout=3600)
+        res = json.loads((out / "result.json").read_text())
+    return res
+
+
+def _print_row(res: dict, metric: str, target: float) -> None:
+    if res.get("skipped"):
+        print(f"  {res['strategy']:28s} at {res['rate']}: not run: {res['skipped']}", flush=True)
+        return
+    better = (lambda v: v <= target) if metric == "loss" else (lambda v: v >= target)
+    res["seconds_to_target"] = next((e["t"] for e in res["evals"] if better(e[metric])), None)
+    print(
+        f"  {res['strategy']:28s} at {res['rate']}: {res['samples_per_s']:,.1f} samples/s, {res['samples']:,} samples, "
+        f"final {metric} {_final(res, metric)}, {res['sent_mb_per_worker']:,.1f} MB sent per worker, "
+        f"hosts {res['hosts']}, load {res['load'][0]:.2f}\n    measured: {res['advice']}",
+        flush=True,
+    )
 
 
 if __name__ == "__main__":

@@ -236,18 +236,25 @@ class SoloGrads:
         """True when every gradient and every `extra` tensor is finite: one norm over all gradients (NaN or Inf
         anywhere makes it non-finite), read once; the elementwise check runs only when it is not finite, to
         tell a real NaN/Inf from a norm that merely overflowed."""
-        grads = self._grads()
-        checks = [t.detach().float().sum().reshape(1) for t in extra]
-        if grads:
-            kind = devices.KINDS.get(grads[0].device.type)
-            limit = kind.max_reduce_numel if kind is not None else None
-            if limit:  # MPS reductions are wrong past 2**31 - 1 elements: norms of slices, then their norm
-                grads = [piece for g in grads for piece in g.reshape(-1).split(limit)]
-            norm = torch.nn.utils.get_total_norm(grads).float().reshape(1)
-            checks.append(norm.to(checks[0].device) if checks else norm)
-        if not checks or bool(torch.isfinite(torch.cat(checks)).all()):
-            return True
-        return devices.all_finite([*grads, *extra])
+        return grads_finite(self._grads(), *extra)
+
+
+def grads_finite(grads: list[torch.Tensor], *extra: torch.Tensor) -> bool:
+    """True when every gradient and every `extra` tensor is finite: one norm over all gradients (NaN or Inf
+    anywhere makes it non-finite), read once; the elementwise check runs only when it is not finite, to tell a
+    real NaN/Inf from a norm that merely overflowed. (Elementwise every step cost local SGD's 6.4M-parameter
+    model 40 ms a step against 1.4 ms for the norm on a 2-core CPU.)"""
+    checks = [t.detach().float().sum().reshape(1) for t in extra]
+    if grads:
+        kind = devices.KINDS.get(grads[0].device.type)
+        limit = kind.max_reduce_numel if kind is not None else None
+        if limit:  # MPS reductions are wrong past 2**31 - 1 elements: norms of slices, then their norm
+            grads = [piece for g in grads for piece in g.reshape(-1).split(limit)]
+        norm = torch.nn.utils.get_total_norm(grads).float().reshape(1)
+        checks.append(norm.to(checks[0].device) if checks else norm)
+    if not checks or bool(torch.isfinite(torch.cat(checks)).all()):
+        return True
+    return devices.all_finite([*grads, *extra])
 
 
 def make_grad_buckets(

@@ -45,6 +45,7 @@ import torch.distributed as dist
 
 from mixtrain import devices
 from mixtrain.comm import replicas
+from mixtrain.comm.buckets import grads_finite
 from mixtrain.comm.compress import QUANTIZED_BITS, ErrorFeedback, dequantize, quantized_nbytes, wire_dtype
 from mixtrain.comm.strategy import (
     JoinContext,
@@ -158,7 +159,7 @@ class LocalSGDStrategy(SyncStrategy):
         """Step the inner optimizer on the mean gradient of this rank's samples since the last step, whose
         gradients add up to `fraction` times it (times the loss scale); skipped when it (or `also`) is not finite."""
         grads = [p.grad for p in self.params if p.grad is not None]
-        finite = devices.all_finite([*grads, *also])  # on the device: MPS checks in slices of < 2**31
+        finite = grads_finite(grads, *also)  # one norm; elementwise only when it is not finite
         norm = None
         if finite:
             factor = 1.0 / (fraction * self.loss_scale.scale)

@@ -61,12 +61,23 @@ def choose(
     adopts."""
     if workers < 2 or compute_s <= 0 or exchange_s <= 0 or exchange_s / compute_s <= ALLREDUCE_MAX_RATIO:
         return current.as_allreduce()
-    ratio = exchange_s / compute_s
-    need = max(ratio, ratio / (LOCAL_SGD_TARGET * OVERLAP_EXCHANGES_PER_ROUND))
+    need = _overlap_need(compute_s, exchange_s)
     if exchange_bytes < QUANTIZE_MIN_BYTES:
         return replace(current, name="local-sgd", local_steps=_power_of_two(need), overlap=True)
     h, compress = _local_steps_and_wire(need, current.compress)
     return replace(current, name="local-sgd", local_steps=h, compress=compress, overlap=True)
+
+
+def overlap_local_steps(compute_s: float, exchange_s: float) -> int:
+    """H for overlapped local SGD whose one exchange (on its own wire) takes `exchange_s` against `compute_s` of
+    compute per step: what `choose` gives for that wire."""
+    return _power_of_two(_overlap_need(compute_s, exchange_s))
+
+
+def _overlap_need(compute_s: float, exchange_s: float) -> float:
+    """Local steps per exchange that cover the exchange and keep its blocking share under LOCAL_SGD_TARGET."""
+    ratio = exchange_s / compute_s
+    return max(ratio, ratio / (LOCAL_SGD_TARGET * OVERLAP_EXCHANGES_PER_ROUND))
 
 
 def _power_of_two(need: float) -> int:
