@@ -6,8 +6,9 @@ used (PEP 562), so `mixtrain --help`, a config check and a worker process pay on
 
 from __future__ import annotations
 
-import importlib
 from typing import TYPE_CHECKING, Any
+
+from mixtrain import _lazy
 
 __version__ = "0.1.0"
 
@@ -72,12 +73,7 @@ if TYPE_CHECKING:  # what a type checker and an IDE see: the names, from where t
 
 
 def __getattr__(name: str) -> Any:
-    module = _PUBLIC.get(name)
-    if module is None:
-        raise AttributeError(f"module 'mixtrain' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value  # once: later lookups are plain attribute reads
-    return value
+    return _lazy.load("mixtrain", _PUBLIC, globals(), name)
 
 
 def __dir__() -> list[str]:

@@ -4,11 +4,10 @@ as often as metrics.jsonl says, through a lost worker and a resume; the weights 
 from __future__ import annotations
 
 import functools
-from typing import Any
 
 import pytest
 
-from mixtrain import Callback, EarlyStopping, RunConfig, ScalingConfig, Trainer
+from mixtrain import EarlyStopping, RunConfig, ScalingConfig, Trainer
 from mixtrain.callbacks import (
     CheckpointSaved,
     Evaluated,
@@ -21,34 +20,9 @@ from mixtrain.checkpoint import CheckpointStore
 from tests.conftest import run_records
 from tests.models import data, faulty_task
 from tests.ray.test_exactness import GLOBAL_BATCH, NUM_SAMPLES, SEED, assert_same_weights, reference
+from tests.unit.test_callbacks import Recorder
 
 pytestmark = pytest.mark.usefixtures("ray_session")
-
-
-class Recorder(Callback):
-    def __init__(self) -> None:
-        self.events: list[Any] = []
-
-    def on_run_start(self, event: RunStarted) -> None:
-        self.events.append(event)
-
-    def on_round_end(self, event: RoundEnded) -> None:
-        self.events.append(event)
-
-    def on_eval_end(self, event: Evaluated) -> None:
-        self.events.append(event)
-
-    def on_checkpoint(self, event: CheckpointSaved) -> None:
-        self.events.append(event)
-
-    def on_workers_changed(self, event: WorkersChanged) -> None:
-        self.events.append(event)
-
-    def on_run_end(self, event: RunEnded) -> None:
-        self.events.append(event)
-
-    def of(self, kind: type) -> list[Any]:
-        return [e for e in self.events if isinstance(e, kind)]
 
 
 def fit(task, tmp_path, callbacks, workers=3, resume=None, **run):

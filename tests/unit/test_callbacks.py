@@ -37,20 +37,15 @@ class Scripted(FakeGroup):
 
 
 class Recorder(Callback):
+    """Keeps every event of every hook, in order (the real-run tests use it too)."""
+
     def __init__(self) -> None:
         self.events: list[Any] = []
 
-    def on_round_end(self, event: RoundEnded) -> None:
+    def _keep(self, event: Any) -> None:
         self.events.append(event)
 
-    def on_eval_end(self, event: Evaluated) -> None:
-        self.events.append(event)
-
-    def on_checkpoint(self, event: CheckpointSaved) -> None:
-        self.events.append(event)
-
-    def on_workers_changed(self, event: WorkersChanged) -> None:
-        self.events.append(event)
+    on_run_start = on_round_end = on_eval_end = on_checkpoint = on_workers_changed = on_run_end = _keep
 
     def of(self, kind: type) -> list[Any]:
         return [e for e in self.events if isinstance(e, kind)]

@@ -209,9 +209,6 @@ class Watched:
         self.inner.write(kind, record)
         self.hooks.record(kind, record)
 
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.inner, name)
-
 
 def _worker(info: Any) -> dict[str, Any]:
     """A worker as Result.workers describes it (the records carry WorkerInfo objects)."""

@@ -18,8 +18,9 @@ that fails (a full disk, an unreachable server) is reported once and training go
 
 from __future__ import annotations
 
-import importlib
 from typing import TYPE_CHECKING, Any
+
+from mixtrain import _lazy
 
 _PUBLIC = {
     "MLflowLogger": "mixtrain.loggers._mlflow",
@@ -49,12 +50,7 @@ def by_name(name: str) -> Callback:
 
 
 def __getattr__(name: str) -> Any:
-    module = _PUBLIC.get(name)
-    if module is None:
-        raise AttributeError(f"module 'mixtrain.loggers' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
-    return value
+    return _lazy.load("mixtrain.loggers", _PUBLIC, globals(), name)
 
 
 def __dir__() -> list[str]:

@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import re
-from dataclasses import asdict, is_dataclass
 from typing import Any
 
 from mixtrain.callbacks import Evaluated, RoundEnded
 from mixtrain.core.rounds import device_samples_per_s, worker_name
+from mixtrain.observe.runlog import plain
 
 
 def round_scalars(event: RoundEnded) -> dict[str, float]:
@@ -37,19 +37,6 @@ def tag_name(text: str) -> str:
     return re.sub(r"[^\w.\-]+", "_", text).strip("_")
 
 
-def plain(obj: Any) -> Any:
-    """Dataclasses, tuples and paths as JSON values (dicts, lists, strings, numbers)."""
-    if is_dataclass(obj) and not isinstance(obj, type):
-        return {k: plain(v) for k, v in asdict(obj).items()}
-    if isinstance(obj, (list, tuple)):
-        return [plain(v) for v in obj]
-    if isinstance(obj, dict):
-        return {str(k): plain(v) for k, v in obj.items()}
-    if obj is None or isinstance(obj, (str, int, float, bool)):
-        return obj
-    return str(obj)
-
-
 def flat_params(config: dict[str, Any], max_len: int = 500) -> dict[str, str]:
     """RunStarted.config as flat `section.field` -> text (scaling.num_workers, run.seed, strategy.name,
     global_batch, epochs, ...): what MLflow's params hold. A long value is cut to `max_len` characters."""
@@ -63,5 +50,5 @@ def flat_params(config: dict[str, Any], max_len: int = 500) -> dict[str, str]:
         text = str(value)
         out[prefix] = text if len(text) <= max_len else text[: max_len - 3] + "..."
 
-    walk("", plain(config))
+    walk("", plain(config, str))
     return out

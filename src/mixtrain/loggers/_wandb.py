@@ -14,7 +14,8 @@ from mixtrain import _checks as check
 from mixtrain._constants import WANDB_INIT_TIMEOUT_S, env_float
 from mixtrain.callbacks import Callback, Evaluated, RoundEnded, RunEnded, RunStarted
 from mixtrain.errors import InputValueError, require
-from mixtrain.loggers._scalars import eval_scalars, plain, round_scalars
+from mixtrain.loggers._scalars import eval_scalars, round_scalars
+from mixtrain.observe.runlog import plain
 
 Mode = Literal["offline", "online", "disabled"]
 MODES = ("offline", "online", "disabled")
@@ -74,7 +75,7 @@ class WandbLogger(Callback):
             resume="allow",
             mode=self.mode,
             dir=str(self.save_dir or event.run_dir),
-            config=plain(event.config),
+            config=plain(event.config, str),
             tags=self.tags,
             reinit="create_new",  # each fit() its own run, never the last one's
             settings=settings,

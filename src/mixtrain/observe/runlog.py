@@ -6,6 +6,7 @@ import json
 import os
 import secrets
 import time
+from collections.abc import Callable
 from dataclasses import asdict, is_dataclass
 from pathlib import Path
 from typing import Any
@@ -96,16 +97,18 @@ def _check_checkpoints_folder(path: Path) -> None:
         )
 
 
-def _plain(obj: Any) -> Any:
+def plain(obj: Any, text: Callable[[Any], str] = repr) -> Any:
+    """Dataclasses, tuples and dicts as JSON values (dicts, lists, strings, numbers); anything else as `text`
+    makes it (repr in config.json and metrics.jsonl; the loggers take str)."""
     if is_dataclass(obj) and not isinstance(obj, type):
-        return {k: _plain(v) for k, v in asdict(obj).items()}
+        return {k: plain(v, text) for k, v in asdict(obj).items()}
     if isinstance(obj, (list, tuple)):
-        return [_plain(v) for v in obj]
+        return [plain(v, text) for v in obj]
     if isinstance(obj, dict):
-        return {str(k): _plain(v) for k, v in obj.items()}
+        return {str(k): plain(v, text) for k, v in obj.items()}
     if obj is None or isinstance(obj, (str, int, float, bool)):
         return obj
-    return repr(obj)
+    return text(obj)
 
 
 def samples_seen(record: dict[str, Any], num_samples: int, global_batch: int) -> int:
@@ -126,13 +129,13 @@ class RunLog:
         from mixtrain._files import write_json
 
         self.run_dir = run_dir
-        write_json(_plain(config), run_dir / "config.json")
+        write_json(plain(config), run_dir / "config.json")
         self._metrics = open(run_dir / "metrics.jsonl", "a", buffering=1)
         self.write_error: OSError | None = None
         """The first error writing metrics.jsonl (a full disk): later lines are dropped, training goes on."""
 
     def write(self, kind: str, record: dict[str, Any]) -> None:
-        line = {"kind": kind, "time": time.time(), **_plain(record)}
+        line = {"kind": kind, "time": time.time(), **plain(record)}
         try:
             if self.write_error is None:
                 self._metrics.write(json.dumps(line) + "\n")

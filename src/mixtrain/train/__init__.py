@@ -29,6 +29,8 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
+from mixtrain import _lazy
+
 _PUBLIC = {
     "ScalingConfig": "mixtrain.config",
     "RunConfig": "mixtrain.train.config",
@@ -65,9 +67,4 @@ if TYPE_CHECKING:
 def __getattr__(name: str) -> Any:
     if name == "torch":  # `import mixtrain.train` then mixtrain.train.torch.prepare_model(...), as with ray.train
         return importlib.import_module("mixtrain.train.torch")
-    module = _PUBLIC.get(name)
-    if module is None:
-        raise AttributeError(f"module 'mixtrain.train' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
-    return value
+    return _lazy.load("mixtrain.train", _PUBLIC, globals(), name)
