@@ -185,6 +185,17 @@ def with_a_slow_first_step(make: Callable[[], Task], rank: int, seconds: float) 
     return Task(model=task.model, optimizer=task.optimizer, loss_fn=loss_fn)
 
 
+def paced_task(model: str, opt: str, per_sample_s: float) -> Task:
+    """make_task(model, opt) whose forward pass sleeps `per_sample_s` for every sample, in the start-up probe
+    too: compute that scales with the share and that load does not move (the emulated slowdown sleeps a
+    multiple of the measured compute, which on a busy machine includes time waiting for a core)."""
+    import time
+
+    task = make_task(model, opt)
+    task.model.register_forward_pre_hook(lambda _, args: time.sleep(per_sample_s * len(args[0])))
+    return task
+
+
 def paused_in_training(make: Callable[[], Task], marker: str) -> Task:
     """make()'s task, whose worker 0 in its first training loss (the group formed, every worker in it) creates
     `marker` and waits until `marker`.go exists: a test looks at the running workers meanwhile."""

@@ -1,12 +1,13 @@
 """Speed-aware shares: they follow measured speed, and the training math does not change."""
 
+import functools
 import os
 
 import pytest
 
 from mixtrain import RunConfig, ScalingConfig, Trainer
 from tests.conftest import run_records
-from tests.models import data, factory
+from tests.models import data, factory, paced_task
 from tests.ray.test_exactness import GLOBAL_BATCH, NUM_SAMPLES, SEED, assert_same_weights, reference
 
 pytestmark = pytest.mark.usefixtures("ray_session")
@@ -99,18 +100,31 @@ def _cnn_task():
 
 
 def test_a_worker_that_slows_the_job_down_is_left_out_and_training_stays_exact(tmp_path):
-    # Worker 1 of 3 is emulated 3000x slower than the others: even its minimum share of one sample takes
+    # Worker 1 of 3 is emulated 600000x slower than the others: even its minimum share of one sample takes
     # far longer than their whole step. The planner (default 30% gain) leaves it out at start, the gloo
     # group re-forms with the two others (renumbered 0 and 1), and the result is still single-process
-    # training. All three are also emulated 200x slower, so that on this tiny model two workers clearly
-    # beat one (compute far above the all-reduce) and the planner has no reason to leave out a second.
+    # training. Every sample costs every worker 2 ms asleep in its forward pass (the probe's too), so that
+    # two workers clearly beat one (64 against 128 ms a step) whatever the load and the planner has no reason
+    # to leave out a second. (It was all three emulated 200x slower: the emulation sleeps 199x the measured
+    # compute, so one time slice lost to another process became a second of "compute", and a CI run on a
+    # loaded machine left out a second worker mid-run.)
     x, y = data("mlp", NUM_SAMPLES)
-    scaling = ScalingConfig(num_workers=3, cpus_per_worker=0.5, emulate_slowdown={0: 200.0, 1: 600000.0, 2: 200.0})
-    result = fit("mlp", "sgd", scaling, x, y, tmp_path)
+    scaling = ScalingConfig(num_workers=3, cpus_per_worker=0.5, emulate_slowdown={1: 600000.0})
+    trainer = Trainer(
+        functools.partial(paced_task, "mlp", "sgd", 0.002),
+        (x, y),
+        global_batch=GLOBAL_BATCH,
+        scaling=scaling,
+        run=RunConfig(run_dir=str(tmp_path), seed=SEED, steps_per_round=4, progress=False),
+    )
+    result = trainer.fit(epochs=1)
     [pre] = run_records(result.run_dir, "preflight")
     assert [w["rank"] for w in pre["left_out"]] == [1], pre["left_out"]
     assert "faster without it" in pre["left_out"][0]["reason"]
-    assert [w["rank"] for w in result.workers] == [0, 1] and all(len(r["shares"]) == 2 for r in result.history)
+    kinds = ("left_out", "readmitted", "failure")
+    events = [(k, r.get("after_round"), r.get("reason")) for k in kinds for r in run_records(result.run_dir, k)]
+    assert [w["rank"] for w in result.workers] == [0, 1], events
+    assert all(len(r["shares"]) == 2 for r in result.history), ([r["shares"] for r in result.history], events)
     [first_plan] = [r for r in run_records(result.run_dir, "plan") if r["after_round"] == 0]
     assert len(first_plan["speeds"]) == 2 and first_plan["comm_s"] > 0
     assert_same_weights(result.state_dict, reference("mlp", "sgd", x, y))
