@@ -105,7 +105,7 @@ def main() -> None:
     fig, axes = plt.subplots(1, len(args.json), figsize=(6.5 * len(args.json), 4.6), squeeze=False)
     for ax, path in zip(axes[0], args.json):
         rows = [row for part in path.split("+") for row in json.loads(Path(part).read_text())]
-        c = curves(rows)
+        c = curves([r for r in rows if not r.get("rtt_ms")])  # the curve is of speed alone; added round trips aside
         rates = sorted(c["best"])
         for family, points in sorted(c["rows"].items()):
             xs = sorted(points)

@@ -315,16 +315,17 @@ def summary(results: list[dict], metric: str) -> None:
     of their runs in this sweep), and its last held-out figure after how many samples."""
     ceil, alone = _mean(results, "ceiling"), _mean(results, "alone")
     print(f"ceiling (two workers, no exchange) {ceil or 0:,.1f} samples/s; one worker alone {alone or 0:,.1f}")
-    print(f"| Mbit/s | row | samples/s | of ceiling | vs alone | MB sent per worker | held-out {metric} (samples) |")
-    print("|---:|---|---:|---:|---:|---:|---|")
+    head = f"| Mbit/s | RTT ms | row | samples/s | of ceiling | vs alone | MB sent per worker | held-out {metric} |"
+    print(head + "\n|---:|---:|---|---:|---:|---:|---:|---|")
     for r in results:
+        where = f"| {r['rate_mbit']:g} | {r.get('rtt_ms', 0):g} | {r['strategy']} |"
         if r.get("skipped"):
-            print(f"| {r['rate_mbit']:g} | {r['strategy']} | - | - | - | - | not run: {r['skipped']} |")
+            print(f"{where} - | - | - | - | not run: {r['skipped']} |")
             continue
         of_ceiling = f"{r['samples_per_s'] / ceil:.2f}" if ceil else "-"
         vs_alone = f"{r['samples_per_s'] / alone:.2f}x" if alone else "-"
-        print(f"| {r['rate_mbit']:g} | {r['strategy']} | {r['samples_per_s']:,.1f} | {of_ceiling} | {vs_alone} "
-              f"| {r['sent_mb_per_worker']:,.1f} | {_final(r, metric)} ({r['samples']:,}) |")  # fmt: skip
+        print(f"{where} {r['samples_per_s']:,.1f} | {of_ceiling} | {vs_alone} | {r['sent_mb_per_worker']:,.1f} "
+              f"| {_final(r, metric)} ({r['samples']:,} samples) |")  # fmt: skip
 
 
 def main() -> None:
@@ -337,7 +338,13 @@ def main() -> None:
         default="",
         help="rows run at the sweep's first and last rate only, e.g. ceiling,alone (they send nothing)",
     )
-    parser.add_argument("--delay", default="5ms")
+    parser.add_argument("--delay", default="5ms", help="netem's delay each way, where the kernel has netem")
+    parser.add_argument(
+        "--rtts-ms",
+        default="0",
+        help="round trips to add at every rate, e.g. 0,10,50: a delay line of half that each way between the hosts "
+        "(tests/multihost/delay_line.py; this kernel has no netem)",
+    )
     parser.add_argument("--workload", choices=("digits", "chars", "chars-large"), default="digits")
     parser.add_argument(
         "--target", type=float, help="held-out accuracy to reach (digits, default 0.95) or loss (chars, default 2.6)"
@@ -386,19 +393,25 @@ def main() -> None:
             _run(other, [mixtrain, "cluster", "join", address, "--token-file", token_file, "--num-cpus", "1",
                          "--temp-dir", f"/tmp/mt{tag}b"], homes["other"])  # fmt: skip
             yardsticks = [s for s in args.yardsticks.split(",") if s]
-            for k, rate in enumerate(rates):
-                link = _shape(net, rate, args.delay)
+            links = [(rate, float(rtt)) for rate in rates for rtt in args.rtts_ms.split(",")]
+            for k, (rate, rtt_ms) in enumerate(links):
+                link = _shape(net, rate, args.delay) + (
+                    f", {rtt_ms:g} ms round trip added (delay line)" if rtt_ms else ""
+                )
                 print(f"link: {link}", flush=True)
                 rows = args.strategies.split(",")
-                rows = (yardsticks if k == 0 else []) + rows + (yardsticks if k == len(rates) - 1 and k else [])
-                for asked in rows:
-                    compute_s = args.compute_s or _measured_compute_s(results)
-                    spec = advisor_local_steps(asked, rate, params, compute_s)
-                    res = _row(spec, rate, params, args, head, homes["head"], address, tmp / f"out-{len(results)}")
-                    res.update(asked=asked, rate=rate, rate_mbit=rate_mbit(rate), link=link, load=os.getloadavg())
-                    results.append(res)
-                    Path(args.json).write_text(json.dumps(results, indent=1))
-                    _print_row(res, metric, target)
+                rows = (yardsticks if k == 0 else []) + rows + (yardsticks if k == len(links) - 1 and k else [])
+                with net.delayed(rtt_ms / 2):  # connections made from here on see the round trip from the start
+                    for asked in rows:
+                        compute_s = args.compute_s or _measured_compute_s(results)
+                        spec = advisor_local_steps(asked, rate, params, compute_s)
+                        out = tmp / f"out-{len(results)}"
+                        res = _row(spec, rate, params, args, head, homes["head"], address, out)
+                        res.update(asked=asked, rate=rate, rate_mbit=rate_mbit(rate), rtt_ms=rtt_ms, link=link)
+                        res.update(load=os.getloadavg())
+                        results.append(res)
+                        Path(args.json).write_text(json.dumps(results, indent=1))
+                        _print_row(res, metric, target)
         finally:
             for host, name in ((other, "other"), (head, "head")):
                 subprocess.run(host.cmd(mixtrain, "cluster", "down"), env=_env(homes[name]), capture_output=True)
@@ -437,7 +450,8 @@ def _print_row(res: dict, metric: str, target: float) -> None:
     better = (lambda v: v <= target) if metric == "loss" else (lambda v: v >= target)
     res["seconds_to_target"] = next((e["t"] for e in res["evals"] if better(e[metric])), None)
     print(
-        f"  {res['strategy']:28s} at {res['rate']}: {res['samples_per_s']:,.1f} samples/s, {res['samples']:,} samples, "
+        f"  {res['strategy']:28s} at {res['rate']}, +{res.get('rtt_ms', 0):g} ms: "
+        f"{res['samples_per_s']:,.1f} samples/s, {res['samples']:,} samples, "
         f"final {metric} {_final(res, metric)}, {res['sent_mb_per_worker']:,.1f} MB sent per worker, "
         f"hosts {res['hosts']}, load {res['load'][0]:.2f}\n    measured: {res['advice']}",
         flush=True,

@@ -6,6 +6,7 @@ node gets its own --temp-dir and every mixtrain node its own MIXTRAIN_HOME.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import subprocess
@@ -64,6 +65,13 @@ class Network:
 
     def interface(self, index: int) -> str:
         return f"mt{self.tag}p{index}"
+
+    def delayed(self, one_way_ms: float) -> contextlib.AbstractContextManager[None]:
+        """While the block runs, hosts 0 and 1 are joined by a delay line of `one_way_ms` each way instead of
+        the bridge (delay_line.py: this kernel has no netem)."""
+        from tests.multihost.delay_line import delayed
+
+        return delayed((f"mt{self.tag}v0", f"mt{self.tag}v1"), self.bridge, one_way_ms)
 
     def __exit__(self, *exc: object) -> None:
         for i, h in enumerate(self.hosts):
