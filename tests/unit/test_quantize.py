@@ -5,11 +5,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mixtrain.comm.compress import BLOCK, ErrorFeedback, dequantize, quantize, quantized_nbytes
+from mixtrain.comm.compress import BLOCK, CHUNK_BLOCKS, ErrorFeedback, dequantize, quantize, quantized_nbytes
 
 
 @pytest.mark.parametrize("bits", [8, 4])
-@pytest.mark.parametrize("n", [1, 255, 256, 1000, 65_537])
+@pytest.mark.parametrize("n", [1, 255, 256, 1000, 65_537, 2 * CHUNK_BLOCKS * BLOCK + 300])
 def test_a_round_trip_is_within_half_a_step_of_each_blocks_scale(bits, n):
     g = torch.Generator().manual_seed(n)
     x = torch.randn(n, generator=g) * torch.logspace(-3, 3, n)  # blocks of very different magnitudes
@@ -56,3 +56,35 @@ def test_error_feedback_keeps_the_accumulated_error_bounded(bits):
     bound = 0.6 / (2 ** (bits - 1) - 1) / 2  # half a step of a block peaking at 0.6 (they peak near 0.45)
     assert worst_residual <= bound
     assert (made - sent).abs().max() <= bound < (made - sent_plain).abs().max()
+
+
+def _whole_tensor_quantize(x: torch.Tensor, bits: int) -> torch.Tensor:
+    """The quantizer as it was before it went a chunk at a time: one whole-tensor step after another."""
+    n, levels = x.numel(), 2 ** (bits - 1) - 1
+    blocks = -(-n // BLOCK)
+    padded = torch.nn.functional.pad(x, (0, blocks * BLOCK - n)).view(blocks, BLOCK)
+    scales = padded.abs().amax(dim=1) / levels
+    divisor = torch.where(scales > 0, scales, torch.ones_like(scales))
+    codes = torch.round(padded / divisor[:, None]).clamp_(-levels, levels).to(torch.int16).add_(levels + 1)
+    codes = codes.to(torch.uint8).view(-1)
+    if bits == 4:
+        codes = codes[0::2] | (codes[1::2] << 4)
+    return torch.cat([codes, scales.to(torch.float32).view(torch.uint8)])
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_chunk_by_chunk_gives_the_whole_tensor_codes_and_error_feedback_keeps_what_they_drop(bits):
+    # three chunks, the last one short and its last block padded: the same bytes as whole-tensor steps
+    n = 2 * CHUNK_BLOCKS * BLOCK + 3 * BLOCK + 17
+    g = torch.Generator().manual_seed(bits)
+    x = torch.randn(n, generator=g) * torch.logspace(2, -4, n)  # falling: stale padding would show
+    assert torch.equal(quantize(x, bits), _whole_tensor_quantize(x, bits))
+    ef = ErrorFeedback(bits)
+    sent = ef.encode(x.clone())
+    assert torch.equal(sent, _whole_tensor_quantize(x, bits))  # no residual carried yet
+    decoded = dequantize(sent, n, bits)
+    assert ((x - decoded - ef.residual).abs() <= 1e-6 * x.abs()).all()  # the residual is what was dropped
+    twice = ErrorFeedback(bits).quantizer
+    out = torch.full((n,), 1.0)
+    twice.add_decoded(sent, out)
+    assert torch.equal(out, 1.0 + decoded)  # added to what was there, each value once

@@ -7,7 +7,9 @@ about 10x slower to put and get); numpy has no bfloat16, so bf16 travels as its 
 
 from __future__ import annotations
 
+import functools
 import warnings
+from collections.abc import Iterator
 
 import numpy as np
 import torch
@@ -46,6 +48,12 @@ def decode(a: np.ndarray, compress: str) -> torch.Tensor:
 QUANTIZED_BITS: dict[str, int] = {"int8": 8, "int4": 4}
 BLOCK = 256
 """Values per scale: one fp32 scale per 256 values adds 1.6% to the codes."""
+CHUNK_BLOCKS = 1024
+"""Blocks quantized or decoded at a time (256K values, 1 MiB of fp32): each step's temporaries stay in the
+cache, and in scratch buffers kept from one exchange to the next. Whole-tensor steps cost a model-sized
+temporary each (a 6.4M-parameter int4 exchange made seven of 25 MB), and a worker's allocator maps and
+faults in every block of 16 MB or more afresh (devices/host_allocator.py): encoding took 42 ms of the compute
+thread per exchange, 36 ms of it those temporaries (2026-11-26, this machine's CPU)."""
 
 
 def _levels(bits: int) -> int:
@@ -58,31 +66,93 @@ def quantized_nbytes(n: int, bits: int) -> int:
     return blocks * BLOCK * bits // 8 + blocks * 4
 
 
+class Quantizer:
+    """int8/int4 codes with a scale per block, CHUNK_BLOCKS blocks at a time through scratch buffers of one
+    chunk (made once, reused by every call)."""
+
+    def __init__(self, bits: int) -> None:
+        self.bits, self.levels = bits, _levels(bits)
+        shape = (CHUNK_BLOCKS, BLOCK)
+        self._values, self._work = torch.empty(shape), torch.empty(shape)
+        self._codes = torch.empty(shape, dtype=torch.uint8)
+        self._high = torch.empty(CHUNK_BLOCKS * BLOCK // 2, dtype=torch.uint8)
+
+    def _chunks(self, n: int) -> Iterator[tuple[int, int, int, int]]:
+        """(first block, blocks, first value, values) of each chunk of `n` values."""
+        blocks = -(-n // BLOCK)
+        for b0 in range(0, blocks, CHUNK_BLOCKS):
+            nb = min(CHUNK_BLOCKS, blocks - b0)
+            yield b0, nb, b0 * BLOCK, min(n, (b0 + nb) * BLOCK) - b0 * BLOCK
+
+    def quantize(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        """A flat fp32 CPU tensor as one uint8 buffer: the codes (int4: two to a byte, the first value in the
+        low half), then one fp32 scale per block of BLOCK values (the block's largest magnitude over the
+        largest code). A NaN or Inf makes its block's scale non-finite, so the receiver sees a non-finite
+        delta, as with an fp32 exchange. `residual` (as large as `x`): gets what the codes dropped, x - decoded."""
+        n, bits, levels = x.numel(), self.bits, self.levels
+        blocks = -(-n // BLOCK)
+        ncodes = blocks * BLOCK * bits // 8
+        out = torch.empty(ncodes + 4 * blocks, dtype=torch.uint8)
+        codes, scales = out[:ncodes], out[ncodes:].view(torch.float32)
+        for b0, nb, v0, nv in self._chunks(n):
+            vals, work, u8 = self._values[:nb], self._work[:nb], self._codes[:nb]
+            flat = vals.view(-1)
+            flat[:nv].copy_(x[v0 : v0 + nv])
+            flat[nv:].zero_()  # the last block's padding
+            sc = scales[b0 : b0 + nb]
+            torch.amax(torch.abs(vals, out=work), dim=1, out=sc)
+            sc.div_(levels)
+            divisor = torch.where(sc > 0, sc, 1.0)
+            torch.div(vals, divisor[:, None], out=work).round_().clamp_(-levels, levels)
+            if residual is not None:  # x - code * scale: what this block's codes do not carry
+                torch.addcmul(vals, work, sc[:, None], value=-1.0, out=vals)
+                residual[v0 : v0 + nv].copy_(flat[:nv])
+            u8.copy_(work.add_(levels + 1))  # 1..255 (int8) or 1..15 (int4)
+            if bits == 8:
+                codes[v0 : v0 + nb * BLOCK].copy_(u8.view(-1))
+            else:
+                pairs, high = u8.view(-1, 2), self._high[: nb * BLOCK // 2]
+                torch.bitwise_left_shift(pairs[:, 1], 4, out=high)
+                torch.bitwise_or(pairs[:, 0], high, out=codes[v0 // 2 : v0 // 2 + nb * BLOCK // 2])
+        return out
+
+    def add_decoded(self, buf: torch.Tensor, out: torch.Tensor, *, first: bool = False) -> None:
+        """out += the values a `quantize` buffer stands for (`first`: out = them; out is flat, its length n)."""
+        n, bits, levels = out.numel(), self.bits, self.levels
+        blocks = -(-n // BLOCK)
+        ncodes = blocks * BLOCK * bits // 8
+        codes, scales = buf[:ncodes], buf[ncodes : ncodes + 4 * blocks].view(torch.float32)
+        for b0, nb, v0, nv in self._chunks(n):
+            vals, u8 = self._values[:nb], self._codes[:nb]
+            if bits == 8:
+                u8.view(-1).copy_(codes[v0 : v0 + nb * BLOCK])
+            else:
+                packed, pairs = codes[v0 // 2 : v0 // 2 + nb * BLOCK // 2], u8.view(-1, 2)
+                torch.bitwise_and(packed, 0x0F, out=pairs[:, 0])
+                torch.bitwise_right_shift(packed, 4, out=pairs[:, 1])
+            vals.copy_(u8).sub_(levels + 1).mul_(scales[b0 : b0 + nb, None])
+            target = out[v0 : v0 + nv]
+            if first:
+                target.copy_(vals.view(-1)[:nv])
+            else:
+                target.add_(vals.view(-1)[:nv])
+
+
+@functools.cache
+def _quantizer(bits: int) -> Quantizer:
+    return Quantizer(bits)
+
+
 def quantize(x: torch.Tensor, bits: int) -> torch.Tensor:
-    """A flat fp32 CPU tensor as one uint8 buffer: the codes (int4: two to a byte), then one fp32 scale per
-    block of BLOCK values (the block's largest magnitude over the largest code). A NaN or Inf makes its
-    block's scale non-finite, so the receiver sees a non-finite delta, as with an fp32 exchange."""
-    n, levels = x.numel(), _levels(bits)
-    blocks = -(-n // BLOCK)
-    padded = torch.nn.functional.pad(x, (0, blocks * BLOCK - n)).view(blocks, BLOCK)
-    scales = padded.abs().amax(dim=1) / levels
-    divisor = torch.where(scales > 0, scales, torch.ones_like(scales))
-    codes = torch.round(padded / divisor[:, None]).clamp_(-levels, levels).to(torch.int16).add_(levels + 1)
-    codes = codes.to(torch.uint8).view(-1)  # 1..255 (int8) or 1..15 (int4)
-    if bits == 4:
-        codes = codes[0::2] | (codes[1::2] << 4)
-    return torch.cat([codes, scales.to(torch.float32).view(torch.uint8)])
+    """Quantizer(bits).quantize(x), through scratch buffers this process keeps."""
+    return _quantizer(bits).quantize(x)
 
 
 def dequantize(buf: torch.Tensor, n: int, bits: int) -> torch.Tensor:
     """The fp32 tensor of `n` values a `quantize` buffer stands for."""
-    levels, blocks = _levels(bits), -(-n // BLOCK)
-    ncodes = blocks * BLOCK * bits // 8
-    codes, scales = buf[:ncodes], buf[ncodes : ncodes + 4 * blocks].view(torch.float32)
-    if bits == 4:
-        codes = torch.stack([codes & 0x0F, codes >> 4], dim=1).view(-1)
-    values = codes.to(torch.float32).sub_(levels + 1).view(blocks, BLOCK).mul_(scales[:, None])
-    return values.view(-1)[:n]
+    out = torch.empty(n)
+    _quantizer(bits).add_decoded(buf, out, first=True)
+    return out
 
 
 class ErrorFeedback:
@@ -92,6 +162,7 @@ class ErrorFeedback:
 
     def __init__(self, bits: int) -> None:
         self.bits = bits
+        self.quantizer = Quantizer(bits)
         self.residual = torch.zeros(0)
 
     def encode(self, x: torch.Tensor) -> torch.Tensor:
@@ -99,8 +170,7 @@ class ErrorFeedback:
         if self.residual.numel() != x.numel():
             self.residual = torch.zeros_like(x)
         x.add_(self.residual)
-        buf = quantize(x, self.bits)
-        self.residual = x - dequantize(buf, x.numel(), self.bits)
+        buf = self.quantizer.quantize(x, residual=self.residual)
         if not bool(torch.isfinite(self.residual.sum())):  # a non-finite delta: skipped everywhere, not carried
             self.residual.zero_()
         return buf

@@ -46,7 +46,7 @@ import torch.distributed as dist
 from mixtrain import devices
 from mixtrain.comm import replicas
 from mixtrain.comm.buckets import grads_finite
-from mixtrain.comm.compress import QUANTIZED_BITS, ErrorFeedback, dequantize, quantized_nbytes, wire_dtype
+from mixtrain.comm.compress import QUANTIZED_BITS, ErrorFeedback, quantized_nbytes, wire_dtype
 from mixtrain.comm.strategy import (
     JoinContext,
     RoundSync,
@@ -343,11 +343,14 @@ class LocalSGDStrategy(SyncStrategy):
         gathers every rank's codes and scales (plus its fp32 statistics) and adds them up itself, in rank
         order: the same sum, bit for bit, on every rank. Writes the sum into `buf`."""
         assert self.feedback is not None
-        buf.zero_()
-        for theirs in everyone:
+        for rank, theirs in enumerate(everyone):  # (the first copied, not added to zeros: the same sum)
             theirs = theirs.to("cpu")
-            buf[:n].add_(dequantize(theirs[:size], n, self.feedback.bits))
-            buf[n:].add_(theirs[size:].view(torch.float32))
+            self.feedback.quantizer.add_decoded(theirs[:size], buf[:n], first=rank == 0)
+            stats = theirs[size:].view(torch.float32)
+            if rank == 0:
+                buf[n:].copy_(stats)
+            else:
+                buf[n:].add_(stats)
 
     def end_round(self, task: Task, weight: float, drift_tolerance: float) -> RoundSync:
         t0 = time.perf_counter()
