@@ -361,7 +361,14 @@ class Trainer:
 
     def _bring_up(self, group: WorkerGroup, phases: Phases | None = None) -> Bringup:
         return bring_up(
-            group, self.task_factory, self.train_data, self.eval_data, self.global_batch, self.strategy, phases
+            group,
+            self.task_factory,
+            self.train_data,
+            self.eval_data,
+            self.global_batch,
+            self.strategy,
+            phases,
+            eval_every=self.run.eval_every,
         )
 
 

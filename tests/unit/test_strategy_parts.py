@@ -108,6 +108,30 @@ def test_auto_adopts_allreduce_on_a_fast_link_and_local_sgd_with_h_and_compressi
     assert (tiny.name, tiny.local_steps, tiny.compress) == ("local-sgd", 64, "none")
 
 
+def test_auto_picks_a_narrower_wire_when_short_rounds_would_block_too_long():
+    # The chars benchmark at 100 Mbit/s (measured): 24.3 MB of fp32 deltas take 2.2 s against 0.133 s of compute
+    # per step, 105 steps an epoch. fp32 wants H=64 (16.5 x 2.5 = 41 -> 64), whose rounds of four exchanges the
+    # epoch cuts to 105 steps: the epoch-end exchange blocks 2.2 s of 14 (16%). int8 (a quarter) blocks 0.55 s
+    # of the rounds of 4 x 16 = 64 steps (6%): int8, H=16
+    from mixtrain.policies.advice import choose, suggest
+
+    auto, mb = StrategyConfig(name="auto"), 2**20
+    unbounded = choose(0.133, 2.2, auto, 2, 24 * mb)
+    assert (unbounded.local_steps, unbounded.compress) == (64, "none")  # rounds as long as they like
+    epoch = choose(0.133, 2.2, auto, 2, 24 * mb, round_limit=105)
+    assert (epoch.name, epoch.local_steps, epoch.compress, epoch.overlap) == ("local-sgd", 16, "int8", True)
+    # 20 Mbit/s (measured 12.5 s): int8 would still block 24% of an epoch; int4 (0.52 of int8's bytes) 12%,
+    # the smallest there is: int4 at its own H, 12.6 x 2.5 = 32
+    slow = choose(0.13, 12.5, auto, 2, 24 * mb, round_limit=105)
+    assert (slow.local_steps, slow.compress) == (32, "int4")
+    # evaluations every 200 steps of a long epoch cut rounds the same way (the bring-up passes the fewer)
+    assert choose(0.133, 2.2, auto, 2, 24 * mb, round_limit=200).compress == "none"  # 2.2 / 200 x 0.133: 8%
+    line = suggest(0.133, 2.2, 24 * mb, StrategyConfig(), 2, round_limit=105)
+    assert "H=16 and int8 deltas suggested" in line
+    tiny = choose(0.0003, 0.004, auto, 2, 3_000, round_limit=10)  # 3 KB: no wire makes latency shorter
+    assert (tiny.local_steps, tiny.compress) == (64, "none")
+
+
 def test_overlap_local_steps_is_the_h_choose_gives_for_that_wire():
     """The slow-link benchmark's rows at "the advisor's H" take it from here: the same H `choose` adopts."""
     from mixtrain.policies.advice import choose, overlap_local_steps

@@ -24,7 +24,7 @@ from mixtrain.core.group_ops import GroupOps, user_cap
 from mixtrain.core.membership import Membership
 from mixtrain.core.messages import BuildReport, HFModelSpec, LeftOut, ProbeResult, WorkerInfo
 from mixtrain.core.worker_group import WorkerGroup
-from mixtrain.data.sampling import Arrays
+from mixtrain.data.sampling import Arrays, steps_per_epoch
 from mixtrain.data.sources import Loader
 from mixtrain.policies.advice import choose, suggest
 from mixtrain.policies.decisions import Decision, LeaveOut, first_plan
@@ -97,9 +97,11 @@ def bring_up(
     global_batch: int,
     strategy: StrategyConfig,
     phases: Phases | None = None,
+    eval_every: int | None = None,
 ) -> Bringup:
     """Build, check, ship the data, measure, form, plan: everything before the first step. Each member's report,
-    probe, speed, memory cap and share are recorded in the membership."""
+    probe, speed, memory cap and share are recorded in the membership. `eval_every` (steps, or None): rounds
+    end there as at each epoch's end, which the advice for `--strategy auto` weighs."""
     members = group.members
     phases = phases or Phases()
     requested = strategy
@@ -126,7 +128,9 @@ def bring_up(
     phases.mark("link and plan")
     checks["left_out"] = [{"rank": w.worker.rank, "reason": w.reason} for w in left_out]
     workers = _refresh_infos(group)
-    plan, advice, exchange_s, exchange_bytes = _advise(ops, requested, plan, exchange_s, exchange_bytes, exchanged)
+    round_limit = min(steps_per_epoch(data.num_train, global_batch), eval_every or math.inf)
+    advised = _advise(ops, requested, plan, exchange_s, exchange_bytes, exchanged, int(round_limit))
+    plan, advice, exchange_s, exchange_bytes = advised
     checks["strategy"] = {
         "name": ops.strategy.describe(),
         "requested": requested.name,
@@ -167,15 +171,16 @@ def _advise(
     exchange_s: float,
     exchange_bytes: int,
     exchanged: int,
+    round_limit: int,
 ) -> tuple[Plan, str, float, int]:
     """What the measured compute and link suggest; with `--strategy auto`, the strategy they call for is adopted
     (the group re-forms with it and the plan is made again). Returns (plan, advice, exchange s, exchange bytes)."""
     n, strategy = len(ops.members), ops.strategy
     compute_s = plan.predicted_step_s - (plan.comm_s if n > 1 else 0.0)
-    advice = suggest(compute_s, exchange_s, exchange_bytes, strategy, n)
+    advice = suggest(compute_s, exchange_s, exchange_bytes, strategy, n, round_limit)
     if requested.name != "auto":
         return plan, advice, exchange_s, exchange_bytes
-    chosen = choose(compute_s, exchange_s, requested, n, exchange_bytes)  # the options asked for
+    chosen = choose(compute_s, exchange_s, requested, n, exchange_bytes, round_limit)  # the options asked for
     if chosen != strategy:
         plan, exchange_s, exchange_bytes = _switch(ops, chosen, plan, exchanged)
     return plan, f"auto chose {ops.strategy.describe()}: {advice}", exchange_s, exchange_bytes
