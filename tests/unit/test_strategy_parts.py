@@ -111,23 +111,26 @@ def test_auto_adopts_allreduce_on_a_fast_link_and_local_sgd_with_h_and_compressi
 def test_auto_picks_a_narrower_wire_when_short_rounds_would_block_too_long():
     # The chars benchmark at 100 Mbit/s (measured): 24.3 MB of fp32 deltas take 2.2 s against 0.133 s of compute
     # per step, 105 steps an epoch. fp32 wants H=64 (16.5 x 2.5 = 41 -> 64), whose rounds of four exchanges the
-    # epoch cuts to 105 steps: the epoch-end exchange blocks 2.2 s of 14 (16%). int8 (a quarter) blocks 0.55 s
-    # of the rounds of 4 x 16 = 64 steps (6%): int8, H=16
+    # epoch cuts to 105 steps: the epoch-end exchange waits 2.2 s of 14 (16%). int8 (a quarter) at the same H
+    # waits 0.55 s (4%): int8, H=64 (its own H, 16, would make four times the exchanges)
     from mixtrain.policies.advice import choose, suggest
 
     auto, mb = StrategyConfig(name="auto"), 2**20
     unbounded = choose(0.133, 2.2, auto, 2, 24 * mb)
     assert (unbounded.local_steps, unbounded.compress) == (64, "none")  # rounds as long as they like
     epoch = choose(0.133, 2.2, auto, 2, 24 * mb, round_limit=105)
-    assert (epoch.name, epoch.local_steps, epoch.compress, epoch.overlap) == ("local-sgd", 16, "int8", True)
-    # 20 Mbit/s (measured 12.5 s): int8 would still block 24% of an epoch; int4 (0.52 of int8's bytes) 12%,
-    # the smallest there is: int4 at its own H, 12.6 x 2.5 = 32
+    assert (epoch.name, epoch.local_steps, epoch.compress, epoch.overlap) == ("local-sgd", 64, "int8", True)
+    # 20 Mbit/s (measured 12.5 s): past the cap in fp32, int8 at H=64 would still wait 23% of an epoch, int4
+    # 12%: the narrowest there is, at the H the wider wire needed
     slow = choose(0.13, 12.5, auto, 2, 24 * mb, round_limit=105)
-    assert (slow.local_steps, slow.compress) == (32, "int4")
+    assert (slow.local_steps, slow.compress) == (64, "int4")
+    # a wire that fits on its own keeps its own H: 1 Gbit/s (0.214 s against 0.13: 1.6 x 2.5 -> 8) fp32 at H=8
+    fast = choose(0.13, 0.214, auto, 2, 24 * mb, round_limit=105)
+    assert (fast.local_steps, fast.compress) == (8, "none")
     # evaluations every 200 steps of a long epoch cut rounds the same way (the bring-up passes the fewer)
     assert choose(0.133, 2.2, auto, 2, 24 * mb, round_limit=200).compress == "none"  # 2.2 / 200 x 0.133: 8%
     line = suggest(0.133, 2.2, 24 * mb, StrategyConfig(), 2, round_limit=105)
-    assert "H=16 and int8 deltas suggested" in line
+    assert "H=64 and int8 deltas suggested" in line
     tiny = choose(0.0003, 0.004, auto, 2, 3_000, round_limit=10)  # 3 KB: no wire makes latency shorter
     assert (tiny.local_steps, tiny.compress) == (64, "none")
 

@@ -100,17 +100,22 @@ def _power_of_two(need: float) -> int:
 
 def _local_steps_and_wire(ratio: float, compress: Compression, round_limit: int | None) -> tuple[int, Compression]:
     """H (a power of 2, 2..MAX_LOCAL_STEPS) and the wire for an exchange taking `ratio` steps' compute at the
-    `compress` wire: that wire if it fits, else the first quantized one that does (else the smallest). A wire
-    fits when its H is at most the cap and a round's blocking last exchange stays under LOCAL_SGD_TARGET of
-    the round, whose length is OVERLAP_EXCHANGES_PER_ROUND exchanges or `round_limit`, the fewer. (The
-    105-step epochs of the chars benchmark cut rounds of four H=64 exchanges short: fp32 deltas at 100 Mbit/s
-    blocked 2.2 s an epoch against 14 s of compute, and int4 at H=16 ran 8% faster.)"""
+    `compress` wire: the first wire (that one, then the narrower quantized ones) whose H is at most the cap and
+    whose round's blocking last exchange stays under LOCAL_SGD_TARGET of the round (OVERLAP_EXCHANGES_PER_ROUND
+    exchanges, or `round_limit` steps, the fewer); else the narrowest. A wire taken only to shorten that wait
+    keeps the H the wider one needed: fewer bytes, as many exchanges (each exchange has costs of its own the
+    bytes do not show: at 100 Mbit/s int8 at its own H=16 ran 84 samples/s where fp32 at H=64 ran 86-89).
+    (The chars benchmark's 105-step epochs cut rounds of four H=64 exchanges short: fp32 deltas at 100 Mbit/s
+    waited 2.2 s an epoch against 14 s of compute.)"""
+    h, floor = MAX_LOCAL_STEPS, 0
     wires = [compress, *(w for w in QUANTIZED if WIRE_BYTES[w] < WIRE_BYTES[compress])]
     for wire in wires:
         wire_ratio = ratio * WIRE_BYTES[wire] / WIRE_BYTES[compress]
         need = _overlap_need(1.0, wire_ratio)
-        h = _power_of_two(need)
+        h = max(_power_of_two(need), floor)
         round_steps = min(h * OVERLAP_EXCHANGES_PER_ROUND, round_limit or h * OVERLAP_EXCHANGES_PER_ROUND)
-        if need <= MAX_LOCAL_STEPS and wire_ratio / round_steps <= LOCAL_SGD_TARGET:
-            return h, wire
+        if need <= MAX_LOCAL_STEPS:
+            if wire_ratio / round_steps <= LOCAL_SGD_TARGET:
+                return h, wire
+            floor = h  # hidden, but the round's wait too long: fewer bytes at this H
     return h, wire
