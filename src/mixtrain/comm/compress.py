@@ -52,8 +52,8 @@ CHUNK_BLOCKS = 1024
 """Blocks quantized or decoded at a time (256K values, 1 MiB of fp32): each step's temporaries stay in the
 cache, and in scratch buffers kept from one exchange to the next. Whole-tensor steps cost a model-sized
 temporary each (a 6.4M-parameter int4 exchange made seven of 25 MB), and a worker's allocator maps and
-faults in every block of 16 MB or more afresh (devices/host_allocator.py): encoding took 42 ms of the compute
-thread per exchange, 36 ms of it those temporaries (2026-11-26, this machine's CPU)."""
+faults in every block of 16 MB or more afresh (devices/host_allocator.py): under that setting, encoding 6.4M
+values took 81 ms of the compute thread per exchange, and takes 18 (2026-11-26, this machine's CPU)."""
 
 
 def _levels(bits: int) -> int:
@@ -84,16 +84,20 @@ class Quantizer:
             nb = min(CHUNK_BLOCKS, blocks - b0)
             yield b0, nb, b0 * BLOCK, min(n, (b0 + nb) * BLOCK) - b0 * BLOCK
 
+    def _parts(self, buf: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The codes and the fp32 scales of a `quantize` buffer of `n` values (views into it)."""
+        blocks = -(-n // BLOCK)
+        ncodes = blocks * BLOCK * self.bits // 8
+        return buf[:ncodes], buf[ncodes : ncodes + 4 * blocks].view(torch.float32)
+
     def quantize(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
         """A flat fp32 CPU tensor as one uint8 buffer: the codes (int4: two to a byte, the first value in the
         low half), then one fp32 scale per block of BLOCK values (the block's largest magnitude over the
         largest code). A NaN or Inf makes its block's scale non-finite, so the receiver sees a non-finite
         delta, as with an fp32 exchange. `residual` (as large as `x`): gets what the codes dropped, x - decoded."""
         n, bits, levels = x.numel(), self.bits, self.levels
-        blocks = -(-n // BLOCK)
-        ncodes = blocks * BLOCK * bits // 8
-        out = torch.empty(ncodes + 4 * blocks, dtype=torch.uint8)
-        codes, scales = out[:ncodes], out[ncodes:].view(torch.float32)
+        out = torch.empty(quantized_nbytes(n, bits), dtype=torch.uint8)
+        codes, scales = self._parts(out, n)
         for b0, nb, v0, nv in self._chunks(n):
             vals, work, u8 = self._values[:nb], self._work[:nb], self._codes[:nb]
             flat = vals.view(-1)
@@ -119,9 +123,7 @@ class Quantizer:
     def add_decoded(self, buf: torch.Tensor, out: torch.Tensor, *, first: bool = False) -> None:
         """out += the values a `quantize` buffer stands for (`first`: out = them; out is flat, its length n)."""
         n, bits, levels = out.numel(), self.bits, self.levels
-        blocks = -(-n // BLOCK)
-        ncodes = blocks * BLOCK * bits // 8
-        codes, scales = buf[:ncodes], buf[ncodes : ncodes + 4 * blocks].view(torch.float32)
+        codes, scales = self._parts(buf, n)
         for b0, nb, v0, nv in self._chunks(n):
             vals, u8 = self._values[:nb], self._codes[:nb]
             if bits == 8:
@@ -162,7 +164,7 @@ class ErrorFeedback:
 
     def __init__(self, bits: int) -> None:
         self.bits = bits
-        self.quantizer = Quantizer(bits)
+        self.quantizer = _quantizer(bits)  # this process's scratch buffers: exchanges run one at a time
         self.residual = torch.zeros(0)
 
     def encode(self, x: torch.Tensor) -> torch.Tensor:

@@ -113,7 +113,9 @@ def _local_steps_and_wire(ratio: float, compress: Compression, round_limit: int 
         wire_ratio = ratio * WIRE_BYTES[wire] / WIRE_BYTES[compress]
         need = _overlap_need(1.0, wire_ratio)
         h = max(_power_of_two(need), floor)
-        round_steps = min(h * OVERLAP_EXCHANGES_PER_ROUND, round_limit or h * OVERLAP_EXCHANGES_PER_ROUND)
+        round_steps = h * OVERLAP_EXCHANGES_PER_ROUND
+        if round_limit:
+            round_steps = min(round_steps, round_limit)
         if need <= MAX_LOCAL_STEPS:
             if wire_ratio / round_steps <= LOCAL_SGD_TARGET:
                 return h, wire
