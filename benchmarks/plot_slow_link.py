@@ -13,7 +13,8 @@ import argparse
 import json
 from pathlib import Path
 
-YARDSTICKS = ("ceiling", "alone")
+YARDSTICKS = ("ceiling", "ceiling-full", "alone")
+"""The rows that send nothing (slow_link.ceiling: the pair's halves with no exchange; each half on the whole batch)."""
 
 
 def _family(row: dict) -> str:
@@ -38,8 +39,7 @@ def curves(rows: list[dict]) -> dict:
     ahead = [rate for rate in rates if best[rate] > alone]
     break_even = ahead[0] if ahead else None
     behind = [rate for rate in rates if break_even is not None and rate > break_even and best[rate] <= alone]
-    return {"rows": by, "ceiling": mean["ceiling"], "alone": mean["alone"], "best": best, "break_even": break_even,
-            "behind_above": behind}  # fmt: skip
+    return {"rows": by, **mean, "best": best, "break_even": break_even, "behind_above": behind}
 
 
 def table(c: dict, rows: list[dict]) -> str:
@@ -48,7 +48,7 @@ def table(c: dict, rows: list[dict]) -> str:
     rates = sorted(c["best"], reverse=True)
     head = "| row | " + " | ".join(f"{r:g} Mbit/s" for r in rates) + " |"
     lines = [head, "|---|" + "---:|" * len(rates)]
-    for name in ("ceiling", "alone"):
+    for name in YARDSTICKS:
         if c[name]:
             lines.append(f"| {name} (mean of its runs) | " + " | ".join(f"{c[name]:.1f}" for _ in rates) + " |")
     for family, points in sorted(c["rows"].items()):
@@ -110,10 +110,11 @@ def main() -> None:
         for family, points in sorted(c["rows"].items()):
             xs = sorted(points)
             ax.plot(xs, [points[x] for x in xs], marker="o", label=family)
-        for name, style in (("ceiling", "k-"), ("alone", "k--")):
+        labels = {"ceiling": "ceiling: 2 workers, no exchange", "ceiling-full": "the same, each on the whole batch",
+                  "alone": "one worker alone"}  # fmt: skip
+        for name, style in zip(YARDSTICKS, ("k-", "k:", "k--")):
             if c[name]:
-                label = "ceiling: 2 workers, no exchange" if name == "ceiling" else "one worker alone"
-                ax.plot([rates[0], rates[-1]], [c[name]] * 2, style, label=label, linewidth=1.2)
+                ax.plot([rates[0], rates[-1]], [c[name]] * 2, style, label=labels[name], linewidth=1.2)
         if c["break_even"]:
             ax.axvline(c["break_even"], color="grey", linestyle=":", label=f"break-even {c['break_even']:g} Mbit/s")
         workload = Path(path.split("+")[0]).stem.removeprefix("slow_link_curve_")

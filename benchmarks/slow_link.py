@@ -118,6 +118,15 @@ def chars_job(workload: str = "chars"):
     return Job(task, train, held, global_batch=16)
 
 
+def job_batch(workload: str) -> int:
+    """The workload's global batch."""
+    if workload == "digits":
+        from mixtrain.examples.digits import example
+
+        return example().global_batch
+    return chars_job(workload).global_batch
+
+
 def num_params(workload: str) -> int:
     """Parameters of the workload's model (what one fp32 exchange carries, 4 bytes each)."""
     if workload == "digits":
@@ -139,15 +148,17 @@ def drive(
 
     use_cluster_token(address)
     ex = chars_job(workload) if workload.startswith("chars") else example()
-    slowdown = {int(r): float(f) for r, f in (emulate.split(":"),)} if emulate and spec != "alone" else None
+    alone, _, batch = spec.partition(":")  # alone:8 - one worker alone at a global batch of 8 (a ceiling half)
+    alone = alone == "alone"
+    slowdown = {int(r): float(f) for r, f in (emulate.split(":"),)} if emulate and not alone else None
     run_dir = out / re.sub(r"[^\w.-]", "_", spec)
     trainer = Trainer(
         ex.task_factory,
         ex.train_data,
         eval_data=ex.eval_data,
-        global_batch=ex.global_batch,
+        global_batch=int(batch) if alone and batch else ex.global_batch,
         scaling=ScalingConfig(
-            num_workers=1 if spec == "alone" else 2,
+            num_workers=1 if alone else 2,
             shares="auto" if slowdown else "equal",  # a slower host gets a smaller share
             emulate_slowdown=slowdown,
             placement_strategy="STRICT_SPREAD",
@@ -155,7 +166,7 @@ def drive(
             leave_out_slow=False,
         ),
         run=RunConfig(run_dir=str(run_dir), progress=False, checkpoint_every_s=3600),
-        strategy=StrategyConfig(**_strategy("allreduce" if spec == "alone" else spec)),
+        strategy=StrategyConfig(**_strategy("allreduce" if alone else spec)),
     )
     import signal
     import threading
@@ -199,7 +210,7 @@ def drive(
                 "samples": sum(r["samples"] for r in rounds),
                 "rounds": [{"end": r["time"], "wall_s": r["wall_s"], "samples": r["samples"]} for r in rounds],
                 "sent_mb_per_worker": sum(w["sent_bytes"] for r in rounds for w in r["workers"])
-                / (1 if spec == "alone" else 2)
+                / (1 if alone else 2)
                 / 2**20,
                 "stopped_after_s": max_seconds if stopped else None,
                 "hosts": sorted(w["host"] for r in records if r["kind"] == "workers" for w in r["workers"]),
@@ -261,14 +272,18 @@ def _in_window(result: dict, start: float, end: float) -> float:
     return sum(r["samples"] for r in inside) / wall if wall else 0.0
 
 
-def ceiling(head: netns.Host, home: Path, drive_argv: list[str], out: Path) -> dict:
+def ceiling(head: netns.Host, home: Path, drive_argv: list[str], out: Path, batch: int | None = None) -> dict:
     """The machine's own ceiling: two `alone` runs started together, each one worker on a host of its own (the
     cluster has one CPU per host, so the second lands where the first is not), training their own replicas with
-    no exchange at all. samples/s is the sum of both over the window where both trained."""
+    no exchange at all. samples/s is the sum of both over the window where both trained.
+    `batch`: each half's global batch. The ceiling proper (H = infinity: the pair's two workers, each stepping on
+    its share of the equal split, never exchanging) is half the job's batch; None (`ceiling-full`) gives each half
+    the whole batch, fewer optimizer steps per sample than any split of it can take: an upper bound."""
+    spec = f"alone:{batch}" if batch else "alone"
     runs = []
     for side in "ab":
         (out / side).mkdir()
-        argv = [*drive_argv, "alone", str(out / side)]
+        argv = [*drive_argv, spec, str(out / side)]
         runs.append(subprocess.Popen(head.cmd(*argv), env=_env(home), cwd=REPO, stdout=subprocess.PIPE,
                                      stderr=subprocess.PIPE, text=True))  # fmt: skip
     for run in runs:
@@ -283,7 +298,7 @@ def ceiling(head: netns.Host, home: Path, drive_argv: list[str], out: Path) -> d
     halves = [_in_window(r, start, end) for r in (a, b)]
     return {
         **a,
-        "strategy": "ceiling",
+        "strategy": "ceiling" if batch else "ceiling-full",
         "samples_per_s": sum(halves),
         "halves_samples_per_s": halves,
         "together_s": end - start,
@@ -313,19 +328,20 @@ def _mean(results: list[dict], spec: str, key: str = "samples_per_s") -> float |
 def summary(results: list[dict], metric: str) -> None:
     """One table: each row's samples/s as a fraction of the ceiling and against one worker alone (both the mean
     of their runs in this sweep), and its last held-out figure after how many samples."""
-    ceil, alone = _mean(results, "ceiling"), _mean(results, "alone")
-    print(f"ceiling (two workers, no exchange) {ceil or 0:,.1f} samples/s; one worker alone {alone or 0:,.1f}")
-    head = f"| Mbit/s | RTT ms | row | samples/s | of ceiling | vs alone | MB sent per worker | held-out {metric} |"
-    print(head + "\n|---:|---:|---|---:|---:|---:|---:|---|")
+    ceil, full, alone = (_mean(results, spec) for spec in ("ceiling", "ceiling-full", "alone"))
+    print(f"ceiling (two workers on their halves of the batch, no exchange) {ceil or 0:,.1f} samples/s; "
+          f"each on the whole batch {full or 0:,.1f}; one worker alone {alone or 0:,.1f}")  # fmt: skip
+    head = "| Mbit/s | RTT ms | row | samples/s | of ceiling | of full-batch ceiling | vs alone | MB sent per worker "
+    print(head + f"| held-out {metric} |\n|---:|---:|---|---:|---:|---:|---:|---:|---|")
     for r in results:
         where = f"| {r['rate_mbit']:g} | {r.get('rtt_ms', 0):g} | {r['strategy']} |"
         if r.get("skipped"):
-            print(f"{where} - | - | - | - | not run: {r['skipped']} |")
+            print(f"{where} - | - | - | - | - | not run: {r['skipped']} |")
             continue
-        of_ceiling = f"{r['samples_per_s'] / ceil:.2f}" if ceil else "-"
+        of_ceiling, of_full = (f"{r['samples_per_s'] / c:.2f}" if c else "-" for c in (ceil, full))
         vs_alone = f"{r['samples_per_s'] / alone:.2f}x" if alone else "-"
-        print(f"{where} {r['samples_per_s']:,.1f} | {of_ceiling} | {vs_alone} | {r['sent_mb_per_worker']:,.1f} "
-              f"| {_final(r, metric)} ({r['samples']:,} samples) |")  # fmt: skip
+        print(f"{where} {r['samples_per_s']:,.1f} | {of_ceiling} | {of_full} | {vs_alone} "
+              f"| {r['sent_mb_per_worker']:,.1f} | {_final(r, metric)} ({r['samples']:,} samples) |")  # fmt: skip
 
 
 def main() -> None:
@@ -336,7 +352,8 @@ def main() -> None:
     parser.add_argument(
         "--yardsticks",
         default="",
-        help="rows run at the sweep's first and last rate only, e.g. ceiling,alone (they send nothing)",
+        help="rows run at the sweep's first and last rate only, e.g. ceiling,alone (they send nothing); "
+        "ceiling-full: the ceiling's two halves each on the whole batch",
     )
     parser.add_argument("--delay", default="5ms", help="netem's delay each way, where the kernel has netem")
     parser.add_argument(
@@ -436,6 +453,8 @@ def _row(spec: str, rate: str, params: int, args: argparse.Namespace, head: netn
     drive_argv = [sys.executable, __file__, "--epochs", str(args.epochs), "--workload", args.workload, *flags,
                   "--drive", address]  # fmt: skip
     if spec == "ceiling":
+        res = ceiling(head, home, drive_argv, out, job_batch(args.workload) // 2)
+    elif spec == "ceiling-full":
         res = ceiling(head, home, drive_argv, out)
     else:
         _run(head, [*drive_argv, spec, str(out)], home, timeout=3600)
