@@ -60,8 +60,8 @@ def _run(host: netns.Host, argv: list[str], home: Path, timeout: float = 180) ->
 def _strategy(spec: str) -> dict:
     """allreduce, allreduce+bf16, local-sgd:8, local-sgd:8+bf16 (or +int8, +int4), local-sgd:8+int8+overlap,
     local-sgd:8+outer=1/0 (the outer lr and momentum), local-sgd:8+int4+overlap+paced (per-device pace), ps,
-    ps-async:2; "alone" is one worker on one host (the
-    fast machine alone)."""
+    ps-async:2, local-sgd:8+int4+overlap+round=64 (RunConfig.steps_per_round); "alone" is one worker on one host
+    (the fast machine alone); "alone:8" the same at a global batch of 8."""
     body, *flags = spec.split("+")
     name, _, number = body.partition(":")
     out: dict = {"name": name, "compress": "none"}
@@ -70,6 +70,8 @@ def _strategy(spec: str) -> dict:
             out["overlap"] = True
         elif flag == "paced":
             out["pace"] = "per-device"
+        elif flag.startswith("round="):
+            out["steps_per_round"] = int(flag.removeprefix("round="))
         elif flag.startswith("outer="):
             lr, momentum = flag.removeprefix("outer=").split("/")
             out.update(outer_lr=float(lr), outer_momentum=float(momentum))
@@ -152,6 +154,8 @@ def drive(
     alone = alone == "alone"
     slowdown = {int(r): float(f) for r, f in (emulate.split(":"),)} if emulate and not alone else None
     run_dir = out / re.sub(r"[^\w.-]", "_", spec)
+    strategy = _strategy("allreduce" if alone else spec)
+    steps_per_round = strategy.pop("steps_per_round", None)
     trainer = Trainer(
         ex.task_factory,
         ex.train_data,
@@ -165,8 +169,8 @@ def drive(
             address=address,
             leave_out_slow=False,
         ),
-        run=RunConfig(run_dir=str(run_dir), progress=False, checkpoint_every_s=3600),
-        strategy=StrategyConfig(**_strategy("allreduce" if alone else spec)),
+        run=RunConfig(run_dir=str(run_dir), progress=False, checkpoint_every_s=3600, steps_per_round=steps_per_round),
+        strategy=StrategyConfig(**strategy),
     )
     import signal
     import threading
