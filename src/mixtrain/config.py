@@ -462,11 +462,10 @@ class StrategyConfig:
     outer_momentum: float = 0.0
     """local-sgd: Nesterov momentum of the outer optimizer (DiLoCo: 0.9; 0: none)."""
     overlap: bool = False
-    """local-sgd: exchange in the background while the next steps compute, and apply the average H // 2 steps
-    into the next window (Streaming DiLoCo's delayed outer update): a slow link costs up to H / 2 steps of
-    compute less per exchange (per-device pace: applied at the next exchange, up to H). Rounds then hold at
-    least OVERLAP_EXCHANGES_PER_ROUND exchanges (a round ends in a blocking one). With `auto`: overlap if local
-    SGD is chosen."""
+    """local-sgd: exchange in the background while the next H steps compute, and apply the average one
+    exchange late (Streaming DiLoCo's delayed outer update): a slow link costs up to H steps of compute less
+    per exchange. Rounds then hold at least OVERLAP_EXCHANGES_PER_ROUND exchanges (a round ends in a blocking
+    one). With `auto`: overlap if local SGD is chosen."""
     pace: Pace = "balanced"
     """local-sgd with unequal devices: "balanced" (each step's samples are split by speed, so every worker takes
     the same H inner steps per window, the slower ones on smaller batches) or "per-device" (every worker's inner

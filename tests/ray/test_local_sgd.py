@@ -1,4 +1,4 @@
-"""Local SGD's math, plain and overlapped (the exchange in the background, applied half a window late),
+"""Local SGD's math, plain and overlapped (the exchange in the background, applied one exchange late),
 against a one-process simulation of the same algorithm: the replicas, their windows of H inner steps, the
 weighted deltas, the outer Nesterov step. Real Ray actors and gloo on the product side."""
 
@@ -28,9 +28,8 @@ class Simulation:
     """Local SGD in one process, as documented in mixtrain.comm.local_sgd: every replica steps plain SGD on
     the mean gradient of its own slice; every H steps the share-weighted deltas from each replica's base are
     summed and applied to the common point A by SGD with Nesterov momentum. Plain: every replica then takes
-    A. Overlapped: the sum is applied H // 2 steps into the next window, each replica becoming the new A minus
-    its own progress since its base (measured from A from then on); a round's end applies what is in flight and
-    every replica takes A. Per-device pace: a replica
+    A. Overlapped: the sum is applied at the next exchange, and each replica becomes the new A minus its own
+    delta; a round's end applies what is in flight and every replica takes A. Per-device pace: a replica
     steps on each `inner` samples of its slices in order, whatever the step they came in, and on what is left
     when an exchange comes."""
 
@@ -96,16 +95,6 @@ class Simulation:
             self._set([self.anchor - d for d in deltas])
         self.inflight = self._weighted_sum(deltas)
 
-    def land(self) -> None:
-        """Overlapped, H // 2 steps into a window: the sum in flight moves A, and each replica becomes the new A
-        minus its own progress since its base, measured from A from then on."""
-        self._outer(self.inflight)
-        self.inflight = None
-        progress = [base - parameters_to_vector(m.parameters()).detach() for base, m in zip(self.bases, self.models)]
-        for m, p in zip(self.models, progress):
-            vector_to_parameters(self.anchor - p, m.parameters())
-        self.bases = [self.anchor.clone() for _ in self.models]
-
     def end_round(self) -> None:
         if self.inflight is not None:  # rounds are whole windows here: nothing is left to exchange
             self._outer(self.inflight)
@@ -120,16 +109,13 @@ def simulate(
     overlap: bool,
     inner: int | None = None,
     outer: tuple[float, float] = (OUTER_LR, MU),
-    h: int = H,
 ) -> dict[str, torch.Tensor]:
     sim = Simulation(shares, overlap, inner, outer)
     perm = torch.from_numpy(epoch_permutation(SEED, 0, len(y)))
     for step in range(steps_per_epoch(len(y), GLOBAL_BATCH)):
-        sim.step(x, y, perm[step * GLOBAL_BATCH : (step + 1) * GLOBAL_BATCH], (step + 1) % h == 0)
-        if (step + 1) % h == 0:
+        sim.step(x, y, perm[step * GLOBAL_BATCH : (step + 1) * GLOBAL_BATCH], (step + 1) % H == 0)
+        if (step + 1) % H == 0:
             sim.exchange()
-        elif sim.inflight is not None and inner is None and (step + 1) % h == h // 2:  # (per-device: at H)
-            sim.land()
         if (step + 1) % ROUND == 0:
             sim.end_round()
     return sim.models[0].state_dict()
@@ -139,32 +125,22 @@ PIECE_MB = "0.0003814697265625"  # 400 bytes: the mlp's 1,285 weights travel in 
 
 
 @pytest.mark.parametrize(
-    "overlap,pace,outer,bucket_mb,h",
+    "overlap,pace,outer,bucket_mb",
     [
-        (False, "balanced", (OUTER_LR, MU), None, H),
-        (False, "balanced", (1.0, 0.0), None, H),  # the defaults: plain averaging, no momentum buffer at all
-        (False, "balanced", (1.0, 0.0), PIECE_MB, H),  # in pieces across the parameters' edges
-        (True, "balanced", (OUTER_LR, MU), None, H),
-        (True, "balanced", (1.0, 0.0), None, 4),  # the average lands 2 steps into the next window of 4
-        (True, "per-device", (OUTER_LR, MU), None, H),
+        (False, "balanced", (OUTER_LR, MU), None),
+        (False, "balanced", (1.0, 0.0), None),  # the defaults: plain averaging, no momentum buffer at all
+        (False, "balanced", (1.0, 0.0), PIECE_MB),  # in pieces across the parameters' edges
+        (True, "balanced", (OUTER_LR, MU), None),
+        (True, "per-device", (OUTER_LR, MU), None),
     ],
-    ids=[
-        "plain",
-        "plain-averaging",
-        "plain-averaging-in-pieces",
-        "overlapped",
-        "overlapped-h4",
-        "overlapped-per-device-pace",
-    ],
+    ids=["plain", "plain-averaging", "plain-averaging-in-pieces", "overlapped", "overlapped-per-device-pace"],
 )
-def test_local_sgd_matches_a_one_process_simulation_of_its_math(
-    overlap, pace, outer, bucket_mb, h, tmp_path, monkeypatch
-):
+def test_local_sgd_matches_a_one_process_simulation_of_its_math(overlap, pace, outer, bucket_mb, tmp_path, monkeypatch):
     if bucket_mb:
         monkeypatch.setenv("MIXTRAIN_BUCKET_MB", bucket_mb)
     x, y = data("mlp", NUM_SAMPLES)
     strategy = StrategyConfig(
-        name="local-sgd", local_steps=h, outer_lr=outer[0], outer_momentum=outer[1], overlap=overlap, pace=pace
+        name="local-sgd", local_steps=H, outer_lr=outer[0], outer_momentum=outer[1], overlap=overlap, pace=pace
     )
     result = train("mlp", "sgd0", [40, 24], x, y, tmp_path, steps_per_round=ROUND, strategy=strategy)
     assert [r["num_steps"] for r in result.history] == [ROUND] * 4
@@ -173,17 +149,17 @@ def test_local_sgd_matches_a_one_process_simulation_of_its_math(
     sent = {w["sent_bytes"] for r in result.history for w in r["workers"]}
     assert len(sent) == 1, sent
     if bucket_mb:  # every piece went: the same bytes as one collective
-        assert sent == {ROUND // h * (1285 + 2 * h) * 4}, sent
+        assert sent == {ROUND // H * (1285 + 2 * H) * 4}, sent
     # per-device pace: each worker's inner batch is 64 / 2 = 32 samples; in a window of H=2 steps worker 0 (40
     # a step) steps on 32, 32 and, at the exchange, the 16 left; worker 1 (24 a step) on 32 and the 16 left
     inner = GLOBAL_BATCH // 2 if pace == "per-device" else None
-    want = simulate(x, y, [40, 24], overlap, inner, outer, h)
+    want = simulate(x, y, [40, 24], overlap, inner, outer)
     assert_same_weights(result.state_dict, want)
     # and they differ: the test can tell overlap from none, and the paces apart
     if inner:
-        other = simulate(x, y, [40, 24], overlap, None, outer, h)
+        other = simulate(x, y, [40, 24], overlap, None, outer)
     else:
-        other = simulate(x, y, [40, 24], not overlap, outer=outer, h=h)
+        other = simulate(x, y, [40, 24], not overlap, outer=outer)
     assert any(not torch.allclose(want[k], other[k], rtol=1e-4) for k in want)
 
 

@@ -393,8 +393,8 @@ def _job_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--overlap",
         action="store_true",
-        help="local-sgd: exchange in the background while the next steps compute, applying the average half a "
-        "window (--local-steps / 2 steps) late (a slow link)",
+        help="local-sgd: exchange in the background while the next --local-steps steps compute, applying the "
+        "average one exchange late (a slow link)",
     )
     p.add_argument(
         "--pace",

@@ -16,18 +16,16 @@ With `compress` int8 or int4 the deltas travel quantized (a scale per 256 values
 order, so the replicas stay equal bit for bit.
 
 With `overlap` the exchange runs in the background (a non-blocking collective on the same group) while the
-next steps compute, and its average is applied half a window late (the delayed outer update of Streaming
-DiLoCo). The replicas share a common point A; each worker's weights are A minus its own progress not yet in
-A. At an exchange the worker measures its progress d in the window and sends it in the background; H // 2
-steps into the next window (`land_after`) it waits for that exchange (the average D), moves A by the outer
-step on D and sets its weights to the new A minus its own progress since the exchange. So every worker's
-own steps stay applied while the average of everyone's previous window arrives; the outer optimizer sees
-the same pseudo-gradients as without overlap, H // 2 steps later. (First built applying D a whole window
-late, at the next exchange: chars at 100 Mbit/s then ended three epochs 1.1% (H=8) and 2.3% (H=16) above
-all-reduce's held-out loss, now 0.4% and 2.0%, at the same speed.) A round's end waits for the exchange in
-flight and exchanges what is left at once (blocking): replicas are equal at every round boundary and
-checkpoint, as without overlap. Rounds hold at least OVERLAP_EXCHANGES_PER_ROUND exchanges so that that one
-blocking exchange is a small part of a round.
+next H inner steps compute, and its average is applied one exchange late (the delayed outer update of
+Streaming DiLoCo). The replicas share a common point A that lags one exchange; each worker's weights are
+A minus its own progress since its last exchange. At an exchange the worker measures that progress d,
+waits for the exchange in flight (the average D of the previous window), moves A by the outer step on D,
+sets its weights to the new A - d and sends d in the background. So every worker's own last H steps stay
+applied while the average of everyone's previous H steps arrives; the outer optimizer sees the same
+pseudo-gradients as without overlap, one exchange later. A round's end waits for the exchange in flight and
+exchanges what is left at once (blocking): replicas are equal at every round boundary and checkpoint, as
+without overlap. Rounds hold at least OVERLAP_EXCHANGES_PER_ROUND exchanges so that that one blocking
+exchange is a small part of a round.
 
 A step is committed at the exchange that averages it (with overlap: when that average is applied). When a
 peer is lost mid-round, a worker goes back to its common point (the weights, scheduler position and loss
@@ -192,12 +190,9 @@ class LocalSGDStrategy(SyncStrategy):
             finite = devices.all_finite([local_stats])
         self._pending.append(torch.cat([local_stats.float().reshape(-1), torch.tensor([0.0 if finite else 1.0])]))
         self._weights.append(weight)
-        t0 = time.perf_counter()
         if len(self._pending) < self.config.local_steps:
-            if self._inflight is None or len(self._pending) != self.land_after:
-                return StepOutcome(done=[], comm_s=0.0, grad_norm=norm)
-            done = self._land_midway()
-            return StepOutcome(done=done, comm_s=time.perf_counter() - t0, grad_norm=norm)
+            return StepOutcome(done=[], comm_s=0.0, grad_norm=norm)
+        t0 = time.perf_counter()
         done, sent = self._exchange_overlapped(task) if self.overlap else self._exchange(task)
         return StepOutcome(done=done, comm_s=time.perf_counter() - t0, sent_bytes=sent, grad_norm=norm)
 
@@ -301,30 +296,6 @@ class LocalSGDStrategy(SyncStrategy):
         self._work, self._spare = self._spare, self._work  # the next window packs into the other buffer
         self._pending, self._weights = [], []
         return done, sent
-
-    @property
-    def land_after(self) -> int:
-        """Overlap: steps into a window at which the previous window's average is applied (half of H: the others'
-        progress arrives half a window late rather than a whole one, and the exchange still has half a window of
-        compute to hide behind; the advisor's H covers an exchange in 0.4 H). A fixed step, whatever the timing:
-        every rank applies it at the same point, and a run is repeatable. At per-device pace, at the exchange (H):
-        there a worker's gradients add up across steps until its inner batch fills, and new weights midway would
-        meet gradients taken at the old ones."""
-        h = self.config.local_steps
-        return h if self.config.pace == "per-device" else max(1, h // 2)
-
-    def _land_midway(self) -> list[StepResult]:
-        """Apply the previous window's average part-way through this one: the common point moves by it, and the
-        weights become the new common point minus this worker's own progress since its base; progress is then
-        measured from the new common point."""
-        done = self._finish()
-        n = self.anchor.numel()
-        mine = self._work[:n].copy_(self.base)  # (the buffer the next exchange packs into: free until then)
-        self._subtract_weights(mine, 0, n)  # this worker's progress in this window so far
-        torch.sub(self.anchor, mine, out=mine)
-        replicas.unflatten_into(mine, self.params)
-        self.base.copy_(self.anchor)
-        return done
 
     def _finish(self) -> list[StepResult]:
         """Wait for the exchange in flight and apply its average to the common point."""

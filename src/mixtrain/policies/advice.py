@@ -13,8 +13,7 @@ exact math, and its exchange partly overlaps backward)."""
 LOCAL_SGD_TARGET = 0.10
 """local-sgd's H is chosen so communication is at most this fraction of compute (H a power of 2, 2..64). With
 overlap an exchange runs behind the next H steps' compute: only a round's last one blocks (one in
-OVERLAP_EXCHANGES_PER_ROUND or more), so H needs to cover the exchange time twice (its average lands half a window
-after it starts) and a quarter of the 10% rule (which asks for more: 2.5 exchanges' time)."""
+OVERLAP_EXCHANGES_PER_ROUND or more), so H needs to cover the exchange time and a quarter of the 10% rule."""
 MAX_LOCAL_STEPS = 64
 """Past this H, int8 (then int4) deltas are suggested instead of more local steps."""
 WIRE_BYTES = {"none": 4.0, "bf16": 2.0, "fp16": 2.0, "int8": 1.0 + 4 / 256, "int4": 0.5 + 4 / 256}
@@ -92,7 +91,7 @@ def overlap_local_steps(compute_s: float, exchange_s: float) -> int:
 def _overlap_need(compute_s: float, exchange_s: float) -> float:
     """Local steps per exchange that cover the exchange and keep its blocking share under LOCAL_SGD_TARGET."""
     ratio = exchange_s / compute_s
-    return max(2 * ratio, ratio / (LOCAL_SGD_TARGET * OVERLAP_EXCHANGES_PER_ROUND))
+    return max(ratio, ratio / (LOCAL_SGD_TARGET * OVERLAP_EXCHANGES_PER_ROUND))
 
 
 def _power_of_two(need: float) -> int:
