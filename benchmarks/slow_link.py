@@ -120,23 +120,18 @@ def chars_job(workload: str = "chars"):
     return Job(task, train, held, global_batch=16)
 
 
-def job_batch(workload: str) -> int:
-    """The workload's global batch."""
-    if workload == "digits":
-        from mixtrain.examples.digits import example
+def workload_job(workload: str):
+    """The job a --workload names: digits (the example), chars or chars-large."""
+    if workload.startswith("chars"):
+        return chars_job(workload)
+    from mixtrain.examples.digits import example
 
-        return example().global_batch
-    return chars_job(workload).global_batch
+    return example()
 
 
 def num_params(workload: str) -> int:
     """Parameters of the workload's model (what one fp32 exchange carries, 4 bytes each)."""
-    if workload == "digits":
-        from mixtrain.examples.digits import example
-
-        task = example().task_factory()
-    else:
-        task = chars_job(workload).task_factory()
+    task = workload_job(workload).task_factory()
     return sum(p.numel() for p in task.model.parameters())
 
 
@@ -146,12 +141,11 @@ def drive(
     """In the head's namespace: train the workload with one worker per host and write the figures."""
     from mixtrain import RunConfig, ScalingConfig, StrategyConfig, Trainer
     from mixtrain.cluster.headnode import use_cluster_token
-    from mixtrain.examples.digits import example
 
     use_cluster_token(address)
-    ex = chars_job(workload) if workload.startswith("chars") else example()
-    alone, _, batch = spec.partition(":")  # alone:8 - one worker alone at a global batch of 8 (a ceiling half)
-    alone = alone == "alone"
+    ex = workload_job(workload)
+    name, _, batch = spec.partition(":")  # alone:8 - one worker alone at a global batch of 8 (a ceiling half)
+    alone = name == "alone"
     slowdown = {int(r): float(f) for r, f in (emulate.split(":"),)} if emulate and not alone else None
     run_dir = out / re.sub(r"[^\w.-]", "_", spec)
     strategy = _strategy("allreduce" if alone else spec)
@@ -457,7 +451,7 @@ def _row(spec: str, rate: str, params: int, args: argparse.Namespace, head: netn
     drive_argv = [sys.executable, __file__, "--epochs", str(args.epochs), "--workload", args.workload, *flags,
                   "--drive", address]  # fmt: skip
     if spec == "ceiling":
-        res = ceiling(head, home, drive_argv, out, job_batch(args.workload) // 2)
+        res = ceiling(head, home, drive_argv, out, workload_job(args.workload).global_batch // 2)
     elif spec == "ceiling-full":
         res = ceiling(head, home, drive_argv, out)
     else:
