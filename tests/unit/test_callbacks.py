@@ -244,3 +244,15 @@ def test_callbacks_that_are_not_callbacks_are_refused_by_name(given, match):
 def test_early_stopping_settings_are_checked_by_name(kwargs, field):
     with pytest.raises(InputError, match=f"EarlyStopping.{field}"):
         EarlyStopping(**kwargs)
+
+
+def test_a_nul_byte_metric_is_refused_naming_its_flag():
+    # found by tests/unit/test_input_properties.py: "\x00" passed the flag's own check and EarlyStopping then
+    # refused it without naming --early-stopping
+    import argparse
+
+    from mixtrain.cli.main import _early_stopping, _keep_best
+
+    for parse, flag in ((_early_stopping, "--early-stopping"), (_keep_best, "--keep-best")):
+        with pytest.raises(argparse.ArgumentTypeError, match=flag):
+            parse("\x00:min")

@@ -488,7 +488,7 @@ def _metric_mode(text: str, flag: str) -> tuple[str, str, list[str]]:
     """METRIC[:min|max][:...] -> (metric, mode, the rest). The mode defaults to min for a loss, else max."""
     parts = text.split(":")
     metric = parts[0].strip()
-    if not metric:
+    if not metric or "\0" in metric:  # (a NUL byte: no metric's name; EarlyStopping would refuse it without the flag)
         raise argparse.ArgumentTypeError(f"{flag} {text!r}: name a held-out metric first, e.g. loss or accuracy:max")
     rest = parts[1:]
     if rest and rest[0] in ("min", "max"):
