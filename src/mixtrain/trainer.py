@@ -191,7 +191,7 @@ class Trainer:
             )
             stop.arm()
             controller.run(epochs, position)
-            state = group.receive(0, "state_dict", stall_s=group.tunables.collective_timeout_s)
+            state = group.receive(group.nearest(), "state_dict", stall_s=group.tunables.collective_timeout_s)
             finished = True
             return controller, up, unpack(state)
         except KeyboardInterrupt:

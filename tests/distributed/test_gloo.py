@@ -103,6 +103,70 @@ def test_no_rebroadcast_without_drift():
     assert out[1][1]["drift"] == 0.0 and not out[1][1]["rebroadcast"]
 
 
+def _broadcast_counting(rank, world, differ):
+    """Replicas from one seed; `differ`: rank 1 changes one value's bits (0.0 to -0.0, or one ulp). Counts what
+    broadcast_state sent (the real collectives run; the count is read around them)."""
+    sent = []
+    real = replicas._flat_broadcast
+    replicas._flat_broadcast = lambda tensors, src=0: (sent.append(len(tensors)), real(tensors, src))
+    model = _model(0)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    model(torch.randn(4, 6)).sum().backward()
+    opt.step()  # momentum buffers: optimizer state goes too
+    with torch.no_grad():
+        bias = model[2].bias
+        if rank == 1 and differ == "sign":
+            bias.zero_()
+        elif rank == 1 and differ == "ulp":
+            bias[0] = torch.nextafter(bias[0], torch.tensor(1e9))
+        elif differ == "sign":
+            bias.zero_().neg_()  # -0.0 on rank 0: equal as numbers, not as bytes
+    replicas.broadcast_state(model, opt)
+    state = [t.clone() for t in [*model.parameters(), *replicas.optimizer_tensors(opt)]]
+    return {"sent": sent, "state": state, "digest": replicas.digest(state)}
+
+
+@pytest.mark.parametrize("differ", [None, "sign", "ulp"])
+def test_broadcast_sends_nothing_where_every_replica_holds_rank_0s_bytes(differ):
+    out = run_ranks(_broadcast_counting, 2, differ)
+    assert all(status == "ok" for status, _ in out.values()), out
+    r0, r1 = out[0][1], out[1][1]
+    assert r0["sent"] == r1["sent"] == ([] if differ is None else [8])  # 4 weights and biases, 4 momenta
+    for a, b in zip(r0["state"], r1["state"]):
+        assert torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+    assert r0["digest"] == r1["digest"]
+
+
+def _measure_both_ways(rank, world):
+    from mixtrain.comm import link_measure
+
+    buf = torch.zeros(2**20)  # 4 MiB
+    calls = []
+
+    def exchange():
+        calls.append(1)
+        torch.distributed.all_reduce(buf)
+
+    timed = link_measure.exchange_seconds(exchange, link_measure.all_reduce_probe, 4 * buf.numel(), 3)
+    link_measure.MEASURE_BUDGET_S = 1e-6  # any exchange is "slow" now: the probes and the line through them
+    line = link_measure.exchange_seconds(exchange, link_measure.all_reduce_probe, 4 * buf.numel(), 3)
+    gathered = link_measure.exchange_seconds(lambda: None, link_measure.all_gather_probe, 4 * buf.numel(), 3)
+    return {"timed": timed, "calls": len(calls), "line": line, "gathered": gathered}
+
+
+def test_the_link_measurement_runs_alike_on_every_rank_timed_or_extrapolated():
+    """The decisions follow shared times, so no rank waits in a collective the other never calls (a hang
+    would be the failure); on loopback 4 MiB is quick: timed itself, then, with the budget at nothing, from
+    the probes alone."""
+    out = run_ranks(_measure_both_ways, 2)
+    assert all(status == "ok" for status, _ in out.values()), out
+    for rank in (0, 1):
+        res = out[rank][1]
+        assert res["calls"] >= 2  # a warm-up and at least one timed call; none in the extrapolated runs
+        assert 0 < res["timed"] < 5 and 0 < res["line"] < 5 and 0 < res["gathered"] < 5
+    assert out[0][1]["calls"] == out[1][1]["calls"]
+
+
 def _noop(rank, world):
     return rank
 

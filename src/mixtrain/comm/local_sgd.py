@@ -9,7 +9,7 @@ per H steps instead of one per step. A round always ends with an exchange, so re
 round boundary (checkpoints, workers leaving and joining work as with all-reduce); the controller sizes
 rounds in whole multiples of H (RunSettings.steps_per_exchange), so that exchange is never an early one, but
 at an epoch's end.
-Inner optimizer states stay per worker; a checkpoint keeps rank 0's.
+Inner optimizer states stay per worker; a checkpoint keeps one worker's (the driver's nearest: GroupOps._full_state).
 
 With `compress` int8 or int4 the deltas travel quantized (a scale per 256 values) with error feedback
 (compress.ErrorFeedback), through an all-gather: every rank sums every rank's dequantized delta in rank
@@ -47,6 +47,7 @@ from mixtrain import devices
 from mixtrain.comm import replicas
 from mixtrain.comm.buckets import grads_finite
 from mixtrain.comm.compress import QUANTIZED_BITS, ErrorFeedback, quantized_nbytes, wire_dtype
+from mixtrain.comm.link_measure import all_gather_probe, all_reduce_probe, exchange_seconds
 from mixtrain.comm.strategy import (
     JoinContext,
     RoundSync,
@@ -55,7 +56,6 @@ from mixtrain.comm.strategy import (
     SyncStrategy,
     clip_gradients,
     load_small_state,
-    median_seconds,
     small_state,
     tensor_bytes,
 )
@@ -387,10 +387,11 @@ class LocalSGDStrategy(SyncStrategy):
         return {"optimizer": tensor_bytes(task.optimizer.state), "strategy": own}
 
     def measure_comm(self, task: Task, repeats: int) -> float:
+        nbytes = self.exchange_bytes(task)
         if self.feedback is not None:
-            mine = torch.zeros(self.exchange_bytes(task), dtype=torch.uint8, device=replicas.comm_device())
+            mine = torch.zeros(nbytes, dtype=torch.uint8, device=replicas.comm_device())
             everyone = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
-            return median_seconds(lambda: dist.all_gather(everyone, mine), repeats, collective=True)
+            return exchange_seconds(lambda: dist.all_gather(everyone, mine), all_gather_probe, nbytes, repeats)
         pieces = -(-self.anchor.numel() // self.piece) if self.chunked else 1  # the same collectives as an exchange
         buf = torch.zeros(self._work.numel(), dtype=self.wire, device=replicas.comm_device())
 
@@ -398,7 +399,7 @@ class LocalSGDStrategy(SyncStrategy):
             for _ in range(pieces):
                 dist.all_reduce(buf, op=dist.ReduceOp.SUM)
 
-        return median_seconds(exchange, repeats, collective=True)
+        return exchange_seconds(exchange, all_reduce_probe, nbytes, repeats)
 
     def exchange_bytes(self, task: Task) -> int:
         stats = 2 * self.config.local_steps  # a loss term and a non-finite flag per step

@@ -36,6 +36,7 @@ import torch.distributed as dist
 from mixtrain.comm import process_group, replicas
 from mixtrain.comm.buckets import bind_grad_views, grad_views
 from mixtrain.comm.compress import decode, encode, wire_dtype
+from mixtrain.comm.link_measure import median_seconds
 from mixtrain.comm.ps_server import optimizer_index, partition, state_to_numpy, trainable
 from mixtrain.comm.store_pages import StorePages, two_steps
 from mixtrain.comm.strategy import (
@@ -45,7 +46,6 @@ from mixtrain.comm.strategy import (
     StepResult,
     SyncStrategy,
     load_small_state,
-    median_seconds,
     small_state,
 )
 from mixtrain.devices.precision import LossScale

@@ -7,19 +7,17 @@ or local SGD is another subclass here, with no change to the loop.
 from __future__ import annotations
 
 import copy
-import statistics
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from mixtrain.comm import replicas
 from mixtrain.comm.buckets import make_grad_buckets
 from mixtrain.comm.compress import wire_dtype
+from mixtrain.comm.link_measure import all_reduce_probe, exchange_seconds
 from mixtrain.comm.state_transfer import unpack
 from mixtrain.comm.step_gate import StepGate, as_user_built, can_gate
 from mixtrain.comm.zero import ShardedOptimizer, split_runs
@@ -110,28 +108,6 @@ def clip_gradients(task: Task, params: list[torch.nn.Parameter]) -> torch.Tensor
     if task.max_grad_norm is None:
         return None
     return torch.nn.utils.clip_grad_norm_(params, task.max_grad_norm).detach()
-
-
-MEASURE_BUDGET_S = 3.0
-"""The start-up link measurement stops repeating once it has taken about this long (a big model on Wi-Fi)."""
-
-
-def median_seconds(exchange: Callable[[], object], repeats: int, collective: bool = False) -> float:
-    """Median wall time of `exchange` over up to `repeats` calls after one warm-up call (measure_comm): fewer
-    when one exchange is slow. `collective`: every rank must make as many calls, so the slowest rank's warm-up
-    decides for all (one tiny all-reduce)."""
-    t0 = time.perf_counter()
-    exchange()
-    warm = torch.tensor([time.perf_counter() - t0], dtype=torch.float64, device=replicas.comm_device())
-    if collective and dist.is_initialized():
-        dist.all_reduce(warm, op=dist.ReduceOp.MAX)
-    repeats = max(1, min(repeats, int(MEASURE_BUDGET_S / max(float(warm.cpu()), 1e-9))))
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        exchange()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
 
 
 def small_state(task: Task, loss_scale: LossScale) -> dict[str, Any]:
@@ -368,7 +344,7 @@ class AllReduceStrategy(SyncStrategy):
             self.buckets.zero_()
             self.buckets.all_reduce_(torch.zeros(self.buckets.num_extras))
 
-        seconds = median_seconds(exchange, repeats, collective=True)
+        seconds = exchange_seconds(exchange, all_reduce_probe, self.buckets.wire_bytes, repeats)
         self.buckets.zero_()
         return seconds
 

@@ -148,6 +148,10 @@ class GroupCalls:
             return peer_grace_s if getattr(result, "peer_silent", False) else grace_s
         return None
 
+    def nearest(self) -> int:
+        """The rank to read an equal replica's state from: the first on the driver's own node (Membership.nearest)."""
+        return self.members.nearest(ray.get_runtime_context().get_node_id())
+
     def receive(self, rank: int, what: str, *, stall_s: float) -> Any:
         """`what` (a TrainWorker.stream name) from worker `rank`, streamed in small pieces: no deadline for the
         whole (a large model on a slow link takes as long as it takes), but a peer silent for `stall_s` between

@@ -145,16 +145,18 @@ class GroupOps:
             return self.group.gather(calls, timeout_s)
 
     def _full_state(self) -> dict[str, Any]:
-        """Rank 0's training state, packed, streamed to the driver; with a sharded optimizer every rank's slice of
-        the optimizer state is merged in, so the result loads into any number of workers. A worker that sends
+        """The training state of the replica nearest the driver (WorkerGroup.nearest: rank 0 where none shares
+        its node), packed, streamed to the driver; with a sharded optimizer every other rank's slice of the
+        optimizer state is merged in, so the result loads into any number of workers. A worker that sends
         nothing for the collective timeout counts as lost (the whole takes as long as the link needs)."""
         stall_s = self.tunables.collective_timeout_s
-        state = self.group.receive(0, "training_state", stall_s=stall_s)
+        source = self.group.nearest()
+        state = self.group.receive(source, "training_state", stall_s=stall_s)
         if self.group.servers:  # the parameter servers hold the optimizer state: straight from them
             gathered = ps_server.gather_optimizer_state(self.group.servers, self.state_transfer_s())
             state["optimizer"]["state"].update(gathered)
         if self.shards_optimizer:
-            for rank in range(1, len(self.members)):
+            for rank in (r for r in range(len(self.members)) if r != source):
                 state["optimizer"]["state"].update(self.group.receive(rank, "optimizer_part", stall_s=stall_s))
         return state
 

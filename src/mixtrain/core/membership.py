@@ -112,6 +112,13 @@ class Membership:
         speeds = [m.speed for m in self.active]
         return None if any(s is None for s in speeds) else [float(s) for s in speeds if s is not None]
 
+    def nearest(self, node_id: str) -> int:
+        """The first rank on node `node_id` (the driver's), else 0. At a round boundary the replicas are equal
+        (local SGD's inner optimizer states aside), so the state a checkpoint or the final model reads from it
+        crosses no link: 300 MB for a 25M-parameter model with AdamW took 8.7 minutes over 5 Mbit/s from a
+        rank 0 on the other machine."""
+        return next((r for r, m in enumerate(self.active) if m.info is not None and m.info.node_id == node_id), 0)
+
     def infos(self) -> list[WorkerInfo]:
         infos = [m.info for m in self.active]
         assert all(i is not None for i in infos), "every active member has reported who it is"
