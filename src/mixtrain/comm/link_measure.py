@@ -1,8 +1,8 @@
 """How long one exchange takes, measured at start-up for the planner and `--strategy auto`, in bounded time.
 
 Timing the real exchange is the best measure where it is quick. Over a slow link with a large model it is not:
-GPT-2's 500 MB all-reduce over a 50 Mbit/s Wi-Fi takes 80 s, past the collective timeout (60 s), so bring-up
-failed before training began, and a 100 MB model over 5 Mbit/s spent five minutes measuring. So the
+GPT-2's 500 MB all-reduce over a 50 Mbit/s Wi-Fi takes 80 s, past the collective timeout (60 s) gloo is given
+for one collective, and a 100 MB model over 5 Mbit/s spent five minutes measuring. So the
 measurement first times a probe of PROBE_BYTES through the same kind of collective; where the whole exchange
 would take longer than MEASURE_BUDGET_S at that pace, it times a second, larger probe (about the budget) and
 extrapolates the line through the two (a fixed cost per collective plus the bytes at the link's pace) to
