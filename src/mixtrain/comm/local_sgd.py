@@ -388,10 +388,8 @@ class LocalSGDStrategy(SyncStrategy):
 
     def measure_comm(self, task: Task, repeats: int) -> float:
         nbytes = self.exchange_bytes(task)
-        if self.feedback is not None:
-            mine = torch.zeros(nbytes, dtype=torch.uint8, device=replicas.comm_device())
-            everyone = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
-            return exchange_seconds(lambda: dist.all_gather(everyone, mine), all_gather_probe, nbytes, repeats)
+        if self.feedback is not None:  # (the exchange's traffic: every rank's codes to every rank)
+            return exchange_seconds(all_gather_probe(nbytes), all_gather_probe, nbytes, repeats)
         pieces = -(-self.anchor.numel() // self.piece) if self.chunked else 1  # the same collectives as an exchange
         buf = torch.zeros(self._work.numel(), dtype=self.wire, device=replicas.comm_device())
 

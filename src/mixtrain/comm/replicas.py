@@ -112,14 +112,12 @@ def digest(tensors: Sequence[torch.Tensor]) -> bytes:
 
 
 def same_everywhere(tensors: Sequence[torch.Tensor], src: int = 0) -> bool:
-    """Whether every rank's `tensors` hold rank `src`'s bytes: its digest goes to all, and all learn whether
-    any differs (two collectives of a few bytes; every rank must call it)."""
+    """Whether every rank's `tensors` hold rank `src`'s bytes: every rank's digest goes to all (one all-gather of
+    16 bytes each, as drift() gathers checksums), so all take the same answer; every rank must call it."""
     mine = torch.frombuffer(bytearray(digest(tensors)), dtype=torch.uint8).to(comm_device())
-    theirs = mine.clone()
-    dist.broadcast(theirs, src=src)
-    differs = torch.tensor([0 if torch.equal(mine, theirs) else 1], device=comm_device())
-    dist.all_reduce(differs, op=dist.ReduceOp.MAX)
-    return int(differs.item()) == 0
+    gathered = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
+    dist.all_gather(gathered, mine)
+    return all(torch.equal(g, gathered[src]) for g in gathered)
 
 
 def _solo() -> bool:
