@@ -76,6 +76,7 @@ class FakeGroup:
         self.joining: deque[Joined] = deque()
         self.lose_in_state: dict[int, str] | None = None
         self.wall_s = 0.1
+        self.form_s = 0.0
 
     def run_round(self, plan: RoundPlan) -> RoundOutcome:
         self.plans.append(plan)

@@ -418,7 +418,8 @@ class Controller:
 
     def _balance(self, record: RoundRecord) -> None:
         steps_left = (self.epochs - record.epoch) * self.num_steps - (record.first_step + record.num_steps)
-        decision = self.balancing.decide(record, max(0, steps_left) * self.settings.global_batch)
+        remaining = max(0, steps_left) * self.settings.global_batch
+        decision = self.balancing.decide(record, remaining, reform_s=self.port.form_s)
         if isinstance(decision, LeaveOut):
             self.changes.leave_out(decision.rank, decision.reason)
         elif isinstance(decision, Readmit):

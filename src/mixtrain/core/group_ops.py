@@ -55,6 +55,8 @@ class GroupOps:
         self.reference: BuildReport | None = None
         """Rank 0's build report, set once preflight passed."""
         self._fresh_state = True  # the workers hold state the parameter servers have not seen yet
+        self.form_s = 0.0
+        """Seconds the last formation took (rendezvous and join): the measured price of re-forming the group."""
 
     @property
     def members(self) -> Membership:
@@ -71,7 +73,7 @@ class GroupOps:
     # ---- the collective group -------------------------------------------------------------------
     def form(self) -> None:
         """Rendezvous at rank 0, join the collective group, set up the strategy (rank 0's weights go to all)."""
-        t = self.tunables
+        t, start = self.tunables, time.perf_counter()
         rank0 = self.members[0].worker
         # every worker on one node (an embedded Ray, a one-machine cluster): the store and the collectives, which
         # have no authentication, listen on loopback only. Asked now: a replacement reports who it is after this
@@ -96,6 +98,7 @@ class GroupOps:
         )
         self.group.each(lambda w: w.join(request), timeout_s=t.rendezvous_timeout_s + t.collective_timeout_s + 10)
         self._fresh_state = False
+        self.form_s = time.perf_counter() - start
 
     def _shard_weights(self) -> tuple[float, ...] | None:
         """ScalingConfig.shard_optimizer for the current ranks: None (off), () (by free memory, measured by the

@@ -55,6 +55,11 @@ class GroupPort(Protocol):
     @property
     def shards_optimizer(self) -> bool: ...
 
+    @property
+    def form_s(self) -> float:
+        """Seconds the group's last formation took (rendezvous and join): the measured price of re-forming it."""
+        ...
+
     def run_round(self, plan: RoundPlan) -> RoundOutcome:
         """Every active worker runs the round; lost workers are reported, not raised."""
         ...
