@@ -114,6 +114,9 @@ class FakeGroup:
             raise WorkersLost(lost)
         return {"model": {"w": torch.zeros(2)}, "optimizer": {"state": {}}}
 
+    def rank_states(self) -> list[dict[str, Any]]:
+        return []
+
     def rng_states(self) -> list[dict[str, Any]]:
         return [{"cpu": torch.get_rng_state()} for _ in self.members]
 

@@ -457,6 +457,9 @@ class Controller:
     def _collect_state(self) -> dict[str, Any]:
         state = self.port.full_state()
         state["rng"] = self.port.rng_states()
+        ranks = self.port.rank_states()
+        if ranks:
+            state["ranks"] = ranks
         return state
 
     def driver_state(self, new_best: str | None = None) -> str:

@@ -140,6 +140,13 @@ class GroupOps:
         with self._losses("checkpoint"):
             return self.group.each(lambda w: w.rng_state(), timeout_s=self.tunables.collective_timeout_s)
 
+    def rank_states(self) -> list[dict[str, Any]]:
+        if self.strategy.name != "local-sgd":  # the only strategy whose replicas hold state of their own
+            return []
+        with self._losses("checkpoint"):
+            states = self.group.each(lambda w: w.rank_state(), timeout_s=self.state_transfer_s())
+        return [unpack(s) for s in states]
+
     def evaluate(
         self, bounds: Sequence[tuple[int, int]], batches: Sequence[int], timeout_s: float
     ) -> list[dict[str, float]]:

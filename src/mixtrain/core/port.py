@@ -94,6 +94,11 @@ class GroupPort(Protocol):
         """Every rank's random streams. Raises WorkersLost."""
         ...
 
+    def rank_states(self) -> list[dict[str, Any]]:
+        """Every rank's state of its own (local SGD's inner optimizer and error feedback), by rank; empty where
+        the replicas hold the same. Raises WorkersLost."""
+        ...
+
     def evaluate(
         self, bounds: Sequence[tuple[int, int]], batches: Sequence[int], timeout_s: float
     ) -> list[dict[str, float]]:

@@ -379,6 +379,8 @@ class TrainWorker:
             store_pages_bytes=request.store_pages_bytes,
         )
         self.strategy.setup(self.task, ctx)
+        if loaded is not None and loaded.get("rank"):
+            self.strategy.load_rank_state(self.task, unpack(loaded["rank"], copy=True))
         if getattr(self.strategy, "gate", None) is not None:
             worker_log.log.info("steps: the all-finite verdict is read a step late (StepGate, fused optimizer)")
         if loaded is not None:  # and the job-wide loss scale
@@ -572,6 +574,10 @@ class TrainWorker:
         """This rank's slice of a sharded optimizer's state (by the optimizer's parameter numbers), packed."""
         return pack(self.strategy.optimizer_state(self.task)["state"])
 
+    def rank_state(self) -> dict:
+        """What this replica holds that the others do not (SyncStrategy.rank_state), packed; empty for most."""
+        return pack(self.strategy.rank_state(self.task))
+
     def rng_state(self) -> dict:
         """This worker's random streams (dropout and the like), on the CPU."""
         out = {"cpu": torch.get_rng_state()}
@@ -580,10 +586,11 @@ class TrainWorker:
             out[self.kind.kind] = device
         return out
 
-    def load_training_state(self, state: dict, rng: dict | None = None) -> None:
+    def load_training_state(self, state: dict, rng: dict | None = None, rank_state: dict | None = None) -> None:
         """Continue from `state` (a checkpoint's, or another replica's): weights and scheduler now; optimizer,
         loss scale and the strategy's own state when the group forms next (join), which always follows, so a
-        sharded optimizer keeps only its slice."""
+        sharded optimizer keeps only its slice. `rank_state`: what this rank held of its own when the checkpoint
+        was written (local SGD's inner optimizer and error feedback), for a resume on as many workers."""
         t = self.task
         t.model.load_state_dict(unpack(state["model"]))  # copies into the parameters
         if t.scheduler is not None and state.get("scheduler") is not None:
@@ -592,7 +599,10 @@ class TrainWorker:
             "optimizer": state["optimizer"],
             "loss_scale": state["loss_scale"],
             "strategy": state.get("strategy") or {},
+            "rank": rank_state or {},
         }
+        if rank_state and rank_state.get("optimizer") is not None:  # this replica's own inner optimizer
+            self._loaded["optimizer"] = rank_state["optimizer"]
         if rng is not None:
             torch.set_rng_state(rng["cpu"])
             if self.kind.kind in rng:  # the device's own stream, when the checkpoint has one for this kind

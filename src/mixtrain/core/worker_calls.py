@@ -88,9 +88,14 @@ class WorkerCalls:
     def rng_state(self) -> Pending[dict[str, Any]]:
         return Pending(self.actor.rng_state.remote(), "rng_state")
 
-    def load_training_state(self, state: Any, rng: dict[str, Any] | None = None) -> Pending[None]:
+    def rank_state(self) -> Pending[dict[str, Any]]:
+        return Pending(self.actor.rank_state.remote(), "rank_state")
+
+    def load_training_state(
+        self, state: Any, rng: dict[str, Any] | None = None, rank_state: dict[str, Any] | None = None
+    ) -> Pending[None]:
         """`state`: a packed state, or the ref of another worker's training_state() (read from the store)."""
-        return Pending(self.actor.load_training_state.remote(state, rng), "load_training_state")
+        return Pending(self.actor.load_training_state.remote(state, rng, rank_state), "load_training_state")
 
     def recover(self) -> Pending[None]:
         return Pending(self.actor.recover.remote(), "recover")
