@@ -26,6 +26,7 @@ from mixtrain.core.hooks import Hooks, check_callbacks
 from mixtrain.core.interrupt import GracefulStop
 from mixtrain.core.run_state import RunSettings
 from mixtrain.core.tunables import Tunables
+from mixtrain.core.worker_calls import WorkerCalls
 from mixtrain.core.worker_group import WorkerGroup
 from mixtrain.data.sampling import Arrays, steps_per_epoch
 from mixtrain.data.sources import Loader, describe, known_length
@@ -191,7 +192,9 @@ class Trainer:
             )
             stop.arm()
             controller.run(epochs, position)
-            state = group.receive(group.nearest(), "state_dict", stall_s=group.tunables.collective_timeout_s)
+            state = group.receive(
+                group.nearest(), WorkerCalls.stream_state_dict, stall_s=group.tunables.collective_timeout_s
+            )
             finished = True
             return controller, up, unpack(state)
         except KeyboardInterrupt:

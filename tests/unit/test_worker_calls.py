@@ -20,7 +20,9 @@ def test_each_call_has_the_workers_name_and_parameters():
     assert len(calls) >= 20
     for name, call in calls.items():
         assert hasattr(TrainWorker, name), name
-        if name == "stream":  # the proxy adds how far ahead the worker may stream
+        if name.startswith("stream_"):  # the proxy adds how far ahead the worker may stream
+            assert _parameters(call) == [("ahead", inspect.Parameter.empty)], name
+            assert _parameters(getattr(TrainWorker, name)) == [], name
             continue
         assert _parameters(call) == _parameters(getattr(TrainWorker, name)), name
 

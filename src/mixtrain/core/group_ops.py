@@ -20,6 +20,7 @@ from mixtrain.core.membership import Member, Membership
 from mixtrain.core.messages import BuildReport, JoinRequest, RoundPlan
 from mixtrain.core.port import Joined, RoundOutcome, WorkersLost
 from mixtrain.core.tunables import Tunables
+from mixtrain.core.worker_calls import WorkerCalls
 from mixtrain.core.worker_group import WorkerError, WorkerGroup, WorkerTimeout
 from mixtrain.policies.decisions import recovery_source
 from mixtrain.task import Task
@@ -161,13 +162,14 @@ class GroupOps:
         nothing for the collective timeout counts as lost (the whole takes as long as the link needs)."""
         stall_s = self.tunables.collective_timeout_s
         source = self.group.nearest()
-        state = self.group.receive(source, "training_state", stall_s=stall_s)
+        state = self.group.receive(source, WorkerCalls.stream_training_state, stall_s=stall_s)
         if self.group.servers:  # the parameter servers hold the optimizer state: straight from them
             gathered = ps_server.gather_optimizer_state(self.group.servers, self.state_transfer_s())
             state["optimizer"]["state"].update(gathered)
         if self.shards_optimizer:
             for rank in (r for r in range(len(self.members)) if r != source):
-                state["optimizer"]["state"].update(self.group.receive(rank, "optimizer_part", stall_s=stall_s))
+                part = self.group.receive(rank, WorkerCalls.stream_optimizer_part, stall_s=stall_s)
+                state["optimizer"]["state"].update(part)
         return state
 
     @contextmanager

@@ -452,11 +452,16 @@ class TrainWorker(WorkerProcess):
         }
         return pack(state)
 
-    def stream(self, what: str) -> Iterator[Any]:
-        """A streamed copy (state_transfer.stream) of "training_state", "optimizer_part" or "state_dict", for the
-        driver: in pieces small enough to travel in the replies, so no second copy builds up in this process."""
-        assert what in ("training_state", "optimizer_part", "state_dict"), what
-        yield from state_transfer.stream(unpack(getattr(self, what)()))
+    # Streamed copies (state_transfer.stream) for the driver: in pieces small enough to travel in the replies, so
+    # no second copy builds up in this process (GroupCalls.receive reads them).
+    def stream_training_state(self) -> Iterator[Any]:
+        yield from state_transfer.stream(unpack(self.training_state()))
+
+    def stream_optimizer_part(self) -> Iterator[Any]:
+        yield from state_transfer.stream(unpack(self.optimizer_part()))
+
+    def stream_state_dict(self) -> Iterator[Any]:
+        yield from state_transfer.stream(unpack(self.state_dict()))
 
     def optimizer_part(self) -> dict:
         """This rank's slice of a sharded optimizer's state (by the optimizer's parameter numbers), packed."""

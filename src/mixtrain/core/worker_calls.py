@@ -109,6 +109,12 @@ class WorkerCalls:
     def shutdown(self) -> Pending[None]:
         return Pending(self.actor.shutdown.remote(), "shutdown")
 
-    def stream(self, what: str, ahead: int) -> Iterator[Any]:
-        """TrainWorker.stream as Ray's streaming generator, at most `ahead` pieces ahead of the reader."""
-        return ray_shim.streaming(self.actor.stream, ahead).remote(what)
+    # The streamed copies, each as Ray's streaming generator at most `ahead` pieces ahead of the reader.
+    def stream_training_state(self, ahead: int) -> Iterator[Any]:
+        return ray_shim.streaming(self.actor.stream_training_state, ahead).remote()
+
+    def stream_optimizer_part(self, ahead: int) -> Iterator[Any]:
+        return ray_shim.streaming(self.actor.stream_optimizer_part, ahead).remote()
+
+    def stream_state_dict(self, ahead: int) -> Iterator[Any]:
+        return ray_shim.streaming(self.actor.stream_state_dict, ahead).remote()
