@@ -94,10 +94,15 @@ def env_float(pair: tuple[str, float], zero_allowed: bool = False) -> float:
     return value
 
 
-def transfer_s(num_bytes: float) -> float:
-    """Deadline for moving `num_bytes` between processes (a state, a checkpoint, the link measurement): the
-    collective timeout plus the time the slowest allowed link needs, so a big model on Wi-Fi is not cut off."""
-    return env_float(COLLECTIVE_TIMEOUT_S) + num_bytes / (env_float(MIN_LINK_MBPS) * 1e6)
+# Variables that are not numbers, read where they are used; named here so every MIXTRAIN_* has one home.
+HOME_ENV = "MIXTRAIN_HOME"
+"""This user's own folder (default ~/.mixtrain): the cluster token, the cluster record, the signing key."""
+SLOWDOWN_ENV = "MIXTRAIN_EMULATE_SLOWDOWN"
+"""EMULATION only: RANK:FACTOR[@ROUND][,...] makes those workers compute FACTOR times slower (benchmarks, tests)."""
+PROFILE_DIR_ENV = "MIXTRAIN_PROFILE_DIR"
+"""A folder where each worker writes torch.profiler tables of a few rounds (observe/round_profile.py)."""
+KEEP_WORKERS_ENV = "MIXTRAIN_KEEP_WORKERS"
+"""1: a finished fit keeps its worker processes for the next fit in this process (core/warm_workers.py)."""
 
 
 HOST_MMAP_THRESHOLD_MB = ("MIXTRAIN_HOST_MMAP_THRESHOLD_MB", 16.0)
