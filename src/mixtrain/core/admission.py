@@ -7,23 +7,52 @@ bundle; one that fails preflight or raises is refused for good."""
 from __future__ import annotations
 
 import math
-from typing import Any
+from collections.abc import Callable
+from typing import Any, Protocol
 
 import ray
 
 from mixtrain import compat
 from mixtrain.core import preflight
-from mixtrain.core.group_ops import GroupOps, user_cap
-from mixtrain.core.membership import Member, Status
+from mixtrain.core.membership import Member, Membership, Status, user_cap
 from mixtrain.core.messages import BuildReport
 from mixtrain.core.port import Joined
-from mixtrain.core.worker_group import WorkerError, WorkerTimeout, error_text
+from mixtrain.core.tunables import Tunables
+from mixtrain.core.worker_group import WorkerError, WorkerGroup, WorkerTimeout, error_text
+from mixtrain.task import Task
+
+
+class Operations(Protocol):
+    """What an admission needs of the group's operations (core/group_ops.py GroupOps, which calls it): named here,
+    so this module does not import the one that imports it."""
+
+    group: WorkerGroup
+    tunables: Tunables
+    reference: BuildReport | None
+    data_refs: tuple[Any, Any]
+    task_factory: Callable[[], Task]
+
+    @property
+    def members(self) -> Membership: ...
+
+    @property
+    def shards_optimizer(self) -> bool: ...
+
+    def current_state(self) -> Any: ...
+
+    def everyone_leaves(self) -> None: ...
+
+    def form(self) -> None: ...
+
+    def start_replacements(self) -> None: ...
+
+    def state_transfer_s(self) -> float: ...
 
 
 class Admission:
     """One admission, for the group `ops` runs."""
 
-    def __init__(self, ops: GroupOps) -> None:
+    def __init__(self, ops: Operations) -> None:
         self.ops = ops
         self.group = ops.group
         self.members = ops.members

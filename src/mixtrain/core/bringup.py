@@ -20,8 +20,8 @@ from mixtrain.comm import ps_server
 from mixtrain.comm.process_group import choose_backend, shared_gpu
 from mixtrain.config import ScalingConfig, StrategyConfig
 from mixtrain.core import preflight
-from mixtrain.core.group_ops import GroupOps, user_cap
-from mixtrain.core.membership import Membership
+from mixtrain.core.group_ops import GroupOps
+from mixtrain.core.membership import Membership, user_cap
 from mixtrain.core.messages import BuildReport, HFModelSpec, LeftOut, ProbeResult, WorkerInfo
 from mixtrain.core.worker_group import WorkerGroup
 from mixtrain.data.sampling import Arrays, steps_per_epoch

@@ -12,10 +12,10 @@ from typing import Any
 
 import ray
 
-from mixtrain.cluster.placement import WorkerSpec
 from mixtrain.comm import ps_server
 from mixtrain.comm.state_transfer import pack, unpack
 from mixtrain.config import ScalingConfig, StrategyConfig
+from mixtrain.core.admission import Admission
 from mixtrain.core.membership import Member, Membership
 from mixtrain.core.messages import BuildReport, JoinRequest, RoundPlan
 from mixtrain.core.port import Joined, RoundOutcome, WorkersLost
@@ -24,11 +24,6 @@ from mixtrain.core.worker_calls import WorkerCalls
 from mixtrain.core.worker_group import WorkerError, WorkerGroup, WorkerTimeout
 from mixtrain.policies.decisions import recovery_source
 from mixtrain.task import Task
-
-
-def user_cap(scaling: ScalingConfig, spec: WorkerSpec) -> int | None:
-    """The user's max_micro_batch for this worker (by its starting rank), or None: measure it."""
-    return scaling.max_micro_batch[spec.rank] if scaling.max_micro_batch else None
 
 
 class GroupOps:
@@ -282,6 +277,4 @@ class GroupOps:
 
     def admit(self, global_batch: int) -> Joined:
         """Replacements that are ready join between rounds (core/admission.py)."""
-        from mixtrain.core.admission import Admission  # it builds on this class
-
         return Admission(self).admit(global_batch)

@@ -16,7 +16,13 @@ from dataclasses import dataclass
 from typing import Any
 
 from mixtrain.cluster.placement import WorkerSpec
+from mixtrain.config import ScalingConfig
 from mixtrain.core.messages import BuildReport, ProbeResult, WorkerInfo
+
+
+def user_cap(scaling: ScalingConfig, spec: WorkerSpec) -> int | None:
+    """The user's max_micro_batch for this worker (by its starting rank), or None: measure it."""
+    return scaling.max_micro_batch[spec.rank] if scaling.max_micro_batch else None
 
 
 class Status(enum.Enum):
