@@ -145,7 +145,8 @@ def test_fit_with_the_default_run_folder_under_a_dangling_link_stops_at_once(tmp
     )
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[2])}
     run = [sys.executable, "-c", code]
-    proc = subprocess.run(run, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=10)
+    # (a hang would be the bug: 60 s, not 10, as importing torch alone took over 10 s on a loaded 2-core machine)
+    proc = subprocess.run(run, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=60)
     assert proc.returncode == 1 and "ValueError: RunConfig.storage_dir='mixtrain_runs'" in proc.stderr, proc.stderr
     assert "symbolic link" in proc.stderr and not (tmp_path / "gone").exists()
 
