@@ -201,12 +201,12 @@ class EarlyStopping(Callback):
 
 
 def metric_value(metrics: dict[str, float], name: str, field: str) -> float:
-    """metrics[name], or an error naming the field, the value and the metrics there are."""
+    """metrics[name], or MetricMissing naming the field, the value and the metrics there are."""
     metrics = {k: v for k, v in metrics.items() if k not in EVAL_KEYS}
     if name not in metrics:
-        from mixtrain.errors import InputValueError
+        from mixtrain.errors import MetricMissing
 
-        raise InputValueError(
+        raise MetricMissing(
             f"{field}={name!r}: the evaluation has no such metric; it has {sorted(metrics)} (the task's "
             "metrics plus loss): name one of those"
         )
