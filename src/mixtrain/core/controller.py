@@ -201,6 +201,7 @@ class Controller:
             state = self._checkpoint(start) or state  # a lost worker takes its optimizer slice along: the way back
         while not isinstance(state, Done):
             state = self.step(state)
+        self._check_trained()
 
     def step(self, state: State) -> State:
         """One transition."""
@@ -448,12 +449,23 @@ class Controller:
             steps=record.steps,
             skipped_steps=record.skipped_steps,
             nonfinite_steps=record.nonfinite_steps,
-            names=[f"worker {i} ({w.device_name} on {w.host}, {w.device})" for i, w in enumerate(self.members.infos())],
+            names=self._worker_names(),
         )
         if isinstance(decision, Stop):
             raise TrainingStopped(
                 f"training stopped: {decision.reason}. {self.checkpoints.resume_hint(self.port.scaling)}"
             )
+
+    def _check_trained(self) -> None:
+        """A run that ran steps but applied none (all NaN data) is a failure naming the cause, not "done" with its
+        starting weights saved as if trained."""
+        decision = self.policies.nonfinite.at_end(self._worker_names())
+        if isinstance(decision, Stop):
+            self.log.write("untrained", {"reason": decision.reason})
+            raise TrainingStopped(f"training failed: {decision.reason}")
+
+    def _worker_names(self) -> list[str]:
+        return [f"worker {i} ({w.device_name} on {w.host}, {w.device})" for i, w in enumerate(self.members.infos())]
 
     def _checkpoint(self, at: tuple[int, int], best: bool = False) -> Train | None:
         """Rank 0's training state, every rank's random streams and the driver's own (callbacks, best checkpoint),
