@@ -102,13 +102,27 @@ def sign(record: dict[str, Any]) -> dict[str, Any]:
     return {**{k: v for k, v in record.items() if k != FIELD}, FIELD: _digest(record, _key())}
 
 
+def sign_if_possible(record: dict[str, Any], say: Any) -> dict[str, Any]:
+    """`record` signed; when the key cannot be made or read (a read-only home, a full disk) the record unsigned,
+    and `say` tells why: the run starts anyway, and its resume will ask for --trust-job."""
+    try:
+        return sign(record)
+    except (OSError, RuntimeError) as exc:  # RuntimeError: ClusterError, MIXTRAIN_HOME not a folder of yours
+        say(f"note: command.json is not signed ({exc}); a resume of this run will need --trust-job")
+        return record
+
+
 def signed_by_me(record: dict[str, Any]) -> bool:
     """Whether `record` carries a signature made with this user's key over exactly what it holds now."""
     given = record.get(FIELD)
     if not isinstance(given, str):
         return False
     try:
-        wanted = _digest(record, _key())
+        key = _key()
+    except (OSError, RuntimeError):  # no key can be made here (a read-only home): nothing is signed by us
+        return False
+    try:
+        wanted = _digest(record, key)
     except ValueError:  # a NaN or infinity: never written by mixtrain's own json
         return False
     return hmac.compare_digest(given, wanted)

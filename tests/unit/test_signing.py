@@ -109,3 +109,14 @@ def test_a_jobs_saved_arguments_are_checked_against_its_signature(tmp_path, monk
     (tmp_path / "sigjob.py").write_text("def make(width=2, *, name='a'):\n    raise SystemExit('ran')\n")
     with pytest.raises(InputValueError, match=r"\[args\] width = .*takes a int there \(its default is 2\)"):
         load_job("sigjob:make", args={"width": value})
+
+
+def test_a_new_run_where_no_key_can_be_made_starts_unsigned_with_a_note(tmp_path, monkeypatch, capsys):
+    from mixtrain.cli.saved_command import read_command, save_command
+
+    (tmp_path / "home").write_text("a file where the folder belongs")
+    monkeypatch.setenv("MIXTRAIN_HOME", str(tmp_path / "home"))
+    save_command(["train", "digits"], tmp_path / "run", "digits", {}, {})
+    assert "command.json is not signed" in capsys.readouterr().err
+    saved = read_command(tmp_path / "run")
+    assert saved is not None and not saved.signed  # its resume asks for --trust-job

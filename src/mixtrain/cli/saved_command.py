@@ -19,12 +19,13 @@ from __future__ import annotations
 import json
 import os
 import stat
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from mixtrain.errors import InputValueError
-from mixtrain.signing import signed_by_me
+from mixtrain.signing import sign_if_possible, signed_by_me
 
 COMMAND_FILE = "command.json"
 MAX_BYTES = 1 << 20
@@ -87,9 +88,7 @@ def save_command(raw: list[str], run_dir: Path, target: str, config: dict[str, A
         record["config"] = config
     if job_args:
         record["args"] = job_args
-    from mixtrain.signing import sign
-
-    write_json(sign(record), run_dir / COMMAND_FILE)
+    write_json(sign_if_possible(record, _say), run_dir / COMMAND_FILE)
 
 
 def read_command(run_dir: str | Path) -> SavedCommand | None:
@@ -180,11 +179,14 @@ def save_loop_command(run_dir: Path, target: str) -> None:
     from mixtrain._files import write_json
     from mixtrain.job import module_file
     from mixtrain.observe.runlog import make_folder
-    from mixtrain.signing import sign
 
     make_folder(run_dir, "--run-dir")
     record = {"command": "run", "target": loop_target(target), "target_file": module_file(target)}
-    write_json(sign(record), run_dir / COMMAND_FILE)
+    write_json(sign_if_possible(record, _say), run_dir / COMMAND_FILE)
+
+
+def _say(line: str) -> None:
+    print(f"mixtrain: {line}", file=sys.stderr)
 
 
 def redirect_error(resume: str, flag: str, value: Any) -> InputValueError:
