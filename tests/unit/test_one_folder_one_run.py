@@ -69,9 +69,13 @@ def test_a_loop_folder_is_resumed_as_a_loop_with_its_own_target(here, capsys):
     record = json.loads((here / "loop" / "command.json").read_text())
     assert record["command"] == "run" and record["target"] == "loops:train_func"
     assert record["target_file"] == str(here / "loops.py")
-    (here / "loop" / "checkpoints").mkdir()
-    assert main(["run", "loops:other", "--run-dir", "loop"]) == 2  # a new run in a folder that holds one
+    with pytest.raises(Reached):  # the same loop again, before it reported a checkpoint: started over
+        main(["run", "loops:train_func", "--run-dir", "loop"])
+    assert main(["run", "loops:other", "--run-dir", "loop"]) == 2  # another loop's folder
     assert "--run-dir 'loop' holds a run already (of loops:train_func): continue it with" in _err(capsys)
+    (here / "loop" / "checkpoints").mkdir()
+    assert main(["run", "loops:train_func", "--run-dir", "loop"]) == 2  # a new run in a folder that holds one
+    assert "mixtrain run loops:train_func --resume loop" in _err(capsys)
     assert main(["run", "loops:other", "--resume", "loop"]) == 2  # another loop on its checkpoints
     assert "holds a run of loops:train_func, not of loops:other: one folder holds one run" in _err(capsys)
     assert main(["train", "--resume", "loop"]) == 2

@@ -124,12 +124,16 @@ def _folder(args: argparse.Namespace) -> Path:
 
 
 def _check_new_folder(folder: Path, target: str) -> None:
-    if os.path.lexists(folder / "checkpoints") or os.path.lexists(folder / COMMAND_FILE):
-        record = read_record(folder) if os.path.lexists(folder / COMMAND_FILE) else None
-        was = record.get("target") if isinstance(record, dict) else None
+    """A new run's --run-dir: refused when it holds checkpoints, or the record of another loop (the same loop's,
+    from a start that never reported a checkpoint, is started over)."""
+    record = read_record(folder) if os.path.lexists(folder / COMMAND_FILE) else None
+    was = record.get("target") if isinstance(record, dict) else None
+    other = record is not None and was != loop_target(target)
+    if os.path.lexists(folder / "checkpoints") or other:
         raise InputValueError(
             f"--run-dir {str(folder)!r} holds a run already{f' (of {was})' if isinstance(was, str) else ''}: "
-            f"continue it with mixtrain run {target} --resume {folder}, or name a new folder"
+            f"continue it with mixtrain run {was if isinstance(was, str) else target} --resume {folder}, or name "
+            "a new folder"
         )
 
 
