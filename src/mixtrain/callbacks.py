@@ -43,6 +43,16 @@ class StopTraining(Exception):  # Lightning's and Keras's name for the same thin
     `fit()` returns normally and `Result.stopped_early` holds the message."""
 
 
+RUN_ID_MAX = 64
+"""A run id is a few letters and digits (mixtrain makes 12 hex digits): one read from a folder that is longer, or
+holds anything else, is not used to pick a tracker's run (MLflow's search filter, W&B's run id)."""
+
+
+def is_run_id(value: object) -> bool:
+    """Whether `value` looks like a run id: 1 to RUN_ID_MAX ASCII letters and digits."""
+    return isinstance(value, str) and 0 < len(value) <= RUN_ID_MAX and value.isascii() and value.isalnum()
+
+
 @dataclass(frozen=True)
 class RunStarted:
     run_dir: Path
@@ -201,12 +211,12 @@ class EarlyStopping(Callback):
 
 
 def metric_value(metrics: dict[str, float], name: str, field: str) -> float:
-    """metrics[name], or an error naming the field, the value and the metrics there are."""
+    """metrics[name], or MetricMissing naming the field, the value and the metrics there are."""
     metrics = {k: v for k, v in metrics.items() if k not in EVAL_KEYS}
     if name not in metrics:
-        from mixtrain.errors import InputValueError
+        from mixtrain.errors import MetricMissing
 
-        raise InputValueError(
+        raise MetricMissing(
             f"{field}={name!r}: the evaluation has no such metric; it has {sorted(metrics)} (the task's "
             "metrics plus loss): name one of those"
         )

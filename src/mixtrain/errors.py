@@ -21,6 +21,11 @@ class InputTypeError(InputError, TypeError, ValueError):
     checks raised for every bad value before they told types apart) still catches it."""
 
 
+class MetricMissing(InputValueError):
+    """A setting names a held-out metric the evaluation does not have (EarlyStopping.metric, RunConfig.keep_best):
+    not a callback's bug to note and go on past, but the run's own setting, so the run stops at that evaluation."""
+
+
 class MissingExtraError(InputError, ImportError):
     """A feature needs a package that is an optional extra of mixtrain; the message gives the pip install."""
 

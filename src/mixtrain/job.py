@@ -169,11 +169,20 @@ def _ship_by_value(module: Any) -> None:
 
 
 def _call(fn: Callable[..., Any], target: str, given: dict[str, Any], args: dict[str, Any], flag: str) -> Any:
+    """fn(**args, **given), with the arguments checked against fn's signature first: they are values (from a TOML
+    config, or a resumed folder's command.json) for a job function written in Python, never a way to hand a
+    command to some other callable (`os:system` is not a job function)."""
+    if not (inspect.isfunction(fn) or inspect.ismethod(fn)):
+        raise InputValueError(
+            f"{flag} {target!r} is a {type(fn).__name__}, not a job function: give a Python function that returns "
+            "mixtrain.Job, e.g. mytrain.jobs:make_job"
+        )
     params = inspect.signature(fn).parameters
     takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
-    for name in args:
+    for name, value in args.items():
         if name not in params and not takes_any:
-            raise InputValueError(f"[args] {name} = {args[name]!r}: {target} takes no argument {name!r}")
+            raise InputValueError(f"[args] {name} = {value!r}: {target} takes no argument {name!r}")
+        _check_value(params.get(name), name, value, target)
     kwargs = dict(args)
     for name, value in given.items():
         if name in params or takes_any:
@@ -181,3 +190,25 @@ def _call(fn: Callable[..., Any], target: str, given: dict[str, Any], args: dict
         elif name != "seed":  # the seed also seeds the workers; a job need not take it
             raise InputValueError(f"--{name.replace('_', '-')} {value!r}: {target} takes no {name!r} argument")
     return fn(**kwargs)
+
+
+_PLAIN = (bool, int, float, str)
+
+
+def _check_value(param: inspect.Parameter | None, name: str, value: Any, target: str) -> None:
+    """A TOML/JSON value for a keyword parameter: positional-only ones cannot take it, and one whose default is a
+    plain value (a number, a string, a flag) takes a value of that kind only (an int where a float is wanted)."""
+    if param is None:
+        return
+    if param.kind in (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.VAR_POSITIONAL):
+        raise InputValueError(f"[args] {name} = {value!r}: {target} takes {name!r} by position only, not by name")
+    default = param.default
+    if not isinstance(default, _PLAIN) or value is None:
+        return
+    kind = type(default)
+    ok = isinstance(value, kind) and (kind is bool) == isinstance(value, bool)
+    ok = ok or (kind is float and isinstance(value, int) and not isinstance(value, bool))
+    if not ok:
+        raise InputValueError(
+            f"[args] {name} = {value!r}: {target} takes a {kind.__name__} there (its default is {default!r})"
+        )

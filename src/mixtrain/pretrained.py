@@ -111,7 +111,20 @@ def export_pretrained(source: str | Path, out_dir: str | Path | None = None) -> 
             f"export: {str(source)!r} is neither a run folder (with model.safetensors) nor a checkpoint folder (with "
             f"{MANIFEST}); give one of them"
         )
-    return save_pretrained(state_dict, read_spec(run_dir), out_dir if out_dir is not None else default)
+    if out_dir is None:  # RUN_DIR/hf_model or hf_step-N: mixtrain's own folder in the run, replaced whole
+        return save_pretrained(state_dict, read_spec(run_dir), default)
+    from mixtrain.export_folder import check_out, place_export
+
+    out = Path(out_dir)
+    previous = check_out(out, run_dir)  # before anything is written: a folder that is not ours is one line
+    tmp = out.with_name(f".tmp-{out.name}-{secrets.token_hex(4)}")
+    try:
+        save_pretrained(state_dict, read_spec(run_dir), tmp)
+        place_export(tmp, out, previous)
+    finally:
+        if os.path.lexists(tmp):
+            shutil.rmtree(tmp, ignore_errors=True)
+    return out
 
 
 def read_spec(run_dir: Path) -> HFModelSpec:

@@ -14,7 +14,7 @@ from typing import Any, cast
 import numpy as np
 import ray
 
-from mixtrain.callbacks import Callback, EarlyStopping, RunEnded, RunStarted
+from mixtrain.callbacks import Callback, EarlyStopping, RunEnded, RunStarted, is_run_id
 from mixtrain.checkpoint import MANIFEST, CheckpointMeta, CheckpointStore, save_final_weights
 from mixtrain.cluster import connect
 from mixtrain.comm.state_transfer import pack, unpack
@@ -109,7 +109,7 @@ class Trainer:
         hooks = Hooks([*self.callbacks, *self._tensorboard()], global_batch=self.global_batch)
         try:
             with GracefulStop() as stop:
-                start = _Start(run_dir, _run_id(resumed), resumed, epochs, warnings, phases)
+                start = _Start(run_dir, _run_id(resumed, warnings), resumed, epochs, warnings, phases)
                 controller, up, state = self._train(group, start, stop, hooks)
             model_path = save_final_weights(state, run_dir, controller.last_checkpoint, controller.view.log)
             hf_model_path = save_final_hf_model(state, up.hf_model, run_dir, controller.view.log)
@@ -439,12 +439,17 @@ def _data_fingerprint(spec: Arrays | Loader) -> str:
     return digest.hexdigest()[:16]
 
 
-def _run_id(resumed: Resumed | None) -> str:
-    """A resumed run keeps its id; a new run gets one (in config.json and every checkpoint's manifest)."""
+def _run_id(resumed: Resumed | None, warnings: list[str]) -> str:
+    """A resumed run keeps its id; a new run gets one (in config.json and every checkpoint's manifest). An id read
+    from a checkpoint that does not look like one (is_run_id) is replaced: loggers pick a tracker's run by it."""
     if resumed is not None:
         run_id = CheckpointMeta.from_manifest(resumed[1]).run_id
-        if run_id:
+        if is_run_id(run_id):
             return run_id
+        if run_id:
+            warnings.append(
+                f"the checkpoint's run id {run_id[:80]!r} is not letters and digits; this run gets a new one"
+            )
     return uuid.uuid4().hex[:12]
 
 

@@ -211,16 +211,20 @@ def test_a_checkpoint_whose_driver_state_was_tampered_with_cannot_point_the_best
         assert ctl.hooks.callbacks[0].bad_evals == 0  # type: ignore[attr-defined]
 
 
-def test_a_metric_that_is_not_there_is_named_with_the_ones_that_are(tmp_path):
+@pytest.mark.parametrize("setting", ["early_stopping", "keep_best"])
+def test_a_metric_that_is_not_there_stops_the_run_at_that_evaluation_naming_the_ones_there_are(tmp_path, setting):
+    """Issue 46: EarlyStopping on a metric the evaluation lacks was a note and the run went on, never stopping;
+    --keep-best stopped with a resume hint that stopped again the same way. Both stop there now, a checkpoint
+    holding the training, and say to name one of the metrics there are."""
     group = Scripted()
-    ctl, log = controller(group, tmp_path, num_eval=10, hooks=hooks(EarlyStopping("acc")))
-    ctl.run(epochs=1)  # a callback's error: reported, training goes on
-    assert "EarlyStopping.metric='acc'" in log.kinds("callback_error")[0]["error"]
-    assert "['loss']" in log.kinds("callback_error")[0]["error"]
-    ctl, log = controller(Scripted(), tmp_path / "b", num_eval=10, keep_best=("acc", "max"))
-    with pytest.raises(InputValueError, match=r"RunConfig.keep_best='acc'.*it has \['loss'\].*intact"):
-        ctl.run(epochs=1)  # the run's own setting: stops at the first evaluation, with a checkpoint there
-    assert [c["global_step"] for c in log.kinds("checkpoint")] == [8]
+    more = {"keep_best": ("acc", "max")} if setting == "keep_best" else {"hooks": hooks(EarlyStopping("acc"))}
+    ctl, log = controller(group, tmp_path, num_eval=10, **more)
+    field = "RunConfig.keep_best" if setting == "keep_best" else "EarlyStopping.metric"
+    with pytest.raises(InputValueError, match=rf"{field}='acc'.*it has \['loss'\].*stopped at that evaluation") as e:
+        ctl.run(epochs=3)
+    assert "naming one of those metrics" in str(e.value) and "continue with" not in str(e.value)
+    assert [c["global_step"] for c in log.kinds("checkpoint")] == [8] and not log.kinds("callback_error")
+    assert steps_trained(group)[-1] == (0, 7)  # nothing trained past the first evaluation
 
 
 @pytest.mark.parametrize(

@@ -3,6 +3,7 @@ the policies' decisions are scripted too. Each test runs in well under a second 
 
 from __future__ import annotations
 
+import math
 from collections import deque
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -352,3 +353,30 @@ def test_a_rebalance_adopts_the_scripted_plan(tmp_path):
         state = ctl.step(state)
     assert group.members.shares() == plan.shares == [6, 2]
     assert log.kinds("plan")[-1]["shares"] == [6, 2]
+
+
+class AllNaN(FakeGroup):
+    """Every step's loss is NaN on every worker: each step is skipped (issue 46: 8 such steps ended "done")."""
+
+    def run_round(self, plan: RoundPlan) -> RoundOutcome:
+        self.plans.append(plan)
+        steps = list(range(plan.first_step, plan.first_step + plan.num_steps))
+        reports = {
+            r: report(r, plan, losses=[math.nan] * plan.num_steps, skipped_steps=steps, nonfinite_steps=steps)
+            for r in range(len(self.members))
+        }
+        return RoundOutcome(reports, {}, self.wall_s)
+
+
+def test_a_run_that_applied_no_step_fails_naming_the_cause_instead_of_ending_done(tmp_path):
+    from mixtrain.core.changes import TrainingStopped
+
+    group = AllNaN()
+    ctl, log = controller(group, tmp_path, max_nonfinite_steps=10)  # 8 steps: fewer than the limit in a row
+    with pytest.raises(TrainingStopped, match=r"no step of this run was applied: all 8 had a NaN or Inf gradient"):
+        ctl.run(epochs=1)
+    assert "worker 0" in log.kinds("untrained")[0]["reason"] and len(steps_trained(group)) == 8
+    ctl, _ = controller(FakeGroup(), tmp_path / "b", max_nonfinite_steps=10)
+    ctl.run(epochs=1)  # steps applied: done as before
+    ctl, _ = controller(FakeGroup(), tmp_path / "c", max_nonfinite_steps=10)
+    ctl.run(epochs=1, start=(1, 0))  # nothing left to run (a finished run resumed): not a failure either

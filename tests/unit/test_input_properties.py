@@ -139,7 +139,7 @@ def test_a_resume_of_an_abused_command_json_is_one_line_or_a_run(tmp_path, digit
     from mixtrain.cli.main import main
 
     run = tmp_path / "run"
-    run.mkdir()
+    (run / "checkpoints").mkdir(parents=True)  # a run: what decides is command.json
     (tmp_path / "evil.py").write_text("import pathlib\npathlib.Path('IMPORTED').write_text('ran')\n")
     cases: list[bytes | str | None] = [
         b"",

@@ -148,6 +148,7 @@ def test_a_toml_syntax_error_and_a_missing_file(tmp_path):
 
 def test_resume_takes_the_runs_own_job_and_lets_other_flags_override(tmp_path):
     (tmp_path / "command.json").write_text('{"argv": ["chars", "--workers", "2", "--epochs", "3"]}')
+    (tmp_path / "checkpoints").mkdir()
     args, _ = _parse(["train", "--resume", str(tmp_path), "--epochs", "5"])
     assert (args.task, args.workers, args.epochs, args.resume) == ("chars", 2, 5, str(tmp_path))
     with pytest.raises(ValueError, match="continues the run's own job"):

@@ -291,3 +291,41 @@ def test_run_config_tensorboard_adds_one_logger_after_the_users_callbacks_unless
     assert made(None, [stop]) == made(True, [stop]) == ["EarlyStopping", "TensorBoardLogger"]  # tensorboardX: dev
     assert made(False, [stop]) == ["EarlyStopping"]
     assert made(True, [TensorBoardLogger(), stop]) == ["TensorBoardLogger", "EarlyStopping"]
+
+
+# ---- issue 46: a tracker's run is picked by a run id read from the folder only when it looks like an id -----------
+
+
+def test_run_ids_are_letters_and_digits_of_bounded_length():
+    from mixtrain.callbacks import RUN_ID_MAX, is_run_id
+
+    assert is_run_id("abc123def456") and is_run_id("A" * RUN_ID_MAX)
+    for bad in ("", "A" * (RUN_ID_MAX + 1), "x' OR '1", "../run", "ab-c", "é1", None, 12):
+        assert not is_run_id(bad), bad
+
+
+def test_a_checkpoints_run_id_that_is_no_id_is_replaced_with_a_note():
+    from mixtrain.trainer import _run_id
+
+    meta = {"epoch": 0, "step": 1, "global_step": 1, "shares": [8], "num_workers": 1, "workers": []}
+    notes: list[str] = []
+    assert _run_id(({}, {**meta, "run_id": "abc123def456"}, Path("x")), notes) == "abc123def456" and not notes
+    planted = "abc123def456' AND attributes.status = 'FAILED"
+    new = _run_id(({}, {**meta, "run_id": planted}, Path("x")), notes)
+    assert new != planted and len(new) == 12 and "is not letters and digits" in notes[0]
+
+
+@needs_mlflow
+def test_mlflow_never_puts_a_planted_run_id_into_its_search(tmp_path, monkeypatch):
+    from mixtrain.loggers import MLflowLogger
+
+    uri = f"sqlite:///{tmp_path}/shared.db"
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
+    run_through(MLflowLogger(experiment="e"), tmp_path / "run", error=RuntimeError("worker lost"))
+    _, first = mlflow_run(uri, "e")
+    planted = "zzz' OR tags.`mixtrain.run_id` != 'zzz"  # would match every run of the experiment
+    logger = MLflowLogger(experiment="e")
+    start = replace(started(tmp_path / "run", resumed=tmp_path / "run" / "checkpoints" / "x"), run_id=planted)
+    lines: list[str] = []
+    Hooks([logger], say=lines.append).run_started(start)
+    assert lines == [] and logger.run_id is not None and logger.run_id != first.info.run_id

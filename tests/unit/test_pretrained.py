@@ -147,3 +147,52 @@ def test_at_the_end_of_fit_a_folder_that_cannot_be_written_is_said_not_raised(tm
     spec = spec_of(model)
     assert save_final_hf_model(model.state_dict(), spec, tmp_path, said.append, "hf_best") == tmp_path / "hf_best"
     assert said[-1] == f"done: Hugging Face model in {tmp_path / 'hf_best'} (AutoModel.from_pretrained reads it)"
+
+
+# ---- issue 46: an export deletes nothing it did not write ---------------------------------------------------------
+
+
+def test_export_out_keeps_what_it_did_not_write_and_replaces_only_its_own_files(tmp_path):
+    from mixtrain.export_folder import EXPORT_MARKER
+
+    model = _trained()
+    run_dir, checkpoint, early = _a_run_folder(tmp_path, model)
+    out = tmp_path / "mymodels"
+    (out / "other_model").mkdir(parents=True)
+    (out / "notes.txt").write_text("mine")
+    with pytest.raises(ValueError, match=r"holds files mixtrain did not write \(notes.txt, other_model\)"):
+        export_pretrained(run_dir, out)
+    assert (out / "notes.txt").read_text() == "mine" and (out / "other_model").is_dir()
+    export_pretrained(run_dir, tmp_path / "empty")  # a new folder
+    (tmp_path / "was_empty").mkdir()
+    export_pretrained(checkpoint, tmp_path / "was_empty")  # an empty one
+    _assert_same(transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "was_empty"), early)
+    written = json.loads((tmp_path / "was_empty" / EXPORT_MARKER).read_text())
+    assert "config.json" in written and EXPORT_MARKER not in written
+    (tmp_path / "was_empty" / "README.md").write_text("my notes")  # added by hand after the export
+    export_pretrained(run_dir, tmp_path / "was_empty")  # again over it: its own files replaced, the README kept
+    _assert_same(transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "was_empty"), model.state_dict())
+    assert (tmp_path / "was_empty" / "README.md").read_text() == "my notes"
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".tmp-")]
+
+
+@pytest.mark.parametrize("out", [".", "run", "elsewhere"])
+def test_export_out_into_the_current_or_a_run_folder_is_one_line(tmp_path, monkeypatch, out):
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    _a_run_folder(tmp_path, _trained())
+    (tmp_path / "elsewhere").mkdir()
+    (tmp_path / "elsewhere" / "metrics.jsonl").write_text("")  # another run's folder
+    monkeypatch.chdir(tmp_path)
+    before = sorted(p.name for p in tmp_path.rglob("*"))
+    proc = subprocess.run(
+        [str(Path(sys.executable).parent / "mixtrain"), "export", "run", "--out", out],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr
+    assert ("is the current folder" if out == "." else "is a run folder") in proc.stderr
+    assert sorted(p.name for p in tmp_path.rglob("*")) == before

@@ -104,3 +104,62 @@ def test_a_folder_swapped_for_a_symlink_after_it_was_opened_is_not_followed(tmp_
     assert list(elsewhere.iterdir()) == []
     assert (tmp_path / "moved" / "summary.txt").read_bytes() == b"text"
     assert (tmp_path / "moved" / "worker-0.log").read_bytes() == b"log"
+
+
+# ---- issue 46: a malformed metrics.jsonl is skipped line by line and counted, never a traceback ---------------------
+
+BAD_LINES = [
+    "5",
+    '"round"',
+    "[1, 2]",
+    "{}",
+    '{"no_kind": 1}',
+    '{"kind": 3}',
+    '{"kind": "round"}',
+    '{"kind": "round", "time": "soon", "wall_s": 0.4, "samples": 64, "samples_per_s": 1, "loss": 1, "epoch": 0,'
+    ' "shares": [64], "workers": [{"samples": 64, "compute_s": 0.3, "wait_s": 0, "comm_s": 0}]}',
+    '{"kind": "round", "time": 1, "wall_s": 0.4, "samples": 64, "samples_per_s": 1, "loss": 1, "epoch": 0,'
+    ' "shares": [64, 1], "workers": [{"samples": 64, "compute_s": 0.3, "wait_s": 0, "comm_s": 0}]}',
+    '{"kind": "round", "time": 1, "wall_s": 0.4, "samples": 64, "samples_per_s": 1, "loss": 1, "epoch": 0,'
+    ' "shares": [64], "workers": [{"samples": 64, "compute_s": 0.3, "wait_s": 0, "comm_s": 0,'
+    ' "memory_bytes": Infinity}]}',
+    '{"kind": "eval", "loss": null, "epoch": 0}',
+    '{"kind": "eval", "loss": 1.0, "epoch": -1}',
+    '{"kind": "failure", "time": 101, "epoch": 0, "failures": 1, "step": 2, "lost": [{"worker": 5}]}',
+    '{"kind": "left_out", "time": 101, "worker": {"device_name": "CPU"}, "reason": "x"}',
+    '{"kind": "rejoined", "time": 101, "worker": {"device_name": "CPU", "host": "h"}}',
+    "not json at all",
+]
+
+
+def test_each_kind_of_malformed_line_is_skipped_and_counted(tmp_path):
+    for i, bad in enumerate(BAD_LINES):
+        run_dir = tmp_path / f"run{i}"
+        _a_run(run_dir)
+        good = (run_dir / "metrics.jsonl").read_text()
+        (run_dir / "metrics.jsonl").write_text(bad + "\n" + good)
+        summary = write_report(run_dir, tmp_path / f"out{i}").summary
+        assert "3 rounds, 192 samples" in summary and summary.endswith("skipped 1 malformed line of metrics.jsonl"), (
+            bad,
+            summary,
+        )
+
+
+def test_the_report_command_on_a_malformed_file_prints_the_count_not_a_traceback(tmp_path):
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    _a_run(tmp_path / "run")
+    good = (tmp_path / "run" / "metrics.jsonl").read_text()
+    (tmp_path / "run" / "metrics.jsonl").write_text("\n".join(BAD_LINES) + "\n" + good)
+    (tmp_path / "run" / "config.json").write_text('{"num_samples": "many", "strategy": 3}')
+    mixtrain = str(Path(sys.executable).parent / "mixtrain")
+    proc = subprocess.run([mixtrain, "report", str(tmp_path / "run")], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0 and "Traceback" not in proc.stderr, proc.stderr
+    assert f"skipped {len(BAD_LINES)} malformed lines of metrics.jsonl" in proc.stdout
+    (tmp_path / "run" / "metrics.jsonl").write_text("\n".join(BAD_LINES) + "\n")
+    proc = subprocess.run([mixtrain, "report", str(tmp_path / "run")], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr
+    skipped = len(BAD_LINES) - 1  # the last line, not JSON: a run killed mid-write, not counted as malformed
+    assert f"no finished round yet ({skipped} malformed lines skipped)" in proc.stderr

@@ -11,6 +11,7 @@ import pytest
 from mixtrain.cli.main import _check_resumed_job, _parse, build_parser, main
 from mixtrain.cli.saved_command import save_command
 from mixtrain.job import module_file
+from mixtrain.signing import sign
 
 EVIL = "import pathlib\npathlib.Path('IMPORTED').write_text('ran')\ndef make(**kw):\n    raise SystemExit('ran')\n"
 
@@ -18,13 +19,15 @@ EVIL = "import pathlib\npathlib.Path('IMPORTED').write_text('ran')\ndef make(**k
 @pytest.fixture
 def folder(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("MIXTRAIN_HOME", str(tmp_path / "home"))
     (tmp_path / "evil.py").write_text(EVIL)
-    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "checkpoints").mkdir(parents=True)
     return tmp_path
 
 
-def _command(folder, **record) -> None:
-    (folder / "run" / "command.json").write_text(json.dumps(record))
+def _command(folder, signed=False, **record) -> None:
+    """command.json as planted (unsigned), or as this user's mixtrain signs it."""
+    (folder / "run" / "command.json").write_text(json.dumps(sign(record) if signed else record))
 
 
 @pytest.mark.parametrize(
@@ -36,7 +39,12 @@ def _command(folder, **record) -> None:
     ],
 )
 def test_resume_refuses_a_job_module_from_another_file_without_running_it(folder, record, capsys):
-    _command(folder, **record)
+    _command(folder, **record)  # unsigned: refused for that alone
+    assert main(["train", "--resume", "run"]) == 2
+    err = capsys.readouterr().err
+    assert "is not signed with your key" in err and f"import and run evil:make() from {folder / 'evil.py'}" in err
+    assert "--trust-job" in err and err.count("\n") == 1
+    _command(folder, signed=True, **record)  # signed by this user, but the module is found in another file now
     assert main(["train", "--resume", "run"]) == 2
     err = capsys.readouterr().err
     assert f"would import and run evil:make from {folder / 'evil.py'}" in err and "--trust-job" in err
@@ -46,10 +54,15 @@ def test_resume_refuses_a_job_module_from_another_file_without_running_it(folder
 def test_the_recorded_file_or_trust_job_lets_it_through(folder):
     save_command(["train", "evil:make", "--epochs", "2", "--trust-job"], folder / "run", "evil:make", {}, {})
     saved = json.loads((folder / "run" / "command.json").read_text())
-    assert saved == {"argv": ["evil:make", "--epochs", "2"], "job": "evil:make", "job_file": str(folder / "evil.py")}
+    assert saved.pop("signature") and saved == {
+        "argv": ["evil:make", "--epochs", "2"],
+        "job": "evil:make",
+        "job_file": str(folder / "evil.py"),
+    }
     _check_resumed_job(build_parser().parse_args(["train", "evil:make", "--resume", "run"]))
     _command(folder, argv=["evil:make"], job_file="/elsewhere/evil.py")
     _check_resumed_job(build_parser().parse_args(["train", "evil:make", "--resume", "run", "--trust-job"]))
+    _command(folder, signed=True, argv=["digits"])
     _check_resumed_job(build_parser().parse_args(["train", "digits", "--resume", "run"]))  # built-in: no file
     assert not (folder / "IMPORTED").exists()
 
@@ -124,7 +137,7 @@ def test_a_config_file_cannot_set_trust_job(folder, capsys, no_training):
 
 def test_a_saved_config_path_is_not_read_unless_given_again(folder, capsys, no_training):
     (folder / "run.toml").write_text('task = "digits"\nepochs = 2\n')
-    _command(folder, argv=["--config", str(folder / "run.toml")])  # as mixtrain 0.2 saved it
+    _command(folder, signed=True, argv=["--config", str(folder / "run.toml")])  # as mixtrain 0.2 saved it
     assert main(["train", "--resume", "run"]) == 2
     err = capsys.readouterr().err
     assert f"started with --config {folder / 'run.toml'}" in err and "mixtrain train --resume run --config" in err
@@ -140,7 +153,7 @@ def test_a_saved_config_path_is_not_read_unless_given_again(folder, capsys, no_t
     ],
 )
 def test_where_a_run_connects_is_taken_from_the_command_line_only(folder, saved, flag, value, capsys, no_training):
-    _command(folder, argv=saved)
+    _command(folder, signed=True, argv=saved)
     connected = []
     import mixtrain.cluster.headnode as headnode
 
@@ -176,5 +189,6 @@ def test_a_new_runs_config_is_saved_inside_command_json_not_as_a_path(folder, no
     saved = json.loads((folder / "mine" / "command.json").read_text())
     assert saved["argv"] == ["--lr", "0.5"] and saved["config"] == {"task": "digits", "epochs": 2, "seed": 3}
     (folder / "run.toml").write_text('task = "evil:make"\n')  # changed afterwards: the resume does not read it
+    (folder / "mine" / "checkpoints").mkdir()
     args, _ = _parse(["train", "--resume", "mine"])
     assert (args.task, args.epochs, args.seed, args.lr) == ("digits", 2, 3, 0.5)

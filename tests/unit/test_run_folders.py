@@ -216,12 +216,14 @@ def test_a_checkpoint_without_its_batch_and_data_still_cannot_resume_past_the_ep
         _trainer()._load_resume(tmp_path / "run", 3, [])
 
 
-def test_the_cli_refuses_a_resume_with_another_seed_in_one_line_before_ray(tmp_path, capsys):
+def test_the_cli_refuses_a_resume_with_another_seed_in_one_line_before_ray(tmp_path, capsys, monkeypatch):
     from mixtrain.cli.main import main
+    from mixtrain.signing import sign
 
+    monkeypatch.setenv("MIXTRAIN_HOME", str(tmp_path / "home"))
     run = tmp_path / "run"
     _save(CheckpointStore(run), 1, seed=0)  # batch and data unknown: only the seed decides
-    (run / "command.json").write_text('{"argv": ["digits"]}\n')
+    (run / "command.json").write_text(json.dumps(sign({"argv": ["digits"]})))
     assert main(["train", "--resume", str(run), "--seed", "1"]) == 2
     err = capsys.readouterr().err.strip()
     assert "\n" not in err and "trained with seed 0" in err and "Resume with --seed 0" in err, err

@@ -32,7 +32,15 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn
 
-from mixtrain.cli.saved_command import COMMAND_FILE, NOW_ONLY, REDIRECTS, read_command, redirect_error, save_command
+from mixtrain.cli.saved_command import (
+    COMMAND_FILE,
+    NOW_ONLY,
+    REDIRECTS,
+    SavedCommand,
+    read_command,
+    redirect_error,
+    save_command,
+)
 from mixtrain.config import MAX_SEED, RunConfig, ScalingConfig, StrategyConfig
 from mixtrain.errors import InputError, InputValueError
 
@@ -595,8 +603,7 @@ def _resumed(raw: list[str], given: argparse.Namespace) -> tuple[argparse.Namesp
     from mixtrain.cli.config_file import apply_values
 
     resume = given.resume
-    if not Path(resume).is_dir():
-        raise InputValueError(f"--resume {resume!r}: no such run folder")
+    _check_holds_run(resume, given.run_dir)
     saved = read_command(resume)
     if saved is None:  # a run started from Python or by hand: the flags given now are all there is
         return given, {}
@@ -628,6 +635,25 @@ def _resumed(raw: list[str], given: argparse.Namespace) -> tuple[argparse.Namesp
         setattr(args, dest, getattr(given, dest))
     args.config = given.config
     return args, {"config": config, "job_args": job_args}
+
+
+def _check_holds_run(resume: str, run_dir: str | None) -> None:
+    """One folder, one run: --resume continues in its own folder (never writes into another run's), and a folder
+    that holds no checkpoint is bad input, not a job that failed."""
+    from mixtrain.checkpoint import MANIFEST
+
+    if not Path(resume).is_dir():
+        raise InputValueError(f"--resume {resume!r}: no such run folder")
+    if run_dir is not None and Path(run_dir).absolute() != Path(resume).absolute():
+        raise InputValueError(
+            f"--resume {resume!r} --run-dir {run_dir!r}: a resumed run continues in its own folder (writing into "
+            f"another would mix two runs' checkpoints and metrics); leave out --run-dir, or copy {resume} there first"
+        )
+    if not (Path(resume) / MANIFEST).is_file() and not (Path(resume) / "checkpoints").is_dir():
+        raise InputValueError(
+            f"--resume {resume!r}: that folder holds no run (no checkpoints/ in it); give the folder a run wrote "
+            "(the 'run folder:' line it printed), or start a new run"
+        )
 
 
 def _parse(raw: list[str]) -> tuple[argparse.Namespace, list[str]]:
@@ -676,23 +702,41 @@ def _subparser(parser: argparse.ArgumentParser, name: str) -> argparse.ArgumentP
 
 
 def _check_resumed_job(args: argparse.Namespace) -> None:
-    """Resuming imports and runs the job function the run folder names. Refuse a module:function whose module
-    would now come from another file than the one the run recorded (a folder from elsewhere, a module that
-    moved), unless --trust-job was given now."""
+    """Resuming imports and runs the job function the run folder names, with its arguments and flags. Refuse a
+    record this user's key did not sign (a folder from elsewhere, or edited), or a module:function whose module
+    would now come from another file than the one the run recorded (one that moved, or a module of the same name
+    planted in this folder), unless --trust-job was given now. Nothing of the job is imported before this."""
     from mixtrain.job import module_file
 
-    target = _task(args)[0]
-    if ":" not in target or args.trust_job:
-        return
     saved = read_command(args.resume)
-    recorded = saved.job_file if saved is not None else None
+    if saved is None or args.trust_job:  # no record: the job and the flags are this command line's alone
+        return
+    target = _task(args)[0]
     here = module_file(target)
-    if recorded is None or here is None or Path(here) != Path(recorded):
+    where = Path(args.resume) / COMMAND_FILE
+    if not saved.signed:
+        raise InputValueError(
+            f"--resume {args.resume!r}: {where} is not signed with your key (unsigned, edited, or written by another "
+            f"user or machine), and a resume runs what it names: it would {_what_runs(saved, target, here)}. Check "
+            "that, then add --trust-job to run it"
+        )
+    if ":" in target and (saved.job_file is None or here is None or Path(here) != Path(saved.job_file)):
         raise InputValueError(
             f"--resume {args.resume!r} would import and run {target} from {here or 'nowhere (not found)'}, but the run "
-            f"started with {recorded or 'no recorded file'}; resuming runs the job code the folder names. Check "
-            f"{Path(args.resume) / COMMAND_FILE} and that file, then add --trust-job to run it"
+            f"started with {saved.job_file or 'no recorded file'}; resuming runs the job code the folder names. Check "
+            f"{where} and that file, then add --trust-job to run it"
         )
+
+
+def _what_runs(saved: SavedCommand, target: str, here: str | None) -> str:
+    """What a resume would run, in words, for the line that asks for --trust-job."""
+    call = ", ".join(f"{k}={v!r}" for k, v in saved.job_args.items())
+    job = f"train {target}"
+    if ":" in target:
+        job = f"import and run {target}({call}) from {here or 'nowhere (not found)'}"
+    flags = " ".join(saved.argv) or "none"
+    config = f", config {json.dumps(saved.config)}" if saved.config else ""
+    return f"{job} with the flags {flags}{config}"[:600]
 
 
 def cmd_train(args: argparse.Namespace, raw: list[str]) -> int:

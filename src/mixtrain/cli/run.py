@@ -14,10 +14,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 from pathlib import Path
 from typing import Any
 
+from mixtrain.cli.saved_command import COMMAND_FILE, loop_target, read_record, save_loop_command
 from mixtrain.errors import InputValueError
+from mixtrain.signing import signed_by_me
 
 
 def max_failures(text: str) -> int:
@@ -38,7 +41,17 @@ def add_parser(sub: Any, flags: Any) -> None:
     run.set_defaults(script_args=[])  # what follows `--` on the command line (cli/main.py splits it off)
     run.add_argument("--loop-config", metavar="JSON", help="the loop function's config: a JSON object, or a .json file")
     run.add_argument("--run-dir", help="folder for this run's files (default mixtrain_runs/loop-TIMESTAMP)")
-    run.add_argument("--resume", metavar="RUN_DIR", help="continue a loop run from its last reported checkpoint")
+    run.add_argument(
+        "--resume",
+        metavar="RUN_DIR",
+        help="continue a loop run from its last reported checkpoint, with the same TARGET it was started with",
+    )
+    run.add_argument(
+        "--trust-job",
+        action="store_true",
+        help="with --resume: continue a folder whose record of its loop is not signed with your key (a folder "
+        "from someone else, or from before mixtrain signed it)",
+    )
     run.add_argument("--quiet", action="store_true", help="no report lines")
     run.add_argument(
         "--max-failures",
@@ -59,11 +72,7 @@ def cmd_run(args: argparse.Namespace) -> int:
 
         use_cluster_token(args.address)
     fn = _target(args.target, args.script_args)
-    if args.resume and args.run_dir and Path(args.resume) != Path(args.run_dir):
-        raise InputValueError("--resume RUN_DIR continues in that folder: leave out --run-dir")
-    folder = Path(args.resume or args.run_dir) if (args.resume or args.run_dir) else None
-    if args.resume and not (Path(args.resume) / "checkpoints").is_dir():
-        raise InputValueError(f"--resume {args.resume!r}: no checkpoints there; give the folder a loop run reported to")
+    folder = _folder(args)
     counted = isinstance(args.workers, int)
     trainer = TorchTrainer(
         fn,
@@ -78,18 +87,75 @@ def cmd_run(args: argparse.Namespace) -> int:
             backend=args.backend,
         ),
         run_config=RunConfig(
-            name=folder.name if folder else None,
-            storage_path=str(folder.parent) if folder else "mixtrain_runs",
+            name=folder.name,
+            storage_path=str(folder.parent),
             seed=args.seed,
             failure_config=FailureConfig(max_failures=args.max_failures),
             progress=not args.quiet,
         ),
     )
+    if not args.resume:
+        save_loop_command(folder, args.target)
     result = trainer.fit()
     shown = ", ".join(f"{k} {v:.4f}" if isinstance(v, float) else f"{k} {v}" for k, v in result.metrics.items())
     print(f"last report: {shown or 'none'}")
     print(f"run folder: {result.path}")
     return 0
+
+
+def _folder(args: argparse.Namespace) -> Path:
+    """The run's folder. One folder, one run: --resume continues its own folder, with the target it was started
+    with (recorded and signed in command.json); a new run is refused a folder that holds one already."""
+    from mixtrain.observe.runlog import new_run_name
+
+    if args.trust_job and not args.resume:
+        raise InputValueError("--trust-job goes with --resume RUN_DIR")
+    if not args.resume:
+        if args.run_dir is None:
+            return Path("mixtrain_runs") / new_run_name().replace("run-", "loop-", 1)
+        _check_new_folder(Path(args.run_dir), args.target)
+        return Path(args.run_dir)
+    if args.run_dir and Path(args.resume).absolute() != Path(args.run_dir).absolute():
+        raise InputValueError("--resume RUN_DIR continues in that folder: leave out --run-dir")
+    if not (Path(args.resume) / "checkpoints").is_dir():
+        raise InputValueError(f"--resume {args.resume!r}: no checkpoints there; give the folder a loop run reported to")
+    _check_same_loop(args.resume, args.target, args.trust_job)
+    return Path(args.resume)
+
+
+def _check_new_folder(folder: Path, target: str) -> None:
+    """A new run's --run-dir: refused when it holds checkpoints, or the record of another loop (the same loop's,
+    from a start that never reported a checkpoint, is started over)."""
+    record = read_record(folder) if os.path.lexists(folder / COMMAND_FILE) else None
+    was = record.get("target") if isinstance(record, dict) else None
+    other = record is not None and was != loop_target(target)
+    if os.path.lexists(folder / "checkpoints") or other:
+        raise InputValueError(
+            f"--run-dir {str(folder)!r} holds a run already{f' (of {was})' if isinstance(was, str) else ''}: "
+            f"continue it with mixtrain run {was if isinstance(was, str) else target} --resume {folder}, or name "
+            "a new folder"
+        )
+
+
+def _check_same_loop(resume: str, target: str, trusted: bool) -> None:
+    """The folder's record (None: a loop run started from Python, which records none) names the target it ran."""
+    record = read_record(resume)
+    where = Path(resume) / COMMAND_FILE
+    if record is None:
+        return
+    was = record.get("target") if isinstance(record, dict) else None
+    if not isinstance(was, str) or record.get("command") != "run":
+        raise InputValueError(f"--resume {resume!r}: {where} is not the record of a `mixtrain run` loop")
+    if not trusted and not signed_by_me(record):
+        raise InputValueError(
+            f"--resume {resume!r}: {where} is not signed with your key (unsigned, edited, or written by another user "
+            f"or machine); it says the folder holds a run of {was}. Check the folder, then add --trust-job"
+        )
+    if was != loop_target(target):
+        raise InputValueError(
+            f"--resume {resume!r} holds a run of {was}, not of {loop_target(target)}: one folder holds one run. "
+            f"Continue it with mixtrain run {was} --resume {resume}, or start a new run with another --run-dir"
+        )
 
 
 def _target(target: str, args: list[str]) -> Any:

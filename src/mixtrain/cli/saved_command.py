@@ -2,8 +2,10 @@
 
 A run folder is a file anyone can hand you, so what it says is data, never trust:
 
-- it names the job to run again; `_check_resumed_job` (cli/main.py) refuses a module that would now load from
-  another file than the run recorded, unless `--trust-job` is given on this command line;
+- it names the job to run again and its arguments, the loggers and every other flag: the record is signed with this
+  user's key (signing.py), and `_check_resumed_job` (cli/main.py) refuses a record that is unsigned or signed with
+  another key, or a module that would now load from another file than the run recorded, unless `--trust-job` is
+  given on this command line;
 - `--trust-job`, `--run-dir` and `--resume` count only when given now;
 - where the run connects and what it opens (`--address`, `--interface`) is never taken from the folder: a folder
   that names them must be resumed with them given again (`mixtrain train --resume RUN --address HOST:PORT`,
@@ -17,11 +19,13 @@ from __future__ import annotations
 import json
 import os
 import stat
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from mixtrain.errors import InputValueError
+from mixtrain.signing import sign_if_possible, signed_by_me
 
 COMMAND_FILE = "command.json"
 MAX_BYTES = 1 << 20
@@ -51,6 +55,8 @@ class SavedCommand:
     """The file the job's module was loaded from when the run started (None: a built-in or not recorded)."""
     legacy_config: str | None = None
     """A config file path saved by mixtrain before 0.3 (in argv as --config PATH): read again only if given now."""
+    signed: bool = False
+    """Whether this user's key signed the record as it is (signing.py); else it runs only with --trust-job."""
 
 
 def save_command(raw: list[str], run_dir: Path, target: str, config: dict[str, Any], job_args: dict[str, Any]) -> None:
@@ -82,13 +88,28 @@ def save_command(raw: list[str], run_dir: Path, target: str, config: dict[str, A
         record["config"] = config
     if job_args:
         record["args"] = job_args
-    write_json(record, run_dir / COMMAND_FILE)
+    write_json(sign_if_possible(record, _say), run_dir / COMMAND_FILE)
 
 
 def read_command(run_dir: str | Path) -> SavedCommand | None:
     """RUN_DIR/command.json checked, or None when there is none (a run started from Python, or by hand).
     Anything malformed is an InputValueError that names the file and what is wrong; nothing is followed
     through a symlink, and nothing but a small regular file is read."""
+    data = read_record(run_dir)
+    if data is None:
+        return None
+    path = Path(run_dir) / COMMAND_FILE
+    if isinstance(data, dict) and data.get("command") == "run":
+        raise InputValueError(
+            f"--resume {str(run_dir)!r} holds a loop run ({path} names {data.get('target')!r:.200}): continue it "
+            f"with mixtrain run TARGET --resume {run_dir}"
+        )
+    return _checked(data, path, run_dir)
+
+
+def read_record(run_dir: str | Path) -> Any:
+    """RUN_DIR/command.json's JSON, unchecked, or None when there is none: a small regular file, read without
+    following a symlink or blocking on a FIFO (one line otherwise)."""
     path = Path(run_dir) / COMMAND_FILE
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
@@ -105,10 +126,9 @@ def read_command(run_dir: str | Path) -> SavedCommand | None:
     finally:
         os.close(fd)
     try:
-        data = json.loads(text)
+        return json.loads(text)
     except (ValueError, UnicodeDecodeError) as exc:
         raise InputValueError(f"{path}: not valid JSON ({exc}); {_fix(run_dir)}") from None
-    return _checked(data, path, run_dir)
 
 
 def _fix(run_dir: str | Path) -> str:
@@ -144,7 +164,29 @@ def _checked(data: Any, path: Path, run_dir: str | Path) -> SavedCommand:
         job=data.get("job"),
         job_file=data.get("job_file"),
         legacy_config=legacy,
+        signed=signed_by_me(data),
     )
+
+
+def loop_target(target: str) -> str:
+    """How a `mixtrain run` target is recorded and compared: a script by its full path, a function as written."""
+    return str(Path(target).expanduser().resolve()) if target.endswith(".py") else target
+
+
+def save_loop_command(run_dir: Path, target: str) -> None:
+    """RUN_DIR/command.json for a new `mixtrain run`: the loop's target, signed, so that a resume (or another
+    run pointed at the folder) can tell whether it continues the same loop."""
+    from mixtrain._files import write_json
+    from mixtrain.job import module_file
+    from mixtrain.observe.runlog import make_folder
+
+    make_folder(run_dir, "--run-dir")
+    record = {"command": "run", "target": loop_target(target), "target_file": module_file(target)}
+    write_json(sign_if_possible(record, _say), run_dir / COMMAND_FILE)
+
+
+def _say(line: str) -> None:
+    print(f"mixtrain: {line}", file=sys.stderr)
 
 
 def redirect_error(resume: str, flag: str, value: Any) -> InputValueError:

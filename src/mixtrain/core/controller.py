@@ -36,7 +36,7 @@ from mixtrain.core.run_state import RunSettings
 from mixtrain.core.schedule import Checkpoints, Steps, eval_batches, eval_split
 from mixtrain.core.tunables import Tunables
 from mixtrain.data.sampling import steps_per_epoch
-from mixtrain.errors import InputValueError
+from mixtrain.errors import InputValueError, MetricMissing
 from mixtrain.observe.progress import ProgressView, state_memory_line
 from mixtrain.observe.runlog import RunLog
 from mixtrain.policies.decisions import Adopt, FailureBudget, LeaveOut, NonFiniteStreak, Readmit, Rebalancer, Stop
@@ -201,6 +201,7 @@ class Controller:
             state = self._checkpoint(start) or state  # a lost worker takes its optimizer slice along: the way back
         while not isinstance(state, Done):
             state = self.step(state)
+        self._check_trained()
 
     def step(self, state: State) -> State:
         """One transition."""
@@ -378,14 +379,27 @@ class Controller:
 
     def _is_best(self, ev: dict[str, Any] | None, at: tuple[int, int]) -> bool:
         best = self.checkpoints.best
-        if best is None or ev is None:
+        missing = self.hooks.missing_metric  # EarlyStopping's metric, found missing as the eval record was written
+        if missing is None and best is not None and ev is not None:
+            try:
+                return best.improved(ev)
+            except MetricMissing as exc:
+                missing = exc
+        if missing is None:
             return False
-        try:
-            return best.improved(ev)
-        except InputValueError as exc:  # the metric is not there: say so once a checkpoint holds the training
-            if self.checkpoints.enabled and self.checkpoints.at != at:
-                self._checkpoint(at)
-            raise InputValueError(f"{exc}. {self.checkpoints.resume_hint(self.port.scaling)}") from None
+        # The run's own setting names a metric the evaluation lacks: stop here, once a checkpoint holds the
+        # training, and say how to go on (a plain resume would stop the same way at its first evaluation).
+        if self.checkpoints.enabled and self.checkpoints.at != at:
+            self._checkpoint(at)
+        kept = (
+            f"the last checkpoint, {self.checkpoints.last}, holds the training so far: resume it"
+            if (self.checkpoints.last is not None)
+            else "start again"
+        )
+        raise InputValueError(
+            f"{missing}. The run stopped at that evaluation; {kept} naming one of those metrics (mixtrain train "
+            "--resume RUN_DIR --keep-best/--early-stopping METRIC, or fit(resume=...) with the setting changed)"
+        ) from None
 
     def _round_plan(self, at: Train, num_steps: int) -> RoundPlan:
         return RoundPlan(
@@ -436,12 +450,23 @@ class Controller:
             steps=record.steps,
             skipped_steps=record.skipped_steps,
             nonfinite_steps=record.nonfinite_steps,
-            names=[f"worker {i} ({w.device_name} on {w.host}, {w.device})" for i, w in enumerate(self.members.infos())],
+            names=self._worker_names(),
         )
         if isinstance(decision, Stop):
             raise TrainingStopped(
                 f"training stopped: {decision.reason}. {self.checkpoints.resume_hint(self.port.scaling)}"
             )
+
+    def _check_trained(self) -> None:
+        """A run that ran steps but applied none (all NaN data) is a failure naming the cause, not "done" with its
+        starting weights saved as if trained."""
+        decision = self.policies.nonfinite.at_end(self._worker_names())
+        if isinstance(decision, Stop):
+            self.log.write("untrained", {"reason": decision.reason})
+            raise TrainingStopped(f"training failed: {decision.reason}")
+
+    def _worker_names(self) -> list[str]:
+        return [f"worker {i} ({w.device_name} on {w.host}, {w.device})" for i, w in enumerate(self.members.infos())]
 
     def _checkpoint(self, at: tuple[int, int], best: bool = False) -> Train | None:
         """Rank 0's training state, every rank's random streams and the driver's own (callbacks, best checkpoint),

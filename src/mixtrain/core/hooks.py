@@ -22,7 +22,7 @@ from mixtrain.callbacks import (
     StopTraining,
     WorkersChanged,
 )
-from mixtrain.errors import InputTypeError
+from mixtrain.errors import InputTypeError, MetricMissing
 
 Change = Literal["lost", "left_out", "readmitted", "rejoined"]
 
@@ -72,6 +72,8 @@ class Hooks:
         """A callback raised StopTraining: the run ends at the next round boundary."""
         self.errors: dict[tuple[str, str], int] = {}
         """(callback, hook) -> how many times it raised (reported once)."""
+        self.missing_metric: MetricMissing | None = None
+        """A callback's metric that an evaluation lacked (EarlyStopping's): the run stops there (controller)."""
 
     def watch(self, log: Sink) -> Watched:
         """`log`, with each record it writes also passed to the callbacks."""
@@ -136,6 +138,8 @@ class Hooks:
         for cb in self.callbacks:
             try:
                 getattr(cb, hook)(event)
+            except MetricMissing as exc:  # the run's own setting names no metric there: the controller stops
+                self.missing_metric = self.missing_metric or exc
             except StopTraining as stop:
                 if self.stop_reason is None:
                     self.stop_reason = f"{type(cb).__name__}: {stop}" if str(stop) else type(cb).__name__

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from mixtrain import _checks as check
-from mixtrain.callbacks import Callback, CheckpointSaved, Evaluated, RoundEnded, RunEnded, RunStarted
+from mixtrain.callbacks import Callback, CheckpointSaved, Evaluated, RoundEnded, RunEnded, RunStarted, is_run_id
 from mixtrain.errors import require
 from mixtrain.loggers._scalars import eval_scalars, flat_params, round_scalars
 
@@ -106,6 +106,10 @@ class MLflowLogger(Callback):
 
     @staticmethod
     def _earlier_run(client: Any, exp_id: str, event: RunStarted) -> str | None:
+        """The MLflow run this resumed run logged to. The id comes from the run folder: one that does not look
+        like an id is not put into the search filter (it could widen it to another run); a new run is made."""
+        if not is_run_id(event.run_id):
+            return None
         runs = client.search_runs([exp_id], filter_string=f"tags.`{RUN_ID_TAG}` = '{event.run_id}'", max_results=1)
         return runs[0].info.run_id if runs else None
 

@@ -12,7 +12,7 @@ from typing import Any, Literal, cast
 
 from mixtrain import _checks as check
 from mixtrain._constants import WANDB_INIT_TIMEOUT_S, env_float
-from mixtrain.callbacks import Callback, Evaluated, RoundEnded, RunEnded, RunStarted
+from mixtrain.callbacks import Callback, Evaluated, RoundEnded, RunEnded, RunStarted, is_run_id
 from mixtrain.errors import InputValueError, require
 from mixtrain.loggers._scalars import eval_scalars, round_scalars
 from mixtrain.observe.runlog import plain
@@ -71,7 +71,7 @@ class WandbLogger(Callback):
             project=self.project,
             entity=self.entity,
             name=self.name or event.run_dir.name,
-            id=event.run_id,
+            id=event.run_id if is_run_id(event.run_id) else None,  # from the folder: a W&B run of ours only
             resume="allow",
             mode=self.mode,
             dir=str(self.save_dir or event.run_dir),

@@ -20,6 +20,7 @@ from mixtrain.callbacks import EVAL_KEYS
 from mixtrain.core.rounds import device_samples_per_s, time_split, worker_name
 from mixtrain.errors import InputValueError, require
 from mixtrain.observe.progress import format_bytes
+from mixtrain.observe.record_check import well_formed
 from mixtrain.observe.runlog import samples_seen
 
 
@@ -32,25 +33,55 @@ class Report:
 
 
 def read_run(run_dir: str | Path) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    config, records, _ = read_run_counted(run_dir)
+    return config, records
+
+
+def read_run_counted(run_dir: str | Path) -> tuple[dict[str, Any], list[dict[str, Any]], int]:
+    """config.json ({} when absent or not a JSON object), the well-formed records of metrics.jsonl, and how many
+    lines were skipped as malformed (not JSON, or not a record the report can read: record_check.py). A partial
+    last line (a run killed mid-write) is not counted."""
     run = Path(run_dir)
     metrics = run / "metrics.jsonl"
     if not metrics.is_file():
         raise InputValueError(f"report {str(run_dir)!r}: no metrics.jsonl there; give the folder a run wrote")
-    config = json.loads((run / "config.json").read_text()) if (run / "config.json").is_file() else {}
+    config = _config(run / "config.json")
     records = []
-    lines = metrics.read_text().splitlines()
+    skipped = 0
+    lines = metrics.read_text(errors="replace").splitlines()
     for n, line in enumerate(lines, 1):
         if not line.strip():
             continue
         try:
-            records.append(json.loads(line))
-        except json.JSONDecodeError:  # a run killed mid-write leaves a partial last line
-            if n != len(lines):
-                raise InputValueError(f"{metrics}: line {n} is not JSON") from None
+            record = json.loads(line)
+        except ValueError:
+            skipped += n != len(lines)
+            continue
+        if well_formed(record):
+            records.append(record)
+        else:
+            skipped += 1
     rounds = [r for r in records if r["kind"] == "round"]
     if not rounds:
-        raise InputValueError(f"report {str(run_dir)!r}: the run has no finished round yet; nothing to plot")
-    return config, records
+        bad = f" ({skipped} malformed lines skipped)" if skipped else ""
+        raise InputValueError(f"report {str(run_dir)!r}: the run has no finished round yet{bad}; nothing to plot")
+    return config, records, skipped
+
+
+def _config(path: Path) -> dict[str, Any]:
+    """The run's config.json, or {} (its figures then show as '?') when it is missing or malformed."""
+    try:
+        config = json.loads(path.read_text()) if path.is_file() else {}
+    except ValueError:
+        return {}
+    if not isinstance(config, dict):
+        return {}
+    for key in ("num_samples", "global_batch"):
+        if key in config and not (isinstance(config[key], int) and config[key] >= 0):
+            del config[key]
+    if not isinstance(config.get("strategy", {}), dict):
+        del config["strategy"]
+    return config
 
 
 def write_report(run_dir: str | Path, out: str | Path | None = None) -> Report:
@@ -58,7 +89,7 @@ def write_report(run_dir: str | Path, out: str | Path | None = None) -> Report:
     import matplotlib
 
     matplotlib.use("Agg")  # files only, no display needed
-    config, records = read_run(run_dir)
+    config, records, skipped = read_run_counted(run_dir)
     size = (int(config.get("num_samples", 0)), int(config.get("global_batch", 1)))
     rounds = [r for r in records if r["kind"] == "round"]
     evals = [r for r in records if r["kind"] == "eval"]
@@ -72,6 +103,8 @@ def write_report(run_dir: str | Path, out: str | Path | None = None) -> Report:
         _plot_throughput(folder, rounds, events, t0, report)
         _plot_shares(folder, rounds, t0, report)
         report.summary = summarize(Path(run_dir), config, records)
+        if skipped:
+            report.summary += f"\n  skipped {skipped} malformed line{'s' * (skipped > 1)} of metrics.jsonl"
         text = (report.summary + "\n").encode()
         report.files.append(folder.write("summary.txt", lambda f: f.write(text)))
     return report
@@ -191,7 +224,8 @@ def summarize(run_dir: Path, config: dict[str, Any], records: list[dict[str, Any
     strategy = config.get("strategy", {})
     lines = [
         f"run {run_dir}",
-        f"  {len(rounds)} rounds, {samples:,} samples in {wall:.1f} s of training ({samples / wall:,.0f} samples/s); "
+        f"  {len(rounds)} rounds, {samples:,} samples in {wall:.1f} s of training "
+        f"({samples / (wall or 1):,.0f} samples/s); "
         f"reached epoch {rounds[-1]['epoch'] + 1} of {config.get('epochs', '?')}, "
         f"{samples_seen(rounds[-1], *size):,} samples seen",
         f"  global batch {config.get('global_batch', '?')}, strategy {strategy.get('name', '?')}, "

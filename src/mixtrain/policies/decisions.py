@@ -314,6 +314,8 @@ class NonFiniteStreak:
         self.streak = 0
         self._culprits: dict[int, int] = {}  # rank -> first step of the current streak with a NaN/Inf loss
         self._first = (0, 0)  # (epoch, step) where the current streak began
+        self.applied = 0
+        """Steps this run applied (not skipped)."""
 
     def observe(
         self,
@@ -328,6 +330,7 @@ class NonFiniteStreak:
         for step in steps:
             if step not in skipped:
                 self.streak, self._culprits = 0, {}
+                self.applied += 1
                 continue
             self.streak += 1
             if self.streak == 1:
@@ -340,13 +343,26 @@ class NonFiniteStreak:
                 where = f"epoch {epoch}, steps {first}-{step}"
                 if first_epoch != epoch:
                     where = f"epoch {first_epoch} step {first} to epoch {epoch} step {step}"
-                who = "; ".join(f"{names[r]} from step {s}" for r, s in sorted(self._culprits.items()))
                 return Stop(
                     f"{self.streak} steps in a row ({where}) had a NaN or Inf gradient "
-                    f"and were skipped on every worker. Non-finite loss: "
-                    f"{who or 'none (the summed gradients themselves overflowed)'}"
+                    f"and were skipped on every worker. Non-finite loss: {self._who(names)}"
                 )
         return Noop()
+
+    def at_end(self, names: Sequence[str]) -> Decision:
+        """When the run ends: Stop when it ran steps but applied none (each skipped as NaN/Inf, fewer than the
+        limit in a row): its weights are the ones it started with, and it must not end as if it trained."""
+        if self.applied or not self.streak:
+            return Noop()
+        return Stop(
+            f"no step of this run was applied: all {self.streak} had a NaN or Inf gradient and were skipped on "
+            f"every worker, so the weights are the ones it started with. Non-finite loss: {self._who(names)}. "
+            "Check the data (NaN or Inf in it) and the learning rate"
+        )
+
+    def _who(self, names: Sequence[str]) -> str:
+        who = "; ".join(f"{names[r]} from step {s}" for r, s in sorted(self._culprits.items()))
+        return who or "none (the summed gradients themselves overflowed)"
 
 
 def recovery_source(committed: Mapping[int, int]) -> tuple[int, list[int]]:
