@@ -88,10 +88,12 @@ class LoopWorker(TrainWorker):
                 sink.report.remote(rank, (request.attempt, index), metrics, files)
             ),
             plan_to=lambda record: sink.event.remote("plan", record),
+            event_to=lambda kind, record: ray.get(sink.event.remote(kind, record)),
             checkpoint=checkpoint,
             batch_workers=request.batch_workers or self.world_size,
             leave_out_gain=request.leave_out_gain,
             rebalance_threshold=request.rebalance_threshold,
+            global_batches=list(request.global_batches),
         )
         context = _session.TrainContext(**{**context.__dict__, "_session": session})
         session.context = context

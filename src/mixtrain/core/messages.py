@@ -260,6 +260,9 @@ class LoopRequest:
     """See LoopSession.leave_out_gain."""
     rebalance_threshold: float = 0.1
     """See LoopSession.rebalance_threshold."""
+    global_batches: list[int] = field(default_factory=list)
+    """The run's global batch of each prepared loader, fixed by the first attempt that prepared it (see
+    LoopSession.global_batches)."""
 
 
 @dataclass(frozen=True, kw_only=True)

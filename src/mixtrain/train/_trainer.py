@@ -190,6 +190,9 @@ class _Run:
         self._planned: dict[int, list[int]] = {}
         self.batch_workers = 0
         self.stopped_at_report = False
+        self.global_batches: list[int] = []
+        """Each prepared loader's global batch, as the first attempt that prepared it asked: later ones keep it."""
+        self._told: set[str] = set()  # what the terminal was told once per run
 
     def train(self) -> None:
         self.batch_workers = len(self.group.members)  # as started: the global batch keeps it
@@ -332,6 +335,7 @@ class _Run:
             batch_workers=self.batch_workers,
             leave_out_gain=self.tunables.exclude_gain if self.trainer.scaling.leave_out_slow else None,
             rebalance_threshold=self.tunables.rebalance_threshold,
+            global_batches=list(self.global_batches),
         )
 
     def _drain(self) -> None:
@@ -344,10 +348,52 @@ class _Run:
             self.view.log(shown)
         for kind, record in events:
             self.log.write(kind, record)
-            if kind == "plan" and self._planned.get(record["global_batch"]) != record["shares"]:
-                self._planned[record["global_batch"]] = record["shares"]  # shown when they change, not every epoch
-                speeds = ", ".join(f"{s:,.0f}" for s in record["speeds"])
-                self.view.log(f"shares of {record['global_batch']}: {record['shares']} (samples/s measured: {speeds})")
+            if kind == "plan":
+                self._plan(record)
+            elif kind == "loader":
+                self._loader(record)
+
+    def _plan(self, record: dict[str, Any]) -> None:
+        """A new split (shown when the shares change, not every epoch), and a leave-out the loop cannot take."""
+        if "leave_out_kept" in record:
+            self._kept(record["leave_out_kept"])
+        if self._planned.get(record["global_batch"]) != record["shares"]:
+            self._planned[record["global_batch"]] = record["shares"]
+            speeds = ", ".join(f"{s:,.0f}" for s in record["speeds"])
+            self.view.log(f"shares of {record['global_batch']}: {record['shares']} (samples/s measured: {speeds})")
+
+    def _kept(self, named: dict[str, Any]) -> None:
+        """The job would be faster without a worker, but leaving it out restarts the loop, and this loop never
+        asks get_checkpoint(): it would train again from its first epoch. So the worker stays; said once a run."""
+        if "kept" in self._told:
+            return
+        self._told.add("kept")
+        member = self.group.members[int(named["rank"])]
+        why = (
+            f"the loop never calls mixtrain.train.get_checkpoint(), so leaving {member.describe(int(named['rank']))} "
+            "out would restart it from the start"
+        )
+        self.log.write(
+            "leave_out_kept", {"attempt": self.attempt, "worker": member.info, "reason": named["reason"], "why": why}
+        )
+        self.view.log(
+            f"kept {member.describe(int(named['rank']))} although {named['reason']}: {why} (a loop that resumes from "
+            "get_checkpoint() and reports checkpoints goes on without it)"
+        )
+
+    def _loader(self, record: dict[str, Any]) -> None:
+        """A prepared loader's global batch: the first attempt's is kept; a later attempt that asks another is told
+        once that it keeps the run's."""
+        index, fixed, asked = int(record["index"]), int(record["global_batch"]), int(record["asked"])
+        if index == len(self.global_batches):
+            self.global_batches.append(fixed)
+        if asked != fixed and f"loader {index}" not in self._told:
+            self._told.add(f"loader {index}")
+            self.view.log(
+                f"prepared loader {index + 1} of the loop asks a global batch of {asked} (batch_size x the "
+                f"{self.batch_workers} workers the run started with) and keeps the run's {fixed}, fixed by the first "
+                "attempt: len(loader) and each epoch's steps stay as they were"
+            )
 
     def _error(self, rank: int, outcome: LoopOutcome) -> str:
         member = self.group.members[rank]
