@@ -28,11 +28,12 @@ from mixtrain.core.membership import Member, Membership
 from mixtrain.core.messages import JoinRequest, LoopOutcome, LoopRequest, WorkerInfo
 from mixtrain.core.tunables import Tunables
 from mixtrain.core.worker_group import WorkerGroup, lost_reason
-from mixtrain.errors import InputTypeError, InputValueError
+from mixtrain.errors import InputTypeError
 from mixtrain.observe.progress import ProgressView
 from mixtrain.observe.runlog import RunLog, check_new_run_dir, make_folder, new_run_name
 from mixtrain.policies.decisions import FailureBudget, Stop
 from mixtrain.train._result import Result, TrainingFailedError
+from mixtrain.train._settings import check_loop_scaling, check_ray_options
 from mixtrain.train._sink import ReportSink
 from mixtrain.train._store import LoopCheckpoints
 from mixtrain.train.checkpoint import Checkpoint
@@ -99,11 +100,8 @@ class TorchTrainer:
         scaling_config = scaling_config or ScalingConfig()
         if not isinstance(scaling_config, ScalingConfig):
             raise InputTypeError("TorchTrainer(scaling_config=...): give a mixtrain.train.ScalingConfig")
-        if scaling_config.shard_optimizer is not False:
-            raise InputValueError(
-                "ScalingConfig.shard_optimizer with a training loop: the loop steps its own optimizer on every "
-                "worker; shard_optimizer is for mixtrain.Trainer"
-            )
+        check_loop_scaling(scaling_config)
+        check_ray_options(_ray_options)
         run_config = run_config or RunConfig()
         if not isinstance(run_config, RunConfig):
             raise InputTypeError("TorchTrainer(run_config=...): give a mixtrain.train.RunConfig")
