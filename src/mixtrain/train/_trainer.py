@@ -18,7 +18,7 @@ from typing import Any
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from mixtrain.cluster import connect
+from mixtrain.cluster import connect, ray_shim
 from mixtrain.comm.process_group import choose_backend
 from mixtrain.config import ScalingConfig
 from mixtrain.core.interrupt import GracefulStop, TrainingInterrupted
@@ -62,7 +62,7 @@ class LoopGroup(WorkerGroup):
         specs = sorted([*(m.spec for m in self.members.active), *self.members.vacant], key=lambda s: s.rank)
         specs = [s for s in specs if s.rank not in self.left_out]
         started = [self._start_actor(spec, i, len(specs)) for i, spec in enumerate(specs)]
-        probes = [w.actor.__ray_ready__.remote() for w in started]
+        probes = [ray_shim.ready(w.actor, w.actor.info.remote) for w in started]
         ready, _ = ray.wait(probes, num_returns=len(probes), timeout=wait_s)
         members, empty = [], []
         for spec, worker, probe in zip(specs, started, probes):
