@@ -158,5 +158,6 @@ def ready(actor: Any, fallback: Callable[[], Any]) -> Any:
     """An object ref that resolves once `actor` has started (its constructor ran, or failed): Ray's own
     `__ray_ready__`, else `fallback()`, a call of one of the actor's own cheap methods (queued behind the
     constructor, so it answers at the same moment)."""
-    probe = getattr(actor, "__ray_ready__", None)
-    return probe.remote() if probe is not None else fallback()
+    if hasattr(actor, "__ray_ready__"):
+        return actor.__ray_ready__.remote()
+    return fallback()
