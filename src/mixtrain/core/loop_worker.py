@@ -12,23 +12,24 @@ from pathlib import Path
 from typing import Any
 
 import ray
+import torch.distributed
 
 from mixtrain import devices
 from mixtrain.comm import process_group
-from mixtrain.core.messages import JoinRequest, LoopOutcome, LoopRequest, WorkerInfo
+from mixtrain.core.messages import JoinRequest, LoopDevice, LoopOutcome, LoopRequest
 from mixtrain.core.worker import TrainWorker
 from mixtrain.train import _session
 from mixtrain.train.checkpoint import Checkpoint, write_files
 
 
 class LoopWorker(TrainWorker):
-    def prepare_device(self) -> WorkerInfo:
+    def prepare_device(self) -> LoopDevice:
         """Resolve the device where this actor landed (CUDA, else MPS, else CPU, as asked)."""
         self.kind = devices.resolve(self.device_request)
         self.device = self.kind.torch_device(0)
         if self.kind.kind == "cuda":
             self.kind.make_current(0)
-        return self.info()
+        return LoopDevice(info=self.info(), uuid=self.kind.uuid(0), nccl=torch.distributed.is_nccl_available())
 
     def join_loop(self, request: JoinRequest) -> None:
         """Join the collective group the loop's prepared models exchange their gradients over."""

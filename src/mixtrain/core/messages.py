@@ -266,6 +266,18 @@ class LoopRequest:
 
 
 @dataclass(frozen=True, kw_only=True)
+class LoopDevice:
+    """A loop worker's device once resolved: who the worker is, and what the group's backend is chosen from (as a
+    Task's BuildReport tells it)."""
+
+    info: WorkerInfo
+    uuid: str
+    """The physical device's identity (DeviceInfo.uuid; empty for CPUs): two workers with one share a GPU."""
+    nccl: bool
+    """This torch has NCCL."""
+
+
+@dataclass(frozen=True, kw_only=True)
 class LoopOutcome:
     """How a worker's loop ended: "finished", "stopped" (Ctrl-C, at a report), "peer_lost" (a collective failed:
     another worker was lost) or "error" (the loop raised; `error` is its traceback)."""

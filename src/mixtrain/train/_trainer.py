@@ -19,13 +19,14 @@ import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from mixtrain.cluster import connect, ray_shim
-from mixtrain.comm.process_group import choose_backend
+from mixtrain.comm.process_group import group_backend
 from mixtrain.config import ScalingConfig
+from mixtrain.core.group_ops import form_group
 from mixtrain.core.interrupt import GracefulStop, TrainingInterrupted
 from mixtrain.core.loop_calls import LoopCalls
 from mixtrain.core.loop_worker import LoopWorker
 from mixtrain.core.membership import Member, Membership
-from mixtrain.core.messages import JoinRequest, LoopOutcome, LoopRequest, WorkerInfo
+from mixtrain.core.messages import LoopDevice, LoopOutcome, LoopRequest
 from mixtrain.core.tunables import Tunables
 from mixtrain.core.worker_group import WorkerGroup, lost_reason
 from mixtrain.errors import InputTypeError
@@ -235,36 +236,19 @@ class _Run:
         return [member.spec.rank]
 
     def _bring_up(self) -> None:
-        """Each worker resolves its device; the group forms (on loopback when every worker is on one node)."""
+        """Each worker resolves its device; the group forms as a Task's does (core/group_ops.form_group), on the
+        backend a Task's would get (NCCL only where every worker is CUDA with a GPU of its own)."""
         t, group = self.tunables, self.group
-        infos: list[WorkerInfo] = group.each(lambda w: _loop(w).prepare_device(), timeout_s=t.setup_s)
-        for member, info in zip(group.members, infos):
-            member.info = info
-        kinds = [i.device.split(":")[0] for i in infos]
-        backend = choose_backend(self.trainer.scaling.backend, kinds, all(k == "cuda" for k in kinds))
-        local = len({i.node_id for i in infos}) == 1
-        rank0 = group.members[0].worker
-        host, port, prefix = group.gather(
-            {0: rank0.open_rendezvous(t.rendezvous_timeout_s, local)}, t.rendezvous_timeout_s
-        )[0]
-        request = JoinRequest(
-            host=host,
-            port=port,
-            prefix=prefix,
-            rendezvous_timeout_s=t.rendezvous_timeout_s,
-            collective_timeout_s=t.collective_timeout_s,
-            strategy=None,
-            bucket_bytes=t.bucket_bytes,
-            backend=backend,
-        )
-        group.each(
-            lambda w: _loop(w).join_loop(request), timeout_s=t.rendezvous_timeout_s + t.collective_timeout_s + 10
-        )
-        self.workers = [i.as_dict() for i in infos]
-        self.view.log(
-            f"mixtrain: {len(infos)} workers ({', '.join(f'{i.device} on {i.hostname or i.host}' for i in infos)}), "
-            f"{backend}; run folder {self.log.run_dir}"
-        )
+        found: list[LoopDevice] = group.each(lambda w: _loop(w).prepare_device(), timeout_s=t.setup_s)
+        for member, device in zip(group.members, found):
+            member.info = device.info
+        backend, note = loop_backend(self.trainer.scaling.backend, found)
+        form_group(group, lambda w, request: _loop(w).join_loop(request), strategy=None, backend=backend)
+        self.workers = [d.info.as_dict() for d in found]
+        where = ", ".join(f"{d.info.device} on {d.info.hostname or d.info.host}" for d in found)
+        self.view.log(f"mixtrain: {len(found)} workers ({where}), {backend}; run folder {self.log.run_dir}")
+        if note is not None:
+            self.view.log(note)
 
     def _attempt(self) -> dict[int, str] | None:
         """Run the loop on every worker; None when it finished everywhere, else the workers lost (rank -> why).
@@ -419,6 +403,12 @@ class _Run:
             metrics_history=list(self.history),
             workers=self.workers,
         )
+
+
+def loop_backend(requested: str, found: Sequence[LoopDevice]) -> tuple[str, str | None]:
+    """The loop's collective backend, chosen as a Task's is (comm/process_group.group_backend), and the note
+    where NCCL was passed over."""
+    return group_backend(requested, [(d.info.host, d.info.device.split(":")[0], d.uuid, d.nccl) for d in found])
 
 
 def _loop(worker: Any) -> LoopCalls:
