@@ -351,16 +351,16 @@ class _Run:
             return
         self._told.add("kept")
         member = self.group.members[int(named["rank"])]
-        why = (
-            f"the loop never calls mixtrain.train.get_checkpoint(), so leaving {member.describe(int(named['rank']))} "
-            "out would restart it from the start"
-        )
+        who = member.describe(int(named["rank"]))
+        why = f"the loop never calls mixtrain.train.get_checkpoint(), so leaving {who} out would restart it from "
+        why += "the start"
         self.log.write(
             "leave_out_kept", {"attempt": self.attempt, "worker": member.info, "reason": named["reason"], "why": why}
         )
         self.view.log(
-            f"kept {member.describe(int(named['rank']))} although {named['reason']}: {why} (a loop that resumes from "
-            "get_checkpoint() and reports checkpoints goes on without it)"
+            f"kept {who}, although {named['reason']}: the loop never calls mixtrain.train.get_checkpoint(), so "
+            "leaving it out would restart the loop from the start (a loop that resumes from get_checkpoint() goes on "
+            "without it)"
         )
 
     def _loader(self, record: dict[str, Any]) -> None:
