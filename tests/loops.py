@@ -182,7 +182,8 @@ def raising_loop(config: dict[str, Any]) -> None:
 
 
 def checkpointing_loop(config: dict[str, Any]) -> None:
-    """Checkpoints every epoch; resumes from get_checkpoint(); worker 1 kills its own process once, mid-epoch 2."""
+    """Checkpoints every epoch; resumes from get_checkpoint() (unless config["resume"] is False: a loop ported from a
+    script that reports checkpoints and never reads one); worker 1 kills its own process once, mid-epoch 2."""
     import tempfile
 
     x, y = config["data"]
@@ -190,7 +191,7 @@ def checkpointing_loop(config: dict[str, Any]) -> None:
     loader = prepare_data_loader(DataLoader(TensorDataset(x, y), batch_size=config["batch"], shuffle=True))
     opt, _ = _opt("sgd", model.parameters())
     start = 0
-    checkpoint = mixtrain.train.get_checkpoint()
+    checkpoint = mixtrain.train.get_checkpoint() if config.get("resume", True) else None
     if checkpoint is not None:
         with checkpoint.as_directory() as folder:
             state = torch.load(Path(folder) / "state.pt")
@@ -263,3 +264,61 @@ def augmented_reference(config: dict[str, Any], workers: int) -> dict[str, torch
             xb, yb = torch.stack([s[0] for s in samples]), torch.stack([s[1] for s in samples])
             _step(model, opt, None, xb, yb, False)
     return model.state_dict()
+
+
+# ---- a loop written the common way: its batch divided by the world size, a schedule sized by len(loader) --------
+def _one_cycle(params: Any, total_steps: int) -> tuple[torch.optim.Optimizer, Any]:
+    opt = torch.optim.SGD(params, lr=0.05, momentum=0.9)
+    return opt, torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=0.2, total_steps=total_steps)
+
+
+def one_cycle_loop(config: dict[str, Any]) -> None:
+    """batch_size=BATCH // world_size and OneCycleLR(total_steps=epochs * len(loader)), resumed with its schedule from
+    get_checkpoint(); reports len(loader), the scheduler's step count and the rate of each epoch's last step."""
+    import tempfile
+
+    x, y = config["data"]
+    ctx = mixtrain.train.get_context()
+    batch = config["batch"] // ctx.get_world_size()
+    model = prepare_model(net())
+    loader = prepare_data_loader(DataLoader(TensorDataset(x, y), batch_size=batch, shuffle=True))
+    opt, sched = _one_cycle(model.parameters(), config["epochs"] * len(loader))
+    start = 0
+    checkpoint = mixtrain.train.get_checkpoint()
+    if checkpoint is not None:
+        with checkpoint.as_directory() as folder:
+            state = torch.load(Path(folder) / "state.pt")
+        model.module.load_state_dict(state["model"])
+        opt.load_state_dict(state["opt"])
+        sched.load_state_dict(state["sched"])
+        start = state["epoch"] + 1
+    for epoch in range(start, config["epochs"]):
+        loader.sampler.set_epoch(epoch)
+        for xb, yb in loader:
+            lr = opt.param_groups[0]["lr"]  # the rate this step takes
+            _step(model, opt, sched, xb, yb, False)
+        metrics = {"epoch": epoch, "len": len(loader), "steps": sched.last_epoch, "lr": lr}
+        with tempfile.TemporaryDirectory() as tmp:
+            saved = None
+            if ctx.get_world_rank() == 0:
+                state = {"model": model.module.state_dict(), "opt": opt.state_dict(), "sched": sched.state_dict()}
+                torch.save({**state, "epoch": epoch}, Path(tmp) / "state.pt")
+                saved = mixtrain.train.Checkpoint.from_directory(tmp)
+            mixtrain.train.report(metrics, checkpoint=saved)
+    _save(config, model.module)
+
+
+def one_cycle_reference(config: dict[str, Any]) -> tuple[dict[str, torch.Tensor], float]:
+    """One process, each step the whole global batch (config["batch"]): the weights and the last step's learning
+    rate."""
+    x, y = config["data"]
+    model, big = net(), config["batch"]
+    steps = -(-len(y) // big)
+    opt, sched = _one_cycle(model.parameters(), config["epochs"] * steps)
+    for epoch in range(config["epochs"]):
+        perm = torch.from_numpy(epoch_permutation(SEED, epoch, len(y)))
+        for t in range(steps):
+            idx = perm[t * big : (t + 1) * big]
+            lr = opt.param_groups[0]["lr"]
+            _step(model, opt, sched, x[idx], y[idx], False)
+    return model.state_dict(), lr

@@ -132,7 +132,9 @@ def parse_workers(text: str) -> int | str | list[DeviceGroup]:
 
 @dataclass(frozen=True, kw_only=True)
 class ScalingConfig:
-    """Where the workers run and how the global batch is split between them."""
+    """Where the workers run and how the global batch is split between them. A training loop (mixtrain.train)
+    honours every field but precision, numerics_check/numerics_tolerance, max_micro_batch and shard_optimizer, which
+    it refuses when set (mixtrain/train/_settings.py)."""
 
     num_workers: int = None  # type: ignore[assignment]  # set in __post_init__: always an int afterwards
     """Number of workers; each holds one replica of the model. Ignored when `groups` is given. Unset (the

@@ -138,4 +138,45 @@ def test_a_worker_the_job_is_faster_without_is_left_out_at_a_checkpoint_and_the_
     assert left["worker"]["rank"] == 1 and "faster" in left["reason"], left
     assert len(result.workers) == 1 and not [r for r in records if r["kind"] == "failure"]
     assert [r["epoch"] for r in result.metrics_history] == [0, 1, 2, 3]
+    [restarted] = tmp_path.glob("restarted-from-*")  # went on from the checkpoint it stopped at, not from epoch 0
+    assert int(restarted.name.rsplit("-", 1)[1]) >= 1, restarted.name
     _close(torch.load(tmp_path / "weights.pt"), loops.reference({**config, "opt": "sgd"}, workers=2))
+
+
+def test_a_loop_that_never_reads_a_checkpoint_keeps_its_slow_worker_and_trains_the_epochs_it_asked_for(
+    tmp_path, monkeypatch
+):
+    # The same 40x slower worker, but the loop, ported from a plain script, reports checkpoints and never calls
+    # get_checkpoint(): restarting it without the slow worker would train from epoch 0 again (issue 45: asked for
+    # 6 epochs, it trained 11). The worker stays, the run says why once, and the weights are one process's.
+    monkeypatch.setenv("MIXTRAIN_EXCLUDE_GAIN", "0.3")
+    config = {"data": loops.data(120), "batch": 10, "epochs": 4, "kill": False, "resume": False}
+    result = _fit(loops.checkpointing_loop, config, tmp_path, workers=2, shares=None, emulate_slowdown={1: 40.0})
+    records = _records(result)
+    assert [r["epoch"] for r in result.metrics_history] == [0, 1, 2, 3]
+    assert len(result.workers) == 2 and not [r for r in records if r["kind"] in ("left_out", "failure")]
+    [kept] = [r for r in records if r["kind"] == "leave_out_kept"]
+    assert kept["worker"]["rank"] == 1 and "never calls mixtrain.train.get_checkpoint()" in kept["why"], kept
+    _close(torch.load(tmp_path / "weights.pt"), loops.reference({**config, "opt": "sgd"}, workers=2))
+
+
+def test_a_loop_that_divides_its_batch_by_the_world_size_keeps_its_steps_and_schedule_after_a_leave_out(
+    tmp_path, monkeypatch
+):
+    # batch_size=BATCH // world_size: after worker 1 is left out the restarted loop asks twice the batch (20 x the 2
+    # workers the run started with). The run keeps the global batch of its first attempt (20), so len(loader), the
+    # scheduler's steps and OneCycleLR's annealing stay those of one process on the whole batch.
+    monkeypatch.setenv("MIXTRAIN_EXCLUDE_GAIN", "0.3")
+    config = {"data": loops.data(120), "batch": 20, "epochs": 4}  # 6 steps an epoch
+    result = _fit(loops.one_cycle_loop, config, tmp_path, workers=2, shares=None, emulate_slowdown={1: 40.0})
+    records = _records(result)
+    assert [r["worker"]["rank"] for r in records if r["kind"] == "left_out"] == [1] and len(result.workers) == 1
+    history = result.metrics_history
+    assert [(r["epoch"], r["len"], r["steps"]) for r in history] == [(e, 6, 6 * (e + 1)) for e in range(4)], history
+    weights, last_lr = loops.one_cycle_reference(config)
+    assert history[-1]["lr"] == pytest.approx(last_lr, rel=1e-6) and last_lr < 1e-6  # annealed: 0.2 / 25 / 1e4
+    assert [(r["index"], r["global_batch"], r["asked"]) for r in records if r["kind"] == "loader"] == [
+        (0, 20, 20),
+        (0, 20, 40),
+    ]
+    _close(torch.load(tmp_path / "weights.pt"), weights)

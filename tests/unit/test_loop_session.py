@@ -8,6 +8,8 @@ import time
 import pytest
 import torch
 
+from mixtrain.train import _api
+from mixtrain.train import _session as sessions
 from mixtrain.train._session import LoopSession, TrainContext
 
 
@@ -54,11 +56,47 @@ def test_the_weight_is_the_batchs_share_of_its_step_and_between_epochs_nothing_c
 
 def test_a_leave_out_is_named_after_two_plan_points_in_a_row_and_withdrawn_when_one_finds_none():
     session, slow = _session(), {1: "the job is 1.5x faster without it"}
-    assert session.leave_out_vote(slow) == (False, None)  # one noisy measurement costs no device
-    assert session.leave_out_vote(slow) == (True, {"rank": 1, "reason": slow[1]})
-    assert session.leave_out_vote(slow) == (False, {"rank": 1, "reason": slow[1]})  # told once
-    assert session.leave_out_vote({}) == (True, None)  # withdrawn
-    assert session.leave_out_vote(slow) == (False, None)
+    session.resumes = True  # the loop called get_checkpoint(): a restart goes on from its checkpoint
+    assert session.leave_out_vote(slow) == {}  # one noisy measurement costs no device
+    assert session.leave_out_vote(slow) == {"leave_out": {"rank": 1, "reason": slow[1]}}
+    assert session.leave_out_vote(slow) == {}  # told once
+    assert session.leave_out_vote({}) == {"leave_out": None}  # withdrawn
+    assert session.leave_out_vote(slow) == {}
+
+
+def test_a_loop_that_never_asked_for_its_checkpoint_keeps_the_worker_and_the_driver_is_told_once():
+    # Leaving a worker out restarts the loop; one that never calls get_checkpoint() would train from epoch 0 again.
+    session, slow = _session(), {1: "the job is 1.5x faster without it"}
+    assert session.leave_out_vote(slow) == {}
+    assert session.leave_out_vote(slow) == {"leave_out_kept": {"rank": 1, "reason": slow[1]}}
+    assert session.leave_out_vote(slow) == {} and session.leave_out_vote(slow) == {}  # said once
+    assert not session.leave_out_named
+    sessions.start(session)
+    try:
+        assert _api.get_checkpoint() is None  # a loop that asks (here at its start, with nothing to resume yet)
+    finally:
+        sessions.end()
+    assert session.leave_out_vote(slow) == {"leave_out": {"rank": 1, "reason": slow[1]}}
+
+
+def test_each_prepared_loaders_global_batch_is_the_first_attempts_whatever_a_later_one_asks():
+    told: list[tuple[str, dict]] = []
+    first = _session()
+    first.batch_workers, first.event_to = 2, lambda kind, record: told.append((kind, record))
+    assert [first.loader_global_batch(b) for b in (16, 5)] == [32, 10]  # batch_size x the 2 workers asked for
+    assert told == [
+        ("loader", {"index": 0, "global_batch": 32, "asked": 32}),
+        ("loader", {"index": 1, "global_batch": 10, "asked": 10}),
+    ]
+    told.clear()
+    later = _session()  # after a leave-out: world size 1, so BATCH // world_size asks twice the batch
+    later.batch_workers, later.global_batches = 2, [32, 10]
+    later.event_to = lambda kind, record: told.append((kind, record))
+    assert [later.loader_global_batch(b) for b in (32, 5, 4)] == [32, 10, 8]  # a third loader: its own
+    assert told == [
+        ("loader", {"index": 0, "global_batch": 32, "asked": 64}),
+        ("loader", {"index": 2, "global_batch": 8, "asked": 8}),
+    ]
 
 
 def test_plans_look_at_the_speed_since_the_last_plan_and_the_loader_looks_again_at_2_4_8_and_every_128(

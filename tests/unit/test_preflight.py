@@ -114,3 +114,27 @@ def test_a_cuda_device_reports_its_uuid(monkeypatch):
 
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda index: Props())
     assert CudaDevice().uuid(0) == "4600b3ca-1d6d-279f-16a3-e1ea56a93741"
+
+
+def test_a_loop_run_chooses_its_backend_as_a_task_does_and_two_workers_on_one_gpu_get_gloo():
+    """The loop's bring-up chose its backend with a copy that lost the fix above (issue 45 item 7): two CUDA workers
+    on one card got NCCL. Both doors now call group_backend."""
+    from mixtrain.comm.process_group import group_backend
+    from mixtrain.core.messages import LoopDevice, WorkerInfo
+    from mixtrain.train._trainer import loop_backend
+
+    def loop_worker(rank, uuid, nccl=True):
+        info = WorkerInfo(
+            rank=rank, host="10.0.0.1", hostname="h", pid=rank, node_id="n", device=f"cuda:{rank}",
+            device_name="H100", precision="fp32", threads=1,
+        )  # fmt: skip
+        return LoopDevice(info=info, uuid=uuid, nccl=nccl)
+
+    shared = [loop_worker(0, "GPU-a"), loop_worker(1, "GPU-a")]
+    assert loop_backend("auto", shared) == ("gloo", "backend gloo, not NCCL: workers 0 and 1 share one GPU")
+    assert loop_backend("auto", [loop_worker(0, "GPU-a"), loop_worker(1, "GPU-b")]) == ("nccl", None)
+    assert loop_backend("auto", [loop_worker(0, "GPU-a"), loop_worker(1, "GPU-b", nccl=False)])[0] == "gloo"
+    with pytest.raises(ValueError, match="share one GPU"):
+        loop_backend("nccl", shared)
+    task = [("10.0.0.1", "cuda", "GPU-a", True), ("10.0.0.1", "cuda", "GPU-a", True)]  # a Task's build reports
+    assert group_backend("auto", task) == loop_backend("auto", shared)

@@ -89,11 +89,24 @@ def test_streaming_asks_for_backpressure():
     assert ray_shim.init_kwargs({"x": 1}) == {"_system_config": {"x": 1}}
 
 
+def test_ready_asks_rays_own_probe_and_without_it_the_actors_own_method():
+    class Probe:
+        @staticmethod
+        def remote():
+            return "ray's probe"
+
+    class Actor:
+        __ray_ready__ = Probe()
+
+    assert ray_shim.ready(Actor(), lambda: "info") == "ray's probe"
+    assert ray_shim.ready(object(), lambda: "info") == "info"  # a Ray whose actors lack it
+
+
 def test_no_other_module_reaches_into_ray_internals():
     src = pathlib.Path(ray_shim.__file__).parent.parent
     for path in src.rglob("*.py"):
         if path.name == "ray_shim.py":
             continue
         text = path.read_text()
-        for internal in ("ray._private", "ray._raylet", "_generator_backpressure", "_system_config"):
+        for internal in ("ray._private", "ray._raylet", "_generator_backpressure", "_system_config", "__ray_"):
             assert internal not in text, (path, internal)

@@ -14,6 +14,7 @@ taken away (the behaviour of a Ray without it).
 | token_auth_available, reload_auth_config | ray._raylet AuthenticationTokenLoader, Config (2.52+) | refused |
 | streaming | the actor option _generator_backpressure_num_objects (2.10+) | unbounded streaming |
 | init_kwargs | ray.init(_system_config=...) (2.x) | required |
+| ready | every actor's __ray_ready__ method (2.x) | a call of one of the actor's own cheap methods |
 """
 
 from __future__ import annotations
@@ -151,3 +152,12 @@ def streaming(method: Any, ahead: int) -> Any:
 def init_kwargs(system_config: dict[str, Any]) -> dict[str, Any]:
     """ray.init's keywords for Ray's internal settings of the Ray mixtrain starts."""
     return {"_system_config": system_config}
+
+
+def ready(actor: Any, fallback: Callable[[], Any]) -> Any:
+    """An object ref that resolves once `actor` has started (its constructor ran, or failed): Ray's own
+    `__ray_ready__`, else `fallback()`, a call of one of the actor's own cheap methods (queued behind the
+    constructor, so it answers at the same moment)."""
+    if hasattr(actor, "__ray_ready__"):
+        return actor.__ray_ready__.remote()
+    return fallback()

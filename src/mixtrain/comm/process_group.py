@@ -76,6 +76,18 @@ def choose_backend(
     return requested
 
 
+def group_backend(requested: str, devices: list[tuple[str, str, str, bool]]) -> tuple[str, str | None]:
+    """The collective backend of a group, from each worker's (node, device kind, device uuid, NCCL available): the
+    one choice both doors make (a Task's bring-up, a loop's). Also why NCCL was passed over where every worker is
+    CUDA and two share one card (None otherwise), for the start-of-run notes."""
+    kinds = [kind for _, kind, _, _ in devices]
+    sharing = shared_gpu([(node, kind, uuid) for node, kind, uuid, _ in devices])
+    backend = choose_backend(requested, kinds, all(nccl for *_, nccl in devices), sharing)
+    if sharing is not None and requested == "auto" and all(k == "cuda" for k in kinds):
+        return backend, f"backend gloo, not NCCL: workers {sharing[0]} and {sharing[1]} share one GPU"
+    return backend, None
+
+
 def shared_gpu(devices: list[tuple[str, str, str]]) -> tuple[int, int] | None:
     """The first two workers (by rank) on one physical GPU, from each worker's (node, device kind, device
     uuid); None when every GPU has one worker. Devices without a uuid (CPUs) are never shared."""

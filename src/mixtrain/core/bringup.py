@@ -17,7 +17,7 @@ import ray
 
 from mixtrain import compat
 from mixtrain.comm import ps_server
-from mixtrain.comm.process_group import choose_backend, shared_gpu
+from mixtrain.comm.process_group import group_backend
 from mixtrain.config import ScalingConfig, StrategyConfig
 from mixtrain.core import preflight
 from mixtrain.core.group_ops import GroupOps
@@ -204,11 +204,9 @@ def _group_ops(
     """The group's operations, with the backend the devices allow (NCCL only where every worker is CUDA with a
     GPU of its own) and rank 0's build report to check replacements against."""
     reports = [m.report for m in group.members if m.report is not None and m.report.device is not None]
-    kinds = [r.device.kind for r in reports if r.device is not None]
-    sharing = shared_gpu([(r.host, r.device.kind, r.device.uuid) for r in reports if r.device is not None])
-    backend = choose_backend(group.scaling.backend, kinds, all(r.nccl for r in reports), sharing)
-    if sharing is not None and group.scaling.backend == "auto" and all(k == "cuda" for k in kinds):
-        notes.append(f"backend gloo, not NCCL: workers {sharing[0]} and {sharing[1]} share one GPU")
+    devices = [(r.host, r.device.kind, r.device.uuid, r.nccl) for r in reports if r.device is not None]
+    backend, note = group_backend(group.scaling.backend, devices)
+    notes += [note] if note else []
     ops = GroupOps(
         group,
         strategy=strategy,

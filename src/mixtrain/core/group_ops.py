@@ -20,10 +20,33 @@ from mixtrain.core.membership import Member, Membership
 from mixtrain.core.messages import BuildReport, JoinRequest, RoundPlan
 from mixtrain.core.port import Joined, RoundOutcome, WorkersLost
 from mixtrain.core.tunables import Tunables
-from mixtrain.core.worker_calls import WorkerCalls
+from mixtrain.core.worker_calls import Pending, WorkerCalls
 from mixtrain.core.worker_group import WorkerError, WorkerGroup, WorkerTimeout
 from mixtrain.policies.decisions import recovery_source
 from mixtrain.task import Task
+
+
+def form_group(group: WorkerGroup, join: Callable[[Any, JoinRequest], Pending[None]], **fields: Any) -> None:
+    """Form the collective group of `group`'s members, the one way both doors do (a Task's GroupOps.form, a loop's
+    bring-up): rank 0 opens the rendezvous, then every worker joins through `join(worker, request)` with a
+    JoinRequest that carries `fields` (strategy, backend, ...)."""
+    t = group.tunables
+    # every worker on one node (an embedded Ray, a one-machine cluster): the store and the collectives, which
+    # have no authentication, listen on loopback only. Asked now: a replacement reports who it is after this
+    infos = group.each(lambda w: w.info(), timeout_s=t.rendezvous_timeout_s)
+    local = len({info.node_id for info in infos}) == 1
+    opened = group.members[0].worker.open_rendezvous(t.rendezvous_timeout_s, local)
+    host, port, prefix = group.gather({0: opened}, t.rendezvous_timeout_s)[0]
+    request = JoinRequest(
+        host=host,
+        port=port,
+        prefix=prefix,
+        rendezvous_timeout_s=t.rendezvous_timeout_s,
+        collective_timeout_s=t.collective_timeout_s,
+        bucket_bytes=t.bucket_bytes,
+        **fields,
+    )
+    group.each(lambda w: join(w, request), timeout_s=t.rendezvous_timeout_s + t.collective_timeout_s + 10)
 
 
 class GroupOps:
@@ -70,21 +93,10 @@ class GroupOps:
     def form(self) -> None:
         """Rendezvous at rank 0, join the collective group, set up the strategy (rank 0's weights go to all)."""
         t, start = self.tunables, time.perf_counter()
-        rank0 = self.members[0].worker
-        # every worker on one node (an embedded Ray, a one-machine cluster): the store and the collectives, which
-        # have no authentication, listen on loopback only. Asked now: a replacement reports who it is after this
-        infos = self.group.each(lambda w: w.info(), timeout_s=t.rendezvous_timeout_s)
-        local = len({info.node_id for info in infos}) == 1
-        opened = rank0.open_rendezvous(t.rendezvous_timeout_s, local)
-        host, port, prefix = self.group.gather({0: opened}, t.rendezvous_timeout_s)[0]
-        request = JoinRequest(
-            host=host,
-            port=port,
-            prefix=prefix,
-            rendezvous_timeout_s=t.rendezvous_timeout_s,
-            collective_timeout_s=t.collective_timeout_s,
+        form_group(
+            self.group,
+            lambda w, request: w.join(request),
             strategy=self.strategy,
-            bucket_bytes=t.bucket_bytes,
             backend=self.backend,
             loss_scaling=self.loss_scaling,
             servers=tuple(self.group.servers),
@@ -92,7 +104,6 @@ class GroupOps:
             shard_optimizer=self._shard_weights(),
             store_pages_bytes=t.store_pages_bytes,
         )
-        self.group.each(lambda w: w.join(request), timeout_s=t.rendezvous_timeout_s + t.collective_timeout_s + 10)
         self._fresh_state = False
         self.form_s = time.perf_counter() - start
 

@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-from mixtrain.core.messages import JoinRequest, LoopOutcome, LoopRequest, WorkerInfo
+from mixtrain.core.messages import JoinRequest, LoopDevice, LoopOutcome, LoopRequest
 from mixtrain.core.worker_calls import Pending, WorkerCalls
 
 
 class LoopCalls(WorkerCalls):
-    def prepare_device(self) -> Pending[WorkerInfo]:
+    def prepare_device(self) -> Pending[LoopDevice]:
         return Pending(self.actor.prepare_device.remote(), "prepare_device")
 
     def join_loop(self, request: JoinRequest) -> Pending[None]:

@@ -13,10 +13,11 @@ from pathlib import Path
 from typing import Any
 
 import ray
+import torch.distributed
 
 from mixtrain import devices
 from mixtrain.comm import process_group
-from mixtrain.core.messages import JoinRequest, LoopOutcome, LoopRequest, WorkerInfo
+from mixtrain.core.messages import JoinRequest, LoopDevice, LoopOutcome, LoopRequest
 from mixtrain.core.worker_process import WorkerProcess
 from mixtrain.train import _session
 from mixtrain.train.checkpoint import Checkpoint, write_files
@@ -25,13 +26,13 @@ from mixtrain.train.checkpoint import Checkpoint, write_files
 class LoopWorker(WorkerProcess):
     """The user's loop on one device: none of the `Task` replica's methods, only what a loop run calls."""
 
-    def prepare_device(self) -> WorkerInfo:
+    def prepare_device(self) -> LoopDevice:
         """Resolve the device where this actor landed (CUDA, else MPS, else CPU, as asked)."""
         self.kind = devices.resolve(self.device_request)
         self.device = self.kind.torch_device(0)
         if self.kind.kind == "cuda":
             self.kind.make_current(0)
-        return self.info()
+        return LoopDevice(info=self.info(), uuid=self.kind.uuid(0), nccl=torch.distributed.is_nccl_available())
 
     def join_loop(self, request: JoinRequest) -> None:
         """Join the collective group the loop's prepared models exchange their gradients over."""
@@ -91,10 +92,12 @@ class LoopWorker(WorkerProcess):
                 sink.report.remote(rank, (request.attempt, index), metrics, files)
             ),
             plan_to=lambda record: sink.event.remote("plan", record),
+            event_to=lambda kind, record: ray.get(sink.event.remote(kind, record)),
             checkpoint=checkpoint,
             batch_workers=request.batch_workers or self.world_size,
             leave_out_gain=request.leave_out_gain,
             rebalance_threshold=request.rebalance_threshold,
+            global_batches=list(request.global_batches),
         )
         context = _session.TrainContext(**{**context.__dict__, "_session": session})
         session.context = context

@@ -260,6 +260,21 @@ class LoopRequest:
     """See LoopSession.leave_out_gain."""
     rebalance_threshold: float = 0.1
     """See LoopSession.rebalance_threshold."""
+    global_batches: list[int] = field(default_factory=list)
+    """The run's global batch of each prepared loader, fixed by the first attempt that prepared it (see
+    LoopSession.global_batches)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class LoopDevice:
+    """A loop worker's device once resolved: who the worker is, and what the group's backend is chosen from (as a
+    Task's BuildReport tells it)."""
+
+    info: WorkerInfo
+    uuid: str
+    """The physical device's identity (DeviceInfo.uuid; empty for CPUs): two workers with one share a GPU."""
+    nccl: bool
+    """This torch has NCCL."""
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -25,8 +25,11 @@ def get_context() -> TrainContext:
 
 def get_checkpoint() -> Checkpoint | None:
     """The last checkpoint the run reported (a restarted loop, a resumed run), as a folder on this machine; None
-    in a loop that starts from scratch."""
-    return _session.current("get_checkpoint").checkpoint
+    in a loop that starts from scratch. A loop that calls it resumes: only then may mixtrain restart it without a
+    slow worker (restarting a loop that does not resume would train its first epochs again)."""
+    session = _session.current("get_checkpoint")
+    session.resumes = True
+    return session.checkpoint
 
 
 def get_device() -> torch.device:

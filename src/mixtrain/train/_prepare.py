@@ -111,12 +111,14 @@ class PreparedLoader:
         if loader.num_workers > 0:
             self._options["prefetch_factor"] = loader.prefetch_factor
         self._seeded = _Seeded(self.dataset, session.seed)
+        self._global_batch = session.loader_global_batch(self.batch_size)
 
     @property
     def global_batch(self) -> int:
-        """batch_size times the workers the run asked for (Ray Train's meaning), the same after a worker is lost:
-        the math does not change with who is left."""
-        return self.batch_size * self._session.batch_workers
+        """batch_size times the workers the run asked for (Ray Train's meaning), as the run's first attempt asked:
+        the same after a worker is lost or left out, whatever the restarted loop asks (the math does not change with
+        who is left)."""
+        return self._global_batch
 
     def __len__(self) -> int:
         n, b = len(self.dataset), self.global_batch  # type: ignore[arg-type]
@@ -231,12 +233,10 @@ def plan_shares(
     plan = make_plan(speeds, global_batch, comm_s=min(m[1] for m in measured), min_gain=session.leave_out_gain)
     predicted = [c / v for c, v in zip(current or [], speeds)]
     moved = current is None or (plan.shares != current and needs_rebalance(predicted, session.rebalance_threshold))
-    told, leave_out = session.leave_out_vote(plan.excluded)
+    told = session.leave_out_vote(plan.excluded)
     if session.context.world_rank == 0 and (moved or told):
         in_force = plan.shares if moved else current
         record: dict[str, Any] = {"epoch": at[0], "step": at[1], "global_batch": global_batch, "shares": in_force}
-        record.update(speeds=speeds, moved=moved)
-        if told:
-            record["leave_out"] = leave_out  # named, or None: withdrawn
+        record.update(speeds=speeds, moved=moved, **told)  # a leave-out named, withdrawn (None), or kept
         session.plan_to(record)
     return plan.shares if moved else None

@@ -84,6 +84,15 @@ class LoopSession:
     restarts the loop without it at the next report with a checkpoint (None: never)."""
     leave_out_named: bool = False
     """A worker to leave out is named to the driver (which acts at the next report with a checkpoint)."""
+    resumes: bool = False
+    """The loop called get_checkpoint() in this attempt, so a restart goes on from the checkpoint it reported.
+    Only such a loop is restarted without a slow worker: a loop that never asks would start again from its first
+    epoch and train twice what it had trained (issue 45)."""
+    global_batches: list[int] = field(default_factory=list)
+    """The run's global batch of each prepared loader, by the order of the loop's prepare_data_loader calls, as
+    the first attempt that prepared it asked: a later attempt keeps it (see loader_global_batch)."""
+    event_to: Callable[[str, dict[str, Any]], None] = lambda kind, record: None
+    """Hands the driver a record at once (it has arrived when this returns)."""
     rebalance_threshold: float = 0.1
     """Within an epoch, shares move only when the slowest worker's predicted compute exceeds the mean by more than
     this fraction (MIXTRAIN_REBALANCE_THRESHOLD, as between a Task's rounds)."""
@@ -104,6 +113,8 @@ class LoopSession:
     _hooks_s: float = 0.0  # what the after_compute hooks took at the last batch (it falls into the next one)
     _steps: int = 0
     _leave_votes: int = 0
+    _kept_told: bool = False  # the driver was told that a worker is kept, as leaving it out would repeat training
+    _loaders: int = 0  # prepare_data_loader calls so far
     _mark: tuple[int, float, int, float] = (0, 0.0, 0, 0.0)  # (samples, compute s, steps, exchange s) at the last plan
 
     def __post_init__(self) -> None:
@@ -173,18 +184,36 @@ class LoopSession:
         for hook in self.after_compute:
             hook(seconds)
 
-    def leave_out_vote(self, excluded: dict[int, str]) -> tuple[bool, dict[str, Any] | None]:
+    def leave_out_vote(self, excluded: dict[int, str]) -> dict[str, Any]:
         """A plan point's finding on leaving a worker out (rank -> why; empty: none). A worker is named once
         EXCLUDE_ROUNDS plan points in a row find one (one noisy measurement must not cost a device), and withdrawn
-        when a later one finds none. Returns (whether what the driver was told changes, the worker named or None)."""
+        when a later one finds none; in a loop that never called get_checkpoint() it is kept instead, and the
+        driver is told so once. Returns what the plan's record tells the driver: {"leave_out": the worker named or
+        None (withdrawn)}, {"leave_out_kept": the worker kept}, or {} (nothing new)."""
         self._leave_votes = self._leave_votes + 1 if excluded else 0
         named = None
         if self._leave_votes >= EXCLUDE_ROUNDS:
             rank, reason = next(iter(excluded.items()))
             named = {"rank": rank, "reason": reason}
-        told = (named is not None) != self.leave_out_named
+        if named is not None and not self.resumes:
+            told, self._kept_told = self._kept_told, True
+            return {} if told else {"leave_out_kept": named}
+        if (named is not None) == self.leave_out_named:
+            return {}
         self.leave_out_named = named is not None
-        return told, named
+        return {"leave_out": named}
+
+    def loader_global_batch(self, batch_size: int) -> int:
+        """The global batch of the loop's next prepared loader. The run's first attempt fixes it: batch_size times
+        the workers the run asked for. A later attempt keeps it whatever its loader asks (a loop that divides its
+        batch by get_world_size() asks twice as much after one of two workers left), so each epoch keeps its steps
+        and a schedule sized by len(loader) its length; the driver is told where the two differ."""
+        index, asked = self._loaders, batch_size * self.batch_workers
+        self._loaders += 1
+        fixed = self.global_batches[index] if index < len(self.global_batches) else None
+        if self.context.world_rank == 0 and fixed != asked:  # new (the driver keeps it), or asked otherwise
+            self.event_to("loader", {"index": index, "global_batch": fixed or asked, "asked": asked})
+        return fixed or asked
 
     # ---- agreeing on a split ------------------------------------------------------------------------
     def gather(self, values: tuple[float, ...]) -> list[list[float]]:

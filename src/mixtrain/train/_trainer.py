@@ -18,21 +18,23 @@ from typing import Any
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from mixtrain.cluster import connect
-from mixtrain.comm.process_group import choose_backend
+from mixtrain.cluster import connect, ray_shim
+from mixtrain.comm.process_group import group_backend
 from mixtrain.config import ScalingConfig
+from mixtrain.core.group_ops import form_group
 from mixtrain.core.interrupt import GracefulStop, TrainingInterrupted
 from mixtrain.core.loop_calls import LoopCalls
 from mixtrain.core.loop_worker import LoopWorker
 from mixtrain.core.membership import Member, Membership
-from mixtrain.core.messages import JoinRequest, LoopOutcome, LoopRequest, WorkerInfo
+from mixtrain.core.messages import LoopDevice, LoopOutcome, LoopRequest
 from mixtrain.core.tunables import Tunables
 from mixtrain.core.worker_group import WorkerGroup, lost_reason
-from mixtrain.errors import InputTypeError, InputValueError
+from mixtrain.errors import InputTypeError
 from mixtrain.observe.progress import ProgressView
 from mixtrain.observe.runlog import RunLog, check_new_run_dir, make_folder, new_run_name
 from mixtrain.policies.decisions import FailureBudget, Stop
 from mixtrain.train._result import Result, TrainingFailedError
+from mixtrain.train._settings import check_loop_scaling, check_ray_options
 from mixtrain.train._sink import ReportSink
 from mixtrain.train._store import LoopCheckpoints
 from mixtrain.train.checkpoint import Checkpoint
@@ -61,7 +63,7 @@ class LoopGroup(WorkerGroup):
         specs = sorted([*(m.spec for m in self.members.active), *self.members.vacant], key=lambda s: s.rank)
         specs = [s for s in specs if s.rank not in self.left_out]
         started = [self._start_actor(spec, i, len(specs)) for i, spec in enumerate(specs)]
-        probes = [w.actor.__ray_ready__.remote() for w in started]
+        probes = [ray_shim.ready(w.actor, w.actor.info.remote) for w in started]
         ready, _ = ray.wait(probes, num_returns=len(probes), timeout=wait_s)
         members, empty = [], []
         for spec, worker, probe in zip(specs, started, probes):
@@ -99,11 +101,8 @@ class TorchTrainer:
         scaling_config = scaling_config or ScalingConfig()
         if not isinstance(scaling_config, ScalingConfig):
             raise InputTypeError("TorchTrainer(scaling_config=...): give a mixtrain.train.ScalingConfig")
-        if scaling_config.shard_optimizer is not False:
-            raise InputValueError(
-                "ScalingConfig.shard_optimizer with a training loop: the loop steps its own optimizer on every "
-                "worker; shard_optimizer is for mixtrain.Trainer"
-            )
+        check_loop_scaling(scaling_config)
+        check_ray_options(_ray_options)
         run_config = run_config or RunConfig()
         if not isinstance(run_config, RunConfig):
             raise InputTypeError("TorchTrainer(run_config=...): give a mixtrain.train.RunConfig")
@@ -190,6 +189,9 @@ class _Run:
         self._planned: dict[int, list[int]] = {}
         self.batch_workers = 0
         self.stopped_at_report = False
+        self.global_batches: list[int] = []
+        """Each prepared loader's global batch, as the first attempt that prepared it asked: later ones keep it."""
+        self._told: set[str] = set()  # what the terminal was told once per run
 
     def train(self) -> None:
         self.batch_workers = len(self.group.members)  # as started: the global batch keeps it
@@ -234,36 +236,19 @@ class _Run:
         return [member.spec.rank]
 
     def _bring_up(self) -> None:
-        """Each worker resolves its device; the group forms (on loopback when every worker is on one node)."""
+        """Each worker resolves its device; the group forms as a Task's does (core/group_ops.form_group), on the
+        backend a Task's would get (NCCL only where every worker is CUDA with a GPU of its own)."""
         t, group = self.tunables, self.group
-        infos: list[WorkerInfo] = group.each(lambda w: _loop(w).prepare_device(), timeout_s=t.setup_s)
-        for member, info in zip(group.members, infos):
-            member.info = info
-        kinds = [i.device.split(":")[0] for i in infos]
-        backend = choose_backend(self.trainer.scaling.backend, kinds, all(k == "cuda" for k in kinds))
-        local = len({i.node_id for i in infos}) == 1
-        rank0 = group.members[0].worker
-        host, port, prefix = group.gather(
-            {0: rank0.open_rendezvous(t.rendezvous_timeout_s, local)}, t.rendezvous_timeout_s
-        )[0]
-        request = JoinRequest(
-            host=host,
-            port=port,
-            prefix=prefix,
-            rendezvous_timeout_s=t.rendezvous_timeout_s,
-            collective_timeout_s=t.collective_timeout_s,
-            strategy=None,
-            bucket_bytes=t.bucket_bytes,
-            backend=backend,
-        )
-        group.each(
-            lambda w: _loop(w).join_loop(request), timeout_s=t.rendezvous_timeout_s + t.collective_timeout_s + 10
-        )
-        self.workers = [i.as_dict() for i in infos]
-        self.view.log(
-            f"mixtrain: {len(infos)} workers ({', '.join(f'{i.device} on {i.hostname or i.host}' for i in infos)}), "
-            f"{backend}; run folder {self.log.run_dir}"
-        )
+        found: list[LoopDevice] = group.each(lambda w: _loop(w).prepare_device(), timeout_s=t.setup_s)
+        for member, device in zip(group.members, found):
+            member.info = device.info
+        backend, note = loop_backend(self.trainer.scaling.backend, found)
+        form_group(group, lambda w, request: _loop(w).join_loop(request), strategy=None, backend=backend)
+        self.workers = [d.info.as_dict() for d in found]
+        where = ", ".join(f"{d.info.device} on {d.info.hostname or d.info.host}" for d in found)
+        self.view.log(f"mixtrain: {len(found)} workers ({where}), {backend}; run folder {self.log.run_dir}")
+        if note is not None:
+            self.view.log(note)
 
     def _attempt(self) -> dict[int, str] | None:
         """Run the loop on every worker; None when it finished everywhere, else the workers lost (rank -> why).
@@ -332,6 +317,7 @@ class _Run:
             batch_workers=self.batch_workers,
             leave_out_gain=self.tunables.exclude_gain if self.trainer.scaling.leave_out_slow else None,
             rebalance_threshold=self.tunables.rebalance_threshold,
+            global_batches=list(self.global_batches),
         )
 
     def _drain(self) -> None:
@@ -344,10 +330,52 @@ class _Run:
             self.view.log(shown)
         for kind, record in events:
             self.log.write(kind, record)
-            if kind == "plan" and self._planned.get(record["global_batch"]) != record["shares"]:
-                self._planned[record["global_batch"]] = record["shares"]  # shown when they change, not every epoch
-                speeds = ", ".join(f"{s:,.0f}" for s in record["speeds"])
-                self.view.log(f"shares of {record['global_batch']}: {record['shares']} (samples/s measured: {speeds})")
+            if kind == "plan":
+                self._plan(record)
+            elif kind == "loader":
+                self._loader(record)
+
+    def _plan(self, record: dict[str, Any]) -> None:
+        """A new split (shown when the shares change, not every epoch), and a leave-out the loop cannot take."""
+        if "leave_out_kept" in record:
+            self._kept(record["leave_out_kept"])
+        if self._planned.get(record["global_batch"]) != record["shares"]:
+            self._planned[record["global_batch"]] = record["shares"]
+            speeds = ", ".join(f"{s:,.0f}" for s in record["speeds"])
+            self.view.log(f"shares of {record['global_batch']}: {record['shares']} (samples/s measured: {speeds})")
+
+    def _kept(self, named: dict[str, Any]) -> None:
+        """The job would be faster without a worker, but leaving it out restarts the loop, and this loop never
+        asks get_checkpoint(): it would train again from its first epoch. So the worker stays; said once a run."""
+        if "kept" in self._told:
+            return
+        self._told.add("kept")
+        member = self.group.members[int(named["rank"])]
+        who = member.describe(int(named["rank"]))
+        why = f"the loop never calls mixtrain.train.get_checkpoint(), so leaving {who} out would restart it from "
+        why += "the start"
+        self.log.write(
+            "leave_out_kept", {"attempt": self.attempt, "worker": member.info, "reason": named["reason"], "why": why}
+        )
+        self.view.log(
+            f"kept {who}, although {named['reason']}: the loop never calls mixtrain.train.get_checkpoint(), so "
+            "leaving it out would restart the loop from the start (a loop that resumes from get_checkpoint() goes on "
+            "without it)"
+        )
+
+    def _loader(self, record: dict[str, Any]) -> None:
+        """A prepared loader's global batch: the first attempt's is kept; a later attempt that asks another is told
+        once that it keeps the run's."""
+        index, fixed, asked = int(record["index"]), int(record["global_batch"]), int(record["asked"])
+        if index == len(self.global_batches):
+            self.global_batches.append(fixed)
+        if asked != fixed and f"loader {index}" not in self._told:
+            self._told.add(f"loader {index}")
+            self.view.log(
+                f"prepared loader {index + 1} of the loop asks a global batch of {asked} (batch_size x the "
+                f"{self.batch_workers} workers the run started with) and keeps the run's {fixed}, fixed by the first "
+                "attempt: len(loader) and each epoch's steps stay as they were"
+            )
 
     def _error(self, rank: int, outcome: LoopOutcome) -> str:
         member = self.group.members[rank]
@@ -375,6 +403,12 @@ class _Run:
             metrics_history=list(self.history),
             workers=self.workers,
         )
+
+
+def loop_backend(requested: str, found: Sequence[LoopDevice]) -> tuple[str, str | None]:
+    """The loop's collective backend, chosen as a Task's is (comm/process_group.group_backend), and the note
+    where NCCL was passed over."""
+    return group_backend(requested, [(d.info.host, d.info.device.split(":")[0], d.uuid, d.nccl) for d in found])
 
 
 def _loop(worker: Any) -> LoopCalls:

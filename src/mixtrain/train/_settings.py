@@ -1,0 +1,83 @@
+"""Which of mixtrain's settings a training loop (mixtrain.train) honours. Every ScalingConfig field is either used by
+the loop's run (HONOURED) or refused here by name when set to anything the loop would not do anyway (REFUSED): a
+setting taken and silently dropped would change a person's training without a word (issue 45). No torch or Ray."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import fields
+from typing import Any
+
+from mixtrain.config import DeviceGroup, ScalingConfig
+from mixtrain.errors import InputValueError
+
+HONOURED = frozenset(
+    {
+        # the worker group places and starts the loop's workers as a Task's (core/worker_group.py)
+        "num_workers",
+        "cpus_per_worker",
+        "use_gpu",
+        "resources_per_worker",
+        "accelerator_type",
+        "groups",
+        "placement_strategy",
+        "address",
+        "network_interface",
+        "threads_per_worker",
+        "keep_workers",
+        # the loop's group and prepared loaders
+        "backend",
+        "shares",
+        "leave_out_slow",
+        "emulate_slowdown",
+    }
+)
+"""ScalingConfig fields a loop run uses as mixtrain.Trainer does."""
+
+_AUTOCAST = "the loop keeps its own precision: use torch.autocast(...) in the loop where you want a lower one"
+_NUMERICS = "the check compares a Task's gradient on each device with the CPU's; a training loop has no Task to check"
+REFUSED: dict[str, tuple[Callable[[Any], bool], str]] = {
+    "precision": (lambda v: v == "fp32", _AUTOCAST),
+    "numerics_check": (lambda v: v != "strict", _NUMERICS),
+    "numerics_tolerance": (lambda v: v is None, _NUMERICS),
+    "max_micro_batch": (
+        lambda v: v is None,
+        "the loop sizes its own batches: lower the loader's batch_size, or accumulate with model.no_sync()",
+    ),
+    "shard_optimizer": (
+        lambda v: v is False,
+        "the loop steps its own optimizer on every worker; shard_optimizer is for mixtrain.Trainer",
+    ),
+}
+"""ScalingConfig field -> (whether a value is one the loop honours, why another is not)."""
+
+
+def check_loop_scaling(scaling: ScalingConfig) -> None:
+    """Refuse, naming the field, the value and what to do, each setting a training loop would not honour."""
+    for name, (fine, why) in REFUSED.items():
+        value = getattr(scaling, name)
+        if not fine(value):
+            default = next(f.default for f in fields(ScalingConfig) if f.name == name)
+            raise InputValueError(
+                f"ScalingConfig.{name}={value!r} with a training loop (mixtrain.train): {why}; leave it at {default!r}"
+            )
+    for group in scaling.groups if isinstance(scaling.groups, (list, tuple)) else ():
+        if isinstance(group, DeviceGroup) and group.precision not in (None, "fp32"):
+            raise InputValueError(f"DeviceGroup.precision={group.precision!r} with a training loop: {_AUTOCAST}")
+    late = {rank: start for rank, (_, start) in scaling.slowdown().items() if start > 0}
+    if late:
+        raise InputValueError(
+            f"ScalingConfig.emulate_slowdown (or MIXTRAIN_EMULATE_SLOWDOWN) from round {late} with a training loop: "
+            "a loop has no rounds, so the slowdown would apply from its start; give {rank: factor}"
+        )
+
+
+def check_ray_options(options: dict[str, Any]) -> None:
+    """Ray TorchTrainer's other arguments (torch_config, datasets, dataset_config, metadata): accepted as None, so a
+    Ray Train script's call runs unchanged, and refused when set, as nothing here would act on them."""
+    for name, value in options.items():
+        if value is not None:
+            raise InputValueError(
+                f"TorchTrainer({name}={value!r}): mixtrain does not use {name} (the loop reads its data through "
+                "prepare_data_loader, and the collective backend is ScalingConfig.backend); leave it out"
+            )
