@@ -42,6 +42,7 @@ _PUBLIC = {
     "get_context": "mixtrain.train._api",
     "get_checkpoint": "mixtrain.train._api",
     "get_device": "mixtrain.train._api",
+    "sum_over_workers": "mixtrain.train._api",
 }
 __all__ = [
     "Checkpoint",
@@ -54,11 +55,12 @@ __all__ = [
     "get_context",
     "get_device",
     "report",
+    "sum_over_workers",
 ]
 
 if TYPE_CHECKING:
     from mixtrain.config import ScalingConfig
-    from mixtrain.train._api import get_checkpoint, get_context, get_device, report
+    from mixtrain.train._api import get_checkpoint, get_context, get_device, report, sum_over_workers
     from mixtrain.train._result import Result, TrainingFailedError
     from mixtrain.train.checkpoint import Checkpoint
     from mixtrain.train.config import FailureConfig, RunConfig
