@@ -160,3 +160,58 @@ def test_ctrl_c_stops_a_loop_at_its_next_report_and_resume_continues_to_the_same
     got, want = torch.load(tmp_path / "a" / "final.pt"), torch.load(tmp_path / "b" / "final.pt")
     for name in want:  # another split (fixed 10:6 against measured shares), in one go: the same math
         assert torch.allclose(got[name], want[name], rtol=1e-5, atol=1e-6), name
+
+
+CHATTY = """
+import os, sys, time
+from pathlib import Path
+import mixtrain.train
+
+rank = int(os.environ["RANK"])
+print(f"rank {rank} says hello")
+print(f"rank {rank} warns on stderr", file=sys.stderr)
+go = Path(sys.argv[1])
+deadline = time.monotonic() + 120
+while not go.exists() and time.monotonic() < deadline:  # the test lets it go once it saw rank 0's line
+    time.sleep(0.05)
+mixtrain.train.report({"went": int(go.exists())})
+print(f"rank {rank} done")
+"""
+
+
+def test_mixtrain_run_shows_rank_0s_output_on_the_terminal_as_it_prints_and_every_ranks_in_the_logs(
+    tmp_path, ray_address
+):
+    import queue
+    import threading
+    import time
+
+    (tmp_path / "chatty.py").write_text(CHATTY)
+    go, run_dir = tmp_path / "go", tmp_path / "run"
+    proc = subprocess.Popen(
+        [MIXTRAIN, "run", "chatty.py", "--workers", "2", "--cpus-per-worker", "0.5", "--address", ray_address,
+         "--run-dir", str(run_dir), "--quiet", "--", str(go)],
+        cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    lines: queue.Queue[str | None] = queue.Queue()
+    reader = threading.Thread(target=lambda: [*map(lines.put, proc.stderr), lines.put(None)], daemon=True)
+    reader.start()
+    seen, deadline = [], time.monotonic() + 180
+    while "rank 0 says hello\n" not in seen:  # shown while the loop still waits for `go`: not at the end
+        assert time.monotonic() < deadline and proc.poll() is None, (seen, proc.poll())
+        try:
+            seen.append(lines.get(timeout=1))
+        except queue.Empty:
+            pass
+    go.touch()
+    seen.extend(iter(lambda: lines.get(timeout=120), None))  # to the end of the CLI's stderr
+    out = proc.stdout.read()
+    proc.wait(timeout=60)
+    assert proc.returncode == 0, "".join(seen)[-3000:]
+    assert "last report: went 1" in out, out
+    shown = "".join(seen)
+    assert "rank 0 warns on stderr" in shown and "rank 0 done" in shown, shown
+    assert "rank 1" not in shown, shown  # the other ranks' output is in their logs, where the one note says
+    assert shown.count(f"every worker's is in {run_dir / 'logs'}/worker-*.log") == 1, shown
+    rank1 = "".join(p.read_text() for p in (run_dir / "logs").glob("worker-1-*.log"))
+    assert "rank 1 says hello" in rank1 and "rank 1 done" in rank1, rank1

@@ -190,6 +190,7 @@ class _Run:
         self._planned: dict[int, list[int]] = {}
         self.batch_workers = 0
         self.stopped_at_report = False
+        self._output_noted = False
 
     def train(self) -> None:
         self.batch_workers = len(self.group.members)  # as started: the global batch keeps it
@@ -336,7 +337,8 @@ class _Run:
 
     def _drain(self) -> None:
         """Show and record what the workers reported since the last look."""
-        reports, events = ray.get(self.sink.take.remote())
+        reports, events, output = ray.get(self.sink.take.remote())
+        self._show_output(output)
         for report in reports:
             self.history.append(report)
             self.log.write("report", report)
@@ -348,6 +350,16 @@ class _Run:
                 self._planned[record["global_batch"]] = record["shares"]  # shown when they change, not every epoch
                 speeds = ", ".join(f"{s:,.0f}" for s in record["speeds"])
                 self.view.log(f"shares of {record['global_batch']}: {record['shares']} (samples/s measured: {speeds})")
+
+    def _show_output(self, lines: list[str]) -> None:
+        """Worker 0's output, as it prints it (shown also where RunConfig.progress is off: the lines are the loop's
+        own); where every worker's is, said once."""
+        if not lines:
+            return
+        if not self._output_noted:
+            self._output_noted = True
+            self.view.output([f"(worker 0's output follows; every worker's is in {self.group.log_dir}/worker-*.log)"])
+        self.view.output(lines)
 
     def _error(self, rank: int, outcome: LoopOutcome) -> str:
         member = self.group.members[rank]
