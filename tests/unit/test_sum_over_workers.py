@@ -34,3 +34,20 @@ def test_what_is_not_names_to_numbers_is_refused_naming_it(values, named):
     with pytest.raises(InputTypeError, match="sum_over_workers") as err:
         mixtrain.train.sum_over_workers(values)
     assert named in str(err.value)
+
+
+@pytest.mark.parametrize(("shuffle", "ordered"), [(True, False), (False, True)])
+def test_a_torchrun_loaders_distributed_sampler_keeps_its_own_shuffle_under_prepare(shuffle, ordered):
+    # DataLoader(shuffle=False, sampler=DistributedSampler(data)) shuffles under torchrun: a port that wraps the
+    # loader as it is must shuffle too, and one whose sampler says shuffle=False must not
+    from torch.utils.data import DataLoader, TensorDataset
+    from torch.utils.data.distributed import DistributedSampler
+
+    from mixtrain.train._prepare import PreparedLoader
+
+    data = TensorDataset(torch.arange(40))
+    loader = DataLoader(data, batch_size=8, shuffle=False, sampler=DistributedSampler(data, 1, 0, shuffle=shuffle))
+    session = one_worker_session()
+    session.batch_workers = 1
+    seen = torch.cat([batch[0] for batch in PreparedLoader(loader, session)]).tolist()
+    assert sorted(seen) == list(range(40)) and (seen == list(range(40))) == ordered
