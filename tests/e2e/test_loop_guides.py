@@ -230,7 +230,7 @@ def test_mixtrain_run_shows_rank_0s_output_on_the_terminal_as_it_prints_and_ever
 
 
 # ---- what each port says it changed ----------------------------------------------------------------------------
-PORTS = ["ray_train_digits.py", "torchrun_digits.py"]
+PORTS = ["ray_train_digits.py", "torchrun_digits.py", "accelerate_digits.py"]
 """docs/examples/NAME, ported from docs/examples/originals/NAME."""
 MARKED = re.compile(r"\S\s+# (?:was: (?P<was>.+)|added\b.*)$|^\s*# removed: (?P<removed>.+)$")
 
