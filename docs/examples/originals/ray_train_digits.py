@@ -1,8 +1,8 @@
 """The Ray Train script docs/examples/ray_train_digits.py was ported from (tests/e2e/test_loop_guides.py diffs the
 two): Ray's Fashion-MNIST example, python/ray/train/examples/pytorch/torch_fashion_mnist_example.py in
 github.com/ray-project/ray (Apache-2.0; read at commit 048bcae12e6325146c496ee0b233ea739dfea7ff), moved to
-scikit-learn's handwritten digits so that nothing is downloaded. It runs under Ray Train as it stands
-(`pip install "ray[train]" scikit-learn`). What differs from Ray's file: get_dataloaders reads the digits (8x8, so
+scikit-learn's handwritten digits so that nothing is downloaded. It is written for Ray Train
+(`pip install "ray[train]" scikit-learn`); the tests diff it, they do not run it. What differs from Ray's file: get_dataloaders reads the digits (8x8, so
 the first layer takes 64 inputs) and shuffles the training set; the network is one hidden layer of 128; no tqdm;
 lr 5e-2; the sampler's set_epoch from Ray's user guide; the workers and epochs from the command line.
 """
