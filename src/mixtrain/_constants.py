@@ -24,9 +24,10 @@ REBALANCE_THRESHOLD = ("MIXTRAIN_REBALANCE_THRESHOLD", 0.10)
 """Re-plan shares when the slowest worker's compute exceeds the mean by more than this fraction."""
 EXCLUDE_GAIN = ("MIXTRAIN_EXCLUDE_GAIN", 0.30)
 """Leave a worker out only when the job is predicted at least this fraction faster without it."""
-LEAVE_OUT_PAYBACK_S = ("MIXTRAIN_LEAVE_OUT_PAYBACK_S", 10.0)
-"""Leave a worker out mid-run only when that saves at least this long over the training left (re-forming the
-group and its warm-up round cost a few seconds); 0: whenever it is faster."""
+LEAVE_OUT_PAYBACK_S = ("MIXTRAIN_LEAVE_OUT_PAYBACK_S", 2.0)
+"""Leave a worker out mid-run only when the predicted speed-up saves at least this long over the training left,
+or the measured time the group took to form when that is longer (the price of re-forming it); 0 and a formation
+measured at 0: whenever it is faster. Before the first step a leave-out costs nothing and this does not apply."""
 BUCKET_MB = ("MIXTRAIN_BUCKET_MB", 25.0)
 """Size of one gradient bucket (one all-reduce call)."""
 STORE_PAGES_MB = ("MIXTRAIN_STORE_PAGES_MB", 0.0)
@@ -97,10 +98,15 @@ def env_float(pair: tuple[str, float], zero_allowed: bool = False) -> float:
     return value
 
 
-def transfer_s(num_bytes: float) -> float:
-    """Deadline for moving `num_bytes` between processes (a state, a checkpoint, the link measurement): the
-    collective timeout plus the time the slowest allowed link needs, so a big model on Wi-Fi is not cut off."""
-    return env_float(COLLECTIVE_TIMEOUT_S) + num_bytes / (env_float(MIN_LINK_MBPS) * 1e6)
+# Variables that are not numbers, read where they are used; named here so every MIXTRAIN_* has one home.
+HOME_ENV = "MIXTRAIN_HOME"
+"""This user's own folder (default ~/.mixtrain): the cluster token, the cluster record, the signing key."""
+SLOWDOWN_ENV = "MIXTRAIN_EMULATE_SLOWDOWN"
+"""EMULATION only: RANK:FACTOR[@ROUND][,...] makes those workers compute FACTOR times slower (benchmarks, tests)."""
+PROFILE_DIR_ENV = "MIXTRAIN_PROFILE_DIR"
+"""A folder where each worker writes torch.profiler tables of a few rounds (observe/round_profile.py)."""
+KEEP_WORKERS_ENV = "MIXTRAIN_KEEP_WORKERS"
+"""1: a finished fit keeps its worker processes for the next fit in this process (core/warm_workers.py)."""
 
 
 HOST_MMAP_THRESHOLD_MB = ("MIXTRAIN_HOST_MMAP_THRESHOLD_MB", 16.0)

@@ -9,6 +9,7 @@ from dataclasses import dataclass, replace
 from typing import Any, Literal, cast, get_args
 
 from mixtrain import _checks as check
+from mixtrain._constants import SLOWDOWN_ENV
 from mixtrain.errors import InputTypeError, InputValueError
 
 Precision = Literal["fp32", "auto", "bf16", "fp16"]
@@ -23,7 +24,6 @@ Backend = Literal["auto", "gloo", "nccl"]
 BACKENDS: tuple[str, ...] = get_args(Backend)
 NumericsCheck = Literal["warn", "strict", "off"]
 NUMERICS_CHECKS: tuple[str, ...] = get_args(NumericsCheck)
-SLOWDOWN_ENV = "MIXTRAIN_EMULATE_SLOWDOWN"
 MAX_SEED = 2**32 - 1
 """The largest seed: NumPy's and scikit-learn's generators take at most 32 bits."""
 

@@ -26,6 +26,7 @@ from mixtrain.core.hooks import Hooks, check_callbacks
 from mixtrain.core.interrupt import GracefulStop
 from mixtrain.core.run_state import RunSettings
 from mixtrain.core.tunables import Tunables
+from mixtrain.core.worker_calls import WorkerCalls
 from mixtrain.core.worker_group import WorkerGroup
 from mixtrain.data.sampling import Arrays, steps_per_epoch
 from mixtrain.data.sources import Loader, describe, known_length
@@ -191,7 +192,9 @@ class Trainer:
             )
             stop.arm()
             controller.run(epochs, position)
-            state = group.receive(group.nearest(), "state_dict", stall_s=group.tunables.collective_timeout_s)
+            state = group.receive(
+                group.nearest(), WorkerCalls.stream_state_dict, stall_s=group.tunables.collective_timeout_s
+            )
             finished = True
             return controller, up, unpack(state)
         except KeyboardInterrupt:
@@ -330,12 +333,17 @@ class Trainer:
         takes it as its common point). Returns where training goes on and the driver's own saved state."""
         state, manifest, path = resumed
         rng = state.pop("rng", None)
+        ranks = state.pop("ranks", None)  # what each rank held of its own (local SGD's inner optimizers)
         driver_state = state.pop("driver", None)  # the callbacks' and the best checkpoint's: the driver's
         members = group.members
         same = rng is not None and len(rng) == len(members)
+        own = ranks if same and isinstance(ranks, list) and len(ranks) == len(members) else [None] * len(members)
         ref = ray.put(pack(state))  # once, not once per worker; each worker reads it in place
         group.gather(
-            {r: m.worker.load_training_state(ref, rng[r] if same else None) for r, m in enumerate(members)},
+            {
+                r: m.worker.load_training_state(ref, rng[r] if same else None, pack(own[r]))
+                for r, m in enumerate(members)
+            },
             group.tunables.transfer_s(tensor_bytes(state)),  # to every node: a big model over Wi-Fi takes minutes
         )
         meta = CheckpointMeta.from_manifest(manifest)

@@ -12,7 +12,7 @@ from mixtrain.cluster.placement import WorkerSpec
 from mixtrain.comm import state_transfer
 from mixtrain.core.membership import Member, Membership
 from mixtrain.core.worker_calls import WorkerCalls
-from mixtrain.core.worker_group import STREAM_AHEAD, WorkerGroup, WorkerTimeout, open_stream
+from mixtrain.core.worker_group import STREAM_AHEAD, WorkerGroup, WorkerTimeout
 
 pytestmark = pytest.mark.usefixtures("ray_session")
 
@@ -25,7 +25,7 @@ class SlowSender:
     def __init__(self, pause_s: float, silent_s: float = 0.0) -> None:
         self.pause_s, self.silent_s = pause_s, silent_s
 
-    def stream(self, what: str):
+    def stream_training_state(self):
         pieces = list(state_transfer.stream({"model": {"w": torch.arange(2**18, dtype=torch.float32)}}))
         for i, piece in enumerate(pieces):
             if i == len(pieces) // 2:
@@ -45,14 +45,14 @@ def group_of(actor) -> WorkerGroup:
 def test_a_transfer_slower_than_the_stall_timeout_in_total_still_arrives():
     # 18 pieces 0.2 s apart: 3.6 s in all, against a stall timeout of 1 s
     t0 = time.monotonic()
-    state = group_of(SlowSender.remote(0.2)).receive(0, "training_state", stall_s=1.0)
+    state = group_of(SlowSender.remote(0.2)).receive(0, WorkerCalls.stream_training_state, stall_s=1.0)
     assert time.monotonic() - t0 > 3.0
     assert torch.equal(state_transfer.unpack(state)["model"]["w"], torch.arange(2**18, dtype=torch.float32))
 
 
 def test_a_sender_that_goes_silent_is_a_timeout_naming_it():
     with pytest.raises(WorkerTimeout) as err:
-        group_of(SlowSender.remote(0.0, silent_s=5.0)).receive(0, "training_state", stall_s=1.0)
+        group_of(SlowSender.remote(0.0, silent_s=5.0)).receive(0, WorkerCalls.stream_training_state, stall_s=1.0)
     assert err.value.ranks == [0] and "sent nothing of training_state for 1 s" in str(err.value)
 
 
@@ -63,7 +63,7 @@ class CountingSender:
     def __init__(self) -> None:
         self.produced = 0
 
-    def stream(self, what: str):
+    def stream_training_state(self):
         for piece in state_transfer.stream({"w": torch.ones(2**23)}):
             self.produced += 1
             yield piece
@@ -75,7 +75,7 @@ class CountingSender:
 def test_a_sender_runs_only_a_few_pieces_ahead_of_the_reader():
     # Unbounded, a worker would produce the whole state at once and hold what the driver has not read yet
     sender = CountingSender.remote()
-    gen = open_stream(sender, "training_state")
+    gen = WorkerCalls(sender).stream_training_state(STREAM_AHEAD)
     deadline = time.monotonic() + 30
     while ray.get(sender.sent.remote()) < STREAM_AHEAD and time.monotonic() < deadline:
         time.sleep(0.05)

@@ -36,3 +36,22 @@ def test_a_timeout_under_a_millisecond_is_refused_naming_the_variable_and_the_fi
     assert env_float(COLLECTIVE_TIMEOUT_S) == 0.001
     monkeypatch.setenv("MIXTRAIN_BUCKET_MB", "0.0005")  # not a time: small is allowed
     assert env_float(("MIXTRAIN_BUCKET_MB", 25.0)) == 0.0005
+
+
+def test_every_mixtrain_variable_is_named_in_the_constants_module():
+    """Issue 47: four MIXTRAIN_* variables lived outside _constants.py. Each one is named there now (what reads it
+    imports the name), so one file lists every setting a user can give through the environment."""
+    import pathlib
+    import re
+
+    import mixtrain
+
+    package = pathlib.Path(mixtrain.__file__).parent
+    named = re.compile(r"""["']MIXTRAIN_[A-Z0-9_]+["']""")
+    outside = [
+        f"{path.relative_to(package)}: {match}"
+        for path in package.rglob("*.py")
+        if path.name != "_constants.py"
+        for match in named.findall(path.read_text())
+    ]
+    assert outside == []

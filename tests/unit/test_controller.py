@@ -76,6 +76,7 @@ class FakeGroup:
         self.joining: deque[Joined] = deque()
         self.lose_in_state: dict[int, str] | None = None
         self.wall_s = 0.1
+        self.form_s = 0.0
 
     def run_round(self, plan: RoundPlan) -> RoundOutcome:
         self.plans.append(plan)
@@ -112,6 +113,9 @@ class FakeGroup:
             lost, self.lose_in_state = self.lose_in_state, None
             raise WorkersLost(lost)
         return {"model": {"w": torch.zeros(2)}, "optimizer": {"state": {}}}
+
+    def rank_states(self) -> list[dict[str, Any]]:
+        return []
 
     def rng_states(self) -> list[dict[str, Any]]:
         return [{"cpu": torch.get_rng_state()} for _ in self.members]

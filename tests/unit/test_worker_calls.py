@@ -20,7 +20,9 @@ def test_each_call_has_the_workers_name_and_parameters():
     assert len(calls) >= 20
     for name, call in calls.items():
         assert hasattr(TrainWorker, name), name
-        if name == "stream":  # the proxy adds how far ahead the worker may stream
+        if name.startswith("stream_"):  # the proxy adds how far ahead the worker may stream
+            assert _parameters(call) == [("ahead", inspect.Parameter.empty)], name
+            assert _parameters(getattr(TrainWorker, name)) == [], name
             continue
         assert _parameters(call) == _parameters(getattr(TrainWorker, name)), name
 
@@ -46,3 +48,20 @@ def test_the_driver_calls_no_worker_method_by_name():
     for path in core.rglob("*.py"):
         text = path.read_text()
         assert "getattr(actor" not in text and 'call("' not in text and "call_each(" not in text, path
+
+
+def test_the_loop_worker_is_a_worker_process_without_the_task_replicas_methods():
+    """Issue 47: the loop worker inherited TrainWorker's 36 methods of the `Task` path. Both now build on one
+    WorkerProcess (logs, rank, rendezvous, kept for the next fit), and each typed loop call is the loop worker's."""
+    from mixtrain.core.loop_calls import LoopCalls
+    from mixtrain.core.loop_worker import LoopWorker
+    from mixtrain.core.worker_process import WorkerProcess
+
+    assert issubclass(LoopWorker, WorkerProcess) and issubclass(TrainWorker, WorkerProcess)
+    assert not issubclass(LoopWorker, TrainWorker)
+    for task_only in ("build", "probe", "run_round", "evaluate", "training_state", "load_training_state"):
+        assert hasattr(TrainWorker, task_only) and not hasattr(LoopWorker, task_only), task_only
+    for name in ("prepare_device", "join_loop", "run_loop"):
+        assert _parameters(getattr(LoopCalls, name)) == _parameters(getattr(LoopWorker, name)), name
+    for name in ("info", "set_rank", "open_rendezvous", "leave", "log_text", "shutdown", "reuse"):
+        assert getattr(LoopWorker, name) is getattr(WorkerProcess, name), name

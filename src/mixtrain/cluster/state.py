@@ -20,6 +20,7 @@ from pathlib import Path
 
 import psutil
 
+from mixtrain._constants import HOME_ENV
 from mixtrain._files import write_json
 
 START_TIME_TOLERANCE_S = 0.05
@@ -34,7 +35,7 @@ def home() -> Path:
     """$MIXTRAIN_HOME (default ~/.mixtrain): this user's own folder, private (0700), made so if it is not. It holds
     the cluster token, and `cluster down` signals the processes recorded there: a folder someone else owns (or
     could write to) would let them choose both, so one owned by another user is refused."""
-    path = Path(os.environ.get("MIXTRAIN_HOME", Path.home() / ".mixtrain"))
+    path = Path(os.environ.get(HOME_ENV, Path.home() / ".mixtrain"))
     path.mkdir(mode=0o700, parents=True, exist_ok=True)
     info = path.stat()
     if not stat.S_ISDIR(info.st_mode):

@@ -408,6 +408,19 @@ class LocalSGDStrategy(SyncStrategy):
     def state_dict(self) -> dict[str, Any]:
         return {"momentum": self.momentum.clone()}
 
+    def rank_state(self, task: Task) -> dict[str, Any]:
+        """Each replica steps its inner optimizer on its own samples, so its state (momentum, Adam's moments)
+        is its own, and so is what quantization dropped from its last delta (the error feedback)."""
+        out: dict[str, Any] = {"optimizer": self.optimizer_state(task)}
+        if self.feedback is not None:
+            out["residual"] = self.feedback.residual.clone()
+        return out
+
+    def load_rank_state(self, task: Task, state: dict[str, Any]) -> None:
+        residual = state.get("residual")
+        if self.feedback is not None and isinstance(residual, torch.Tensor):
+            self.feedback.residual = residual.to("cpu", torch.float32).clone()
+
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if "momentum" in state:
             self.momentum = state["momentum"].to("cpu", torch.float32).clone()

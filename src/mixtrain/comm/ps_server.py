@@ -110,8 +110,17 @@ class _Step:
 class ParameterServer:
     """One shard. All methods are coroutines: pushes for the same step wait together on one event."""
 
-    def __init__(self, factory: Callable[[], Task], index: int, shards: int, seed: int, compress: str) -> None:
+    def __init__(
+        self,
+        factory: Callable[[], Task],
+        index: int,
+        shards: int,
+        seed: int,
+        compress: str,
+        collective_timeout_s: float,
+    ) -> None:
         host_allocator.release_large_blocks()
+        self.collective_timeout_s = collective_timeout_s  # the driver's (Tunables), not this process's environment
         torch.set_num_threads(1)
         torch.manual_seed(seed)
         self.task = build_task(factory)
@@ -248,7 +257,7 @@ class ParameterServer:
         self._norm_parts[step] = float(total.double().pow(2).sum())
         self._ready(step).set()
         # a peer shard that never sums this step (its workers are gone) must not hold this one forever
-        wait_s = env_float(COLLECTIVE_TIMEOUT_S)
+        wait_s = self.collective_timeout_s
         parts = [
             self._norm_parts[step] if i == self.index else await asyncio.wait_for(peer.norm_part.remote(step), wait_s)
             for i, peer in enumerate(self.peers or [None])
@@ -284,7 +293,14 @@ class ParameterServer:
         return self.numel
 
 
-def start(factory: Callable[[], Task], shards: int, seed: int, compress: str, node_id: str | None) -> list[Any]:
+def start(
+    factory: Callable[[], Task],
+    shards: int,
+    seed: int,
+    compress: str,
+    node_id: str | None,
+    collective_timeout_s: float | None = None,
+) -> list[Any]:
     """The shard actors, on `node_id` (default: the driver's node, normally the head). They reserve no
     CPU, so they never keep a worker from its bundle; each runs torch on one thread."""
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
@@ -292,7 +308,11 @@ def start(factory: Callable[[], Task], shards: int, seed: int, compress: str, no
     node = node_id or ray.get_runtime_context().get_node_id()
     cls: Any = ray.remote(num_cpus=0, max_restarts=0)(ParameterServer)
     where = NodeAffinitySchedulingStrategy(node, soft=False)
-    actors = [cls.options(scheduling_strategy=where).remote(factory, i, shards, seed, compress) for i in range(shards)]
+    timeout_s = collective_timeout_s if collective_timeout_s is not None else env_float(COLLECTIVE_TIMEOUT_S)
+    actors = [
+        cls.options(scheduling_strategy=where).remote(factory, i, shards, seed, compress, timeout_s)
+        for i in range(shards)
+    ]
     wait_s = env_float(PS_START_TIMEOUT_S)
     try:
         ray.get([a.ready.remote() for a in actors], timeout=wait_s)

@@ -223,6 +223,15 @@ class SyncStrategy(ABC):
         """The strategy's own training state (local-sgd's outer momentum) for checkpoints and rollback."""
         return {}
 
+    def rank_state(self, task: Task) -> dict[str, Any]:
+        """What this replica holds that the others do not (local SGD: its inner optimizer's state, its error
+        feedback), for a checkpoint to give back to the worker of the same rank: a resume then continues
+        bit for bit. Empty where every replica holds the same (all-reduce, the parameter servers)."""
+        return {}
+
+    def load_rank_state(self, task: Task, state: dict[str, Any]) -> None:  # noqa: B027 - optional hook
+        """Take back what rank_state() returned, after setup() (the optimizer part is loaded before it)."""
+
     def load_state_dict(self, state: dict[str, Any]) -> None:  # noqa: B027 - optional hook, a no-op by default
         """Restore what state_dict() returned."""
 

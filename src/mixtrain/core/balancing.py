@@ -35,9 +35,10 @@ class Balancing:
         self.comm_s = max(w.comm_s for w in record.workers) / record.num_steps
         self.members.set_speeds(smooth_speeds(self.members.speeds(), new))
 
-    def decide(self, record: RoundRecord, remaining_samples: int | None = None) -> Decision:
+    def decide(self, record: RoundRecord, remaining_samples: int | None = None, reform_s: float = 0.0) -> Decision:
         """What the shares should do after this round: Adopt a plan, LeaveOut a worker, Readmit the parked one
-        (while a leave-out is checked), or Noop."""
+        (while a leave-out is checked), or Noop. `reform_s`: what forming the group last took (the price of a
+        leave-out, weighed against what it saves over the `remaining_samples`)."""
         if self.check is not None:
             decision = self.check.observe(record.samples_per_s)
             return decision if isinstance(decision, Readmit) else Noop()
@@ -56,6 +57,7 @@ class Balancing:
             remaining_s=remaining_samples / record.samples_per_s
             if remaining_samples is not None and record.samples_per_s > 0
             else None,
+            reform_s=reform_s,
         )
 
     @property

@@ -418,7 +418,8 @@ class Controller:
 
     def _balance(self, record: RoundRecord) -> None:
         steps_left = (self.epochs - record.epoch) * self.num_steps - (record.first_step + record.num_steps)
-        decision = self.balancing.decide(record, max(0, steps_left) * self.settings.global_batch)
+        remaining = max(0, steps_left) * self.settings.global_batch
+        decision = self.balancing.decide(record, remaining, reform_s=self.port.form_s)
         if isinstance(decision, LeaveOut):
             self.changes.leave_out(decision.rank, decision.reason)
         elif isinstance(decision, Readmit):
@@ -456,6 +457,9 @@ class Controller:
     def _collect_state(self) -> dict[str, Any]:
         state = self.port.full_state()
         state["rng"] = self.port.rng_states()
+        ranks = self.port.rank_states()
+        if ranks:
+            state["ranks"] = ranks
         return state
 
     def driver_state(self, new_best: str | None = None) -> str:

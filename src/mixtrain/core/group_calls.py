@@ -38,9 +38,8 @@ rank 0's peak was 20-100 MB higher and the driver's 60-200 MB on a 12.6M-paramet
 150 MB took 0.6-0.7 s instead of 0.3-0.6 s on one machine."""
 
 
-def open_stream(actor: Any, what: str) -> Any:
-    """actor.stream(what) as Ray's streaming generator, at most STREAM_AHEAD pieces ahead of the reader."""
-    return WorkerCalls(actor).stream(what, STREAM_AHEAD)
+Streamed = Callable[[WorkerCalls, int], Iterator[Any]]
+"""One of WorkerCalls' streamed copies (WorkerCalls.stream_training_state, ...): what GroupCalls.receive reads."""
 
 
 def error_text(exc: BaseException) -> str:
@@ -152,11 +151,12 @@ class GroupCalls:
         """The rank to read an equal replica's state from: the first on the driver's own node (Membership.nearest)."""
         return self.members.nearest(ray.get_runtime_context().get_node_id())
 
-    def receive(self, rank: int, what: str, *, stall_s: float) -> Any:
-        """`what` (a TrainWorker.stream name) from worker `rank`, streamed in small pieces: no deadline for the
-        whole (a large model on a slow link takes as long as it takes), but a peer silent for `stall_s` between
-        two pieces is WorkerTimeout, and a dead one WorkerError."""
-        gen = self.members[rank].worker.stream(what, STREAM_AHEAD)
+    def receive(self, rank: int, streamed: Streamed, *, stall_s: float) -> Any:
+        """A streamed copy (e.g. WorkerCalls.stream_training_state) from worker `rank`, in small pieces: no deadline
+        for the whole (a large model on a slow link takes as long as it takes), but a peer silent for `stall_s`
+        between two pieces is WorkerTimeout, and a dead one WorkerError."""
+        gen = streamed(self.members[rank].worker, STREAM_AHEAD)
+        what = streamed.__name__.removeprefix("stream_")
 
         def pieces() -> Iterator[Any]:
             while True:
@@ -168,6 +168,6 @@ class GroupCalls:
                 except StopIteration:
                     return
                 except ray.exceptions.RayError as exc:
-                    raise WorkerError(_describe(rank, f"stream({what!r})", exc)) from exc
+                    raise WorkerError(_describe(rank, streamed.__name__, exc)) from exc
 
         return state_transfer.receive(pieces())

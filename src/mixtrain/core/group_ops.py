@@ -20,6 +20,7 @@ from mixtrain.core.membership import Member, Membership
 from mixtrain.core.messages import BuildReport, JoinRequest, RoundPlan
 from mixtrain.core.port import Joined, RoundOutcome, WorkersLost
 from mixtrain.core.tunables import Tunables
+from mixtrain.core.worker_calls import WorkerCalls
 from mixtrain.core.worker_group import WorkerError, WorkerGroup, WorkerTimeout
 from mixtrain.policies.decisions import recovery_source
 from mixtrain.task import Task
@@ -55,6 +56,8 @@ class GroupOps:
         self.reference: BuildReport | None = None
         """Rank 0's build report, set once preflight passed."""
         self._fresh_state = True  # the workers hold state the parameter servers have not seen yet
+        self.form_s = 0.0
+        """Seconds the last formation took (rendezvous and join): the measured price of re-forming the group."""
 
     @property
     def members(self) -> Membership:
@@ -71,7 +74,7 @@ class GroupOps:
     # ---- the collective group -------------------------------------------------------------------
     def form(self) -> None:
         """Rendezvous at rank 0, join the collective group, set up the strategy (rank 0's weights go to all)."""
-        t = self.tunables
+        t, start = self.tunables, time.perf_counter()
         rank0 = self.members[0].worker
         # every worker on one node (an embedded Ray, a one-machine cluster): the store and the collectives, which
         # have no authentication, listen on loopback only. Asked now: a replacement reports who it is after this
@@ -96,6 +99,7 @@ class GroupOps:
         )
         self.group.each(lambda w: w.join(request), timeout_s=t.rendezvous_timeout_s + t.collective_timeout_s + 10)
         self._fresh_state = False
+        self.form_s = time.perf_counter() - start
 
     def _shard_weights(self) -> tuple[float, ...] | None:
         """ScalingConfig.shard_optimizer for the current ranks: None (off), () (by free memory, measured by the
@@ -137,6 +141,13 @@ class GroupOps:
         with self._losses("checkpoint"):
             return self.group.each(lambda w: w.rng_state(), timeout_s=self.tunables.collective_timeout_s)
 
+    def rank_states(self) -> list[dict[str, Any]]:
+        if self.strategy.name != "local-sgd":  # the only strategy whose replicas hold state of their own
+            return []
+        with self._losses("checkpoint"):
+            states = self.group.each(lambda w: w.rank_state(), timeout_s=self.state_transfer_s())
+        return [unpack(s) for s in states]
+
     def evaluate(
         self, bounds: Sequence[tuple[int, int]], batches: Sequence[int], timeout_s: float
     ) -> list[dict[str, float]]:
@@ -151,13 +162,14 @@ class GroupOps:
         nothing for the collective timeout counts as lost (the whole takes as long as the link needs)."""
         stall_s = self.tunables.collective_timeout_s
         source = self.group.nearest()
-        state = self.group.receive(source, "training_state", stall_s=stall_s)
+        state = self.group.receive(source, WorkerCalls.stream_training_state, stall_s=stall_s)
         if self.group.servers:  # the parameter servers hold the optimizer state: straight from them
             gathered = ps_server.gather_optimizer_state(self.group.servers, self.state_transfer_s())
             state["optimizer"]["state"].update(gathered)
         if self.shards_optimizer:
             for rank in (r for r in range(len(self.members)) if r != source):
-                state["optimizer"]["state"].update(self.group.receive(rank, "optimizer_part", stall_s=stall_s))
+                part = self.group.receive(rank, WorkerCalls.stream_optimizer_part, stall_s=stall_s)
+                state["optimizer"]["state"].update(part)
         return state
 
     @contextmanager

@@ -1,6 +1,7 @@
-"""The worker that runs a user's own training loop (mixtrain.train): the same process as TrainWorker (device,
-logs, rendezvous), with the loop in place of mixtrain's step loop. The loop's calls to mixtrain.train
-(prepare_model, prepare_data_loader, report, get_context, get_checkpoint) find this worker through the session."""
+"""The worker that runs a user's own training loop (mixtrain.train): a WorkerProcess as the `Task` path's
+TrainWorker is (device, logs, rendezvous), with the loop in place of mixtrain's replica and step loop. The loop's
+calls to mixtrain.train (prepare_model, prepare_data_loader, report, get_context, get_checkpoint) find this worker
+through the session."""
 
 from __future__ import annotations
 
@@ -18,13 +19,15 @@ import ray
 from mixtrain import _constants, devices
 from mixtrain.comm import process_group
 from mixtrain.core.messages import JoinRequest, LoopOutcome, LoopRequest, WorkerInfo
-from mixtrain.core.worker import TrainWorker
+from mixtrain.core.worker_process import WorkerProcess
 from mixtrain.observe import worker_log
 from mixtrain.train import _session
 from mixtrain.train.checkpoint import Checkpoint, write_files
 
 
-class LoopWorker(TrainWorker):
+class LoopWorker(WorkerProcess):
+    """The user's loop on one device: none of the `Task` replica's methods, only what a loop run calls."""
+
     def prepare_device(self) -> WorkerInfo:
         """Resolve the device where this actor landed (CUDA, else MPS, else CPU, as asked)."""
         self.kind = devices.resolve(self.device_request)

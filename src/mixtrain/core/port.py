@@ -55,6 +55,11 @@ class GroupPort(Protocol):
     @property
     def shards_optimizer(self) -> bool: ...
 
+    @property
+    def form_s(self) -> float:
+        """Seconds the group's last formation took (rendezvous and join): the measured price of re-forming it."""
+        ...
+
     def run_round(self, plan: RoundPlan) -> RoundOutcome:
         """Every active worker runs the round; lost workers are reported, not raised."""
         ...
@@ -87,6 +92,11 @@ class GroupPort(Protocol):
 
     def rng_states(self) -> list[dict[str, Any]]:
         """Every rank's random streams. Raises WorkersLost."""
+        ...
+
+    def rank_states(self) -> list[dict[str, Any]]:
+        """Every rank's state of its own (local SGD's inner optimizer and error feedback), by rank; empty where
+        the replicas hold the same. Raises WorkersLost."""
         ...
 
     def evaluate(

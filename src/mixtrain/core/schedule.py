@@ -158,6 +158,7 @@ class Checkpoints:
         assert self.last is not None, "a sharded run writes one before its first step"
         state, manifest = CheckpointStore.read(self.last)
         state.pop("rng", None)
+        state.pop("ranks", None)  # each rank's own: for a resume on as many workers, not a recovery
         state.pop("driver", None)  # the driver's own state: the driver has it
         return state, CheckpointMeta.from_manifest(manifest)
 

@@ -26,9 +26,9 @@ import ray
 import torch
 from ray.util.placement_group import remove_placement_group
 
+from mixtrain._constants import KEEP_WORKERS_ENV
 from mixtrain.errors import InputValueError
 
-KEEP_WORKERS_ENV = "MIXTRAIN_KEEP_WORKERS"
 """Default of ScalingConfig.keep_workers where it is left at None: "1" keeps, "0" (or unset) does not."""
 
 

@@ -1,24 +1,19 @@
-"""The Ray actor: one device, one replica, the step loop."""
+"""The Ray actor of the `Task` path: one device, one replica, the step loop (the process itself: worker_process.py)."""
 
 from __future__ import annotations
 
 import copy
-import gc
-import os
-import socket
-import sys
 import time
 from collections import defaultdict
 from collections.abc import Callable, Iterator
 from dataclasses import replace
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
 from mixtrain import compat, devices, pretrained
-from mixtrain.comm import netif, process_group, registry, state_transfer
+from mixtrain.comm import process_group, registry, state_transfer
 from mixtrain.comm.state_transfer import pack, unpack
 from mixtrain.comm.strategy import JoinContext, SyncStrategy
 from mixtrain.core import evaluation, probe, warm_workers
@@ -30,11 +25,11 @@ from mixtrain.core.messages import (
     NumericsResult,
     ProbeResult,
     RoundPlan,
-    WorkerInfo,
     WorkerReport,
     WorkerSetup,
 )
 from mixtrain.core.worker_data import Segment, StepSegments, WorkerData, paced_segments
+from mixtrain.core.worker_process import WorkerProcess
 from mixtrain.data.sampling import Arrays
 from mixtrain.data.sources import EVAL_EPOCH, Loader, to_device
 from mixtrain.devices import host_allocator, precision
@@ -47,18 +42,6 @@ NUMERICS_TOLERANCE = {"fp32": 1e-3, "fp16": 2e-2, "bf16": 6e-2}
 """Relative L2 difference of a device's gradient from the CPU's above which the device is reported."""
 MEMORY_MARGIN = 0.85
 """The memory cap is this fraction of the largest micro-batch the probe ran (optimizer state comes later)."""
-
-
-def _node_ip() -> str:
-    import ray
-
-    return ray.util.get_node_ip_address()
-
-
-def _node_id() -> str:
-    import ray
-
-    return ray.get_runtime_context().get_node_id()
 
 
 def forward_backward(
@@ -94,67 +77,22 @@ def forward_backward(
     return total.reshape(1)
 
 
-class TrainWorker:
-    """One replica of the model on one device. Every method is called by the driver for all
-    ranks at once (SPMD); between calls the worker holds its state."""
-
-    def __init__(self, setup: WorkerSetup) -> None:
-        host_allocator.release_large_blocks()
-        self._modules_at_start = set(sys.modules)  # what a kept worker keeps loaded (warm_workers)
-        self._torch_settings = warm_workers.torch_settings()  # and the process-wide torch settings it goes back to
-        self._module_stats: dict[str, tuple[int, int] | None] = {}  # the user's modules as the last task was built
-        self._setup(setup)
-        # What the imports made (torch, Ray: about 200,000 objects) lives as long as the process: out of the
-        # collector's sight, a full collection (shutdown's, or Python's own now and then mid-round) walks only
-        # what the runs made. It took 0.15-0.27 s per shutdown, and 4.6 s on a loaded machine, past the wait a
-        # kept worker is given to answer.
-        gc.freeze()
+class TrainWorker(WorkerProcess):
+    """One replica of a `Task`'s model on one device, and the step loop. Every method is called by the driver for
+    all ranks at once (SPMD); between calls the worker holds its state. The process itself (logs, rank, the
+    collective group's rendezvous, being kept for the next fit) is WorkerProcess's."""
 
     def _setup(self, setup: WorkerSetup) -> None:
-        self.log_file: Path | None = None
-        self._log_elsewhere = False  # written outside the run folder (another node): the driver copies it back
-        rank, log_to = setup.rank, setup.log_to
-        if log_to is not None:
-            name = f"worker-{rank}-{setup.device_request.replace(':', '')}-pid{os.getpid()}.log"
-            self.log_file = worker_log.log_path(log_to[0], log_to[1], _node_id(), name)
-            self._log_elsewhere = self.log_file.parent != Path(log_to[0])
-            worker_log.redirect_output(self.log_file)
-            worker_log.log.info(
-                "worker %d of %d on %s, asking for %s",
-                rank,
-                setup.world_size,
-                socket.gethostname(),
-                setup.device_request,
-            )
-        else:
-            worker_log.restore_output()
-        torch.set_num_threads(setup.num_threads)
-        self.rank = rank
-        self.world_size = setup.world_size
-        self.seed = setup.seed
-        self.host = _node_ip()
-        self.device_request = setup.device_request
+        super()._setup(setup)
         self.precision_request = setup.precision_request
-        self.kind: devices.DeviceKind = devices.get("cpu")
-        self.device = torch.device("cpu")
         self.precision = "fp32"
         # Set by the driver's calls, in this order: build, load_data, open_rendezvous (rank 0), join.
         self._task: Task | None = None
         self.data = WorkerData.empty()
         self._strategy: SyncStrategy | None = None
-        self._rendezvous: process_group.Rendezvous | None = None
         self._loaded: dict | None = None  # a checkpoint's loss scale and strategy state, until join() applies them
-        self._profiler = RoundProfiler(rank)  # off unless MIXTRAIN_PROFILE_DIR is set
+        self._profiler = RoundProfiler(setup.rank)  # off unless MIXTRAIN_PROFILE_DIR is set
         self._eval_batch: int | None = None  # the held-out batch that fit after an out-of-memory error
-
-    def reuse(self, setup: WorkerSetup) -> None:
-        """A kept worker (warm_workers) starts over for the next fit, as a new actor with `setup` would: nothing
-        of the last fit's task, data, group, user modules or torch defaults stays."""
-        self.shutdown()
-        warm_workers.forget_edited_modules(self._modules_at_start, self._module_stats)
-        warm_workers.restore_torch_settings(self._torch_settings)
-        warm_workers.reset_peak_rss()
-        self._setup(setup)
 
     @property
     def task(self) -> Task:
@@ -165,23 +103,6 @@ class TrainWorker:
     def strategy(self) -> SyncStrategy:
         assert self._strategy is not None, "join() comes first"
         return self._strategy
-
-    def info(self) -> WorkerInfo:
-        return WorkerInfo(
-            rank=self.rank,
-            host=self.host,
-            hostname=socket.gethostname(),
-            pid=os.getpid(),
-            node_id=_node_id(),
-            device=str(self.device),
-            device_name=self.kind.name(),
-            precision=self.precision,
-            threads=torch.get_num_threads(),
-        )
-
-    def set_rank(self, rank: int, world_size: int) -> None:
-        """New numbering after the driver left some workers out (before the group forms)."""
-        self.rank, self.world_size = rank, world_size
 
     # ---- set-up, in the order the driver calls it -------------------------------------------
     def build(self, factory: Callable[[], Task]) -> BuildReport:
@@ -319,40 +240,7 @@ class TrainWorker:
         """Leave the process group (before the driver re-forms it without some workers)."""
         if self._strategy is not None:
             self._strategy.close()
-        process_group.leave_group()
-        self._close_rendezvous()
-
-    def open_rendezvous(self, timeout_s: float, local: bool) -> tuple[str, int, str]:
-        """Rank 0: the store of a new formation, on loopback when every worker is on this node (`local`), else on
-        this node's address; (host, port, key prefix) for every rank's JoinRequest."""
-        self._close_rendezvous()
-        host = netif.LOOPBACK if local else self.host
-        self._rendezvous = process_group.Rendezvous(host, timeout_s)
-        return host, self._rendezvous.port, self._rendezvous.prefix
-
-    def _close_rendezvous(self) -> None:
-        if self._rendezvous is not None:
-            self._rendezvous.close()
-            self._rendezvous = None
-
-    def _join_group(self, request: JoinRequest) -> None:
-        """Join the collective group at rank 0's rendezvous (the store rank 0 opened, under the request's prefix)."""
-        rendezvous = self._rendezvous if self.rank == 0 else None
-        # a store on loopback: every worker is on this node, and the collectives stay on loopback too
-        netif.pin_interface(request.host if netif.is_loopback(request.host) else self.host, request.backend)
-        if request.backend == "nccl":
-            self.kind.make_current(self.device.index or 0)
-        process_group.join_group(
-            backend=request.backend,
-            rank=self.rank,
-            world_size=self.world_size,
-            host=request.host,
-            port=request.port,
-            prefix=request.prefix,
-            rendezvous_timeout_s=request.rendezvous_timeout_s,
-            collective_timeout_s=request.collective_timeout_s,
-            rendezvous=rendezvous,
-        )
+        super().leave()
 
     def join(self, request: JoinRequest) -> None:
         """Join the collective group at rank 0's rendezvous and set the strategy up on it, keeping what the
@@ -379,6 +267,8 @@ class TrainWorker:
             store_pages_bytes=request.store_pages_bytes,
         )
         self.strategy.setup(self.task, ctx)
+        if loaded is not None and loaded.get("rank"):
+            self.strategy.load_rank_state(self.task, unpack(loaded["rank"], copy=True))
         if getattr(self.strategy, "gate", None) is not None:
             worker_log.log.info("steps: the all-finite verdict is read a step late (StepGate, fused optimizer)")
         if loaded is not None:  # and the job-wide loss scale
@@ -562,28 +452,30 @@ class TrainWorker:
         }
         return pack(state)
 
-    def stream(self, what: str) -> Iterator[Any]:
-        """A streamed copy (state_transfer.stream) of "training_state", "optimizer_part" or "state_dict", for the
-        driver: in pieces small enough to travel in the replies, so no second copy builds up in this process."""
-        assert what in ("training_state", "optimizer_part", "state_dict"), what
-        yield from state_transfer.stream(unpack(getattr(self, what)()))
+    # Streamed copies (state_transfer.stream) for the driver: in pieces small enough to travel in the replies, so
+    # no second copy builds up in this process (GroupCalls.receive reads them).
+    def stream_training_state(self) -> Iterator[Any]:
+        yield from state_transfer.stream(unpack(self.training_state()))
+
+    def stream_optimizer_part(self) -> Iterator[Any]:
+        yield from state_transfer.stream(unpack(self.optimizer_part()))
+
+    def stream_state_dict(self) -> Iterator[Any]:
+        yield from state_transfer.stream(unpack(self.state_dict()))
 
     def optimizer_part(self) -> dict:
         """This rank's slice of a sharded optimizer's state (by the optimizer's parameter numbers), packed."""
         return pack(self.strategy.optimizer_state(self.task)["state"])
 
-    def rng_state(self) -> dict:
-        """This worker's random streams (dropout and the like), on the CPU."""
-        out = {"cpu": torch.get_rng_state()}
-        device = self.kind.rng_state()
-        if device is not None:
-            out[self.kind.kind] = device
-        return out
+    def rank_state(self) -> dict:
+        """What this replica holds that the others do not (SyncStrategy.rank_state), packed; empty for most."""
+        return pack(self.strategy.rank_state(self.task))
 
-    def load_training_state(self, state: dict, rng: dict | None = None) -> None:
+    def load_training_state(self, state: dict, rng: dict | None = None, rank_state: dict | None = None) -> None:
         """Continue from `state` (a checkpoint's, or another replica's): weights and scheduler now; optimizer,
         loss scale and the strategy's own state when the group forms next (join), which always follows, so a
-        sharded optimizer keeps only its slice."""
+        sharded optimizer keeps only its slice. `rank_state`: what this rank held of its own when the checkpoint
+        was written (local SGD's inner optimizer and error feedback), for a resume on as many workers."""
         t = self.task
         t.model.load_state_dict(unpack(state["model"]))  # copies into the parameters
         if t.scheduler is not None and state.get("scheduler") is not None:
@@ -592,7 +484,10 @@ class TrainWorker:
             "optimizer": state["optimizer"],
             "loss_scale": state["loss_scale"],
             "strategy": state.get("strategy") or {},
+            "rank": rank_state or {},
         }
+        if rank_state and rank_state.get("optimizer") is not None:  # this replica's own inner optimizer
+            self._loaded["optimizer"] = rank_state["optimizer"]
         if rng is not None:
             torch.set_rng_state(rng["cpu"])
             if self.kind.kind in rng:  # the device's own stream, when the checkpoint has one for this kind
@@ -607,19 +502,8 @@ class TrainWorker:
         """The model's weights and buffers, packed (the driver unpacks them)."""
         return pack(self.task.model.state_dict())
 
-    def log_text(self) -> tuple[str, str] | None:
-        """(file name, the end of this worker's log) when it was written on another node than the driver's,
-        for the driver to copy into the run folder; None when it is there already."""
-        if self.log_file is None or not self._log_elsewhere or not self.log_file.is_file():
-            return None
-        return self.log_file.name, worker_log.read_tail(self.log_file)
-
-    def shutdown(self) -> None:
-        """Leave the group and let go of the task, its data and the device memory they held: a worker left out,
-        or kept idle for the next fit (warm_workers), holds nothing the others or the user could use."""
-        process_group.leave_group()
+    def _release(self) -> None:
+        """The task, its data and what the strategy and a loaded state held."""
         self.data.close()
         self.data = WorkerData.empty()
-        self._task = self._strategy = self._rendezvous = self._loaded = None
-        gc.collect()
-        self.kind.empty_cache()
+        self._task = self._strategy = self._loaded = None

@@ -88,9 +88,14 @@ class WorkerCalls:
     def rng_state(self) -> Pending[dict[str, Any]]:
         return Pending(self.actor.rng_state.remote(), "rng_state")
 
-    def load_training_state(self, state: Any, rng: dict[str, Any] | None = None) -> Pending[None]:
+    def rank_state(self) -> Pending[dict[str, Any]]:
+        return Pending(self.actor.rank_state.remote(), "rank_state")
+
+    def load_training_state(
+        self, state: Any, rng: dict[str, Any] | None = None, rank_state: dict[str, Any] | None = None
+    ) -> Pending[None]:
         """`state`: a packed state, or the ref of another worker's training_state() (read from the store)."""
-        return Pending(self.actor.load_training_state.remote(state, rng), "load_training_state")
+        return Pending(self.actor.load_training_state.remote(state, rng, rank_state), "load_training_state")
 
     def recover(self) -> Pending[None]:
         return Pending(self.actor.recover.remote(), "recover")
@@ -104,6 +109,12 @@ class WorkerCalls:
     def shutdown(self) -> Pending[None]:
         return Pending(self.actor.shutdown.remote(), "shutdown")
 
-    def stream(self, what: str, ahead: int) -> Iterator[Any]:
-        """TrainWorker.stream as Ray's streaming generator, at most `ahead` pieces ahead of the reader."""
-        return ray_shim.streaming(self.actor.stream, ahead).remote(what)
+    # The streamed copies, each as Ray's streaming generator at most `ahead` pieces ahead of the reader.
+    def stream_training_state(self, ahead: int) -> Iterator[Any]:
+        return ray_shim.streaming(self.actor.stream_training_state, ahead).remote()
+
+    def stream_optimizer_part(self, ahead: int) -> Iterator[Any]:
+        return ray_shim.streaming(self.actor.stream_optimizer_part, ahead).remote()
+
+    def stream_state_dict(self, ahead: int) -> Iterator[Any]:
+        return ray_shim.streaming(self.actor.stream_state_dict, ahead).remote()

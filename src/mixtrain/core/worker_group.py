@@ -22,7 +22,6 @@ from mixtrain.core.group_calls import (
     WorkerTimeout,
     error_text,
     lost_reason,
-    open_stream,
 )
 from mixtrain.core.membership import Member, Membership, Status
 from mixtrain.core.messages import BuildReport, WorkerSetup
@@ -38,7 +37,6 @@ __all__ = [
     "WorkerTimeout",
     "error_text",
     "lost_reason",
-    "open_stream",
 ]
 
 

@@ -13,7 +13,9 @@ from pathlib import Path
 
 import torch
 
-PROFILE_DIR = "MIXTRAIN_PROFILE_DIR"
+from mixtrain._constants import PROFILE_DIR_ENV
+
+PROFILE_DIR = PROFILE_DIR_ENV
 SKIP_ROUNDS = 3
 """Rounds run unprofiled first (warm-up: allocator, autotuning, the first epoch's loader)."""
 PROFILED_ROUNDS = 3

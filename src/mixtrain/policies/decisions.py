@@ -99,8 +99,9 @@ class Rebalancer:
     ) -> None:
         self.global_batch = global_batch
         self.payback_s = payback_s
-        """What a leave-out must save over the training left (MIXTRAIN_LEAVE_OUT_PAYBACK_S): re-forming the group
-        and its warm-up round cost seconds (a worker was once left out in the last epoch of a 14-second run)."""
+        """The least price of a leave-out mid-run, in seconds (MIXTRAIN_LEAVE_OUT_PAYBACK_S): re-forming the group
+        and its warm-up round (a worker was once left out in the last epoch of a 14-second run). The measured
+        price of forming the group (`decide(reform_s=...)`) counts where it is higher."""
         self.leave_out_slow = leave_out_slow
         self.threshold = threshold
         self.min_gain = min_gain
@@ -127,20 +128,21 @@ class Rebalancer:
         measured_rate: float | None = None,
         alone_speeds: Sequence[float] | None = None,
         remaining_s: float | None = None,
+        reform_s: float = 0.0,
     ) -> Decision:
         """`measured_rate`: the job's samples/s over the last round, by the wall clock. `alone_speeds`: what each
         worker would compute with the others gone, where that differs from `speeds` (workers that share a busy
         machine: one left alone gets the cores the other held). `remaining_s`: the training left, at the
-        measured rate: nobody is left out when what that would save (at least `min_gain` of it) is under
-        `payback_s`, the price of re-forming the group and its warm-up round."""
+        measured rate: nobody is left out when what that would save (the predicted speed-up over the training
+        left) is under the price of re-forming the group: `reform_s` as measured, at least `payback_s`."""
         plan = make_plan(speeds, self.global_batch, memory_caps=memory_caps, comm_s=comm_s, min_gain=self.min_gain)
         found = self._exclusion(plan, speeds, measured_rate, alone_speeds)
         if found is not None and remaining_s is not None:
-            if remaining_s * self.min_gain / (1.0 + self.min_gain) < self.payback_s:
+            if saved_s(remaining_s, found[3]) < max(self.payback_s, reform_s):
                 found = None  # the end is near: a leave-out would not pay for itself
         self.hold_rounds = max(0, self.hold_rounds - 1)
         if found is not None:
-            rank, reason, vote = found
+            rank, reason, vote, _ = found
             self._votes = self._votes + 1 if self._vote_for == vote else 1
             self._vote_for = vote
             if self._votes >= EXCLUDE_ROUNDS:
@@ -158,15 +160,16 @@ class Rebalancer:
         speeds: Sequence[float],
         measured_rate: float | None,
         alone_speeds: Sequence[float] | None = None,
-    ) -> tuple[int, str, str] | None:
-        """The worker to leave out, why, and what the rounds vote on: that worker, by the model; by the measured
-        pair, that one of the two is faster alone (two equal workers on a busy machine trade places as the
-        faster one from round to round: the last round names which goes). None to keep everyone."""
+    ) -> tuple[int, str, str, float] | None:
+        """The worker to leave out, why, what the rounds vote on, and how many times faster the job is predicted
+        to run without it: that worker, by the model; by the measured pair, that one of the two is faster alone
+        (two equal workers on a busy machine trade places as the faster one from round to round: the last round
+        names which goes). None to keep everyone."""
         if not self.leave_out_slow or self.hold_rounds > 0:
             return None
         if plan.excluded:
             rank, reason = next(iter(plan.excluded.items()))
-            return rank, reason, f"worker {rank}"
+            return rank, reason, f"worker {rank}", plan.speedup_without
         if measured_rate is None or len(speeds) != 2:
             return None
         fast = max(range(2), key=lambda i: (speeds[i], -i))
@@ -188,7 +191,14 @@ class Rebalancer:
             f"measured: the two workers ran {measured_rate:,.0f} samples/s together, while worker {fast} alone "
             f"would compute {alone:,.0f} ({why})",
             "one alone",
+            alone / measured_rate,
         )
+
+
+def saved_s(remaining_s: float, speedup: float) -> float:
+    """Seconds a leave-out saves over `remaining_s` of training at today's pace when the job then runs `speedup`
+    times faster."""
+    return remaining_s * (1.0 - 1.0 / speedup) if speedup > 0 else 0.0
 
 
 class LeaveOutCheck:

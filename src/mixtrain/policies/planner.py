@@ -83,6 +83,8 @@ class Plan:
     """Communication estimate per step."""
     excluded: dict[int, str] = field(default_factory=dict)
     """At most one worker the job would be faster without, with the reason."""
+    speedup_without: float = 1.0
+    """How many times faster the job is predicted to run without the `excluded` worker (1.0: none named)."""
 
 
 def balanced_shares(samples_per_s: Sequence[float], global_batch: int) -> list[int]:
@@ -110,8 +112,9 @@ def step_seconds(shares: Sequence[int], samples_per_s: Sequence[float], comm_s: 
 
 def exclusion(
     samples_per_s: Sequence[float], global_batch: int, comm_s: float, step_s: float, min_gain: float
-) -> tuple[int, str] | None:
-    """The worker whose removal speeds the job up most, when by at least `min_gain` (0.2 = 20%), and why.
+) -> tuple[int, str, float] | None:
+    """The worker whose removal speeds the job up most, when by at least `min_gain` (0.2 = 20%), why, and how
+    many times faster the job is predicted to run without it.
 
     Without it the others take the whole batch, balanced by speed; communication stays the same
     with two or more left and disappears with one. Ties go to the slower worker."""
@@ -130,11 +133,12 @@ def exclusion(
         return None
     without, i = best
     why = "communication costs more than it adds" if num == 2 else "it adds less than it costs"
-    return i, (
+    reason = (
         f"the job is {step_s / without:.1f}x faster without it ({without * 1e3:.1f} ms per step instead of "
         f"{step_s * 1e3:.1f} ms; it computes {samples_per_s[i]:,.0f} samples/s, the others "
         f"{sum(samples_per_s) - samples_per_s[i]:,.0f}, communication {comm_s * 1e3:.1f} ms): {why}"
     )
+    return i, reason, step_s / without
 
 
 def make_plan(
@@ -157,11 +161,11 @@ def make_plan(
     micro = micro_batches(shares, caps)
     accumulation = [math.ceil(s / m) if m else 1 for s, m in zip(shares, micro)]
     step_s = step_seconds(shares, speeds, comm_s)
-    excluded = {}
+    excluded, speedup = {}, 1.0
     if min_gain is not None:
         found = exclusion(speeds, global_batch, comm_s, step_s, min_gain)
         if found is not None:
-            excluded[found[0]] = found[1]
+            excluded[found[0]], speedup = found[1], found[2]
     return Plan(
         shares,
         micro,
@@ -172,6 +176,7 @@ def make_plan(
         caps,
         comm_s,
         excluded,
+        speedup,
     )
 
 
