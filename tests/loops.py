@@ -174,6 +174,27 @@ def order_loop(config: dict[str, Any]) -> None:
     )
 
 
+def held_out_loop(config: dict[str, Any]) -> None:
+    """Trains one epoch, then counts right answers on a prepared held-out loader (each worker its share of it)
+    and sums the counts over the workers: rank 0 reports the whole set's accuracy and saves its weights."""
+    x, y = config["data"]
+    held_x, held_y = config["held_out"]
+    model = prepare_model(net())
+    loader = prepare_data_loader(DataLoader(TensorDataset(x, y), batch_size=config["batch"], shuffle=True))
+    held = prepare_data_loader(DataLoader(TensorDataset(held_x, held_y), batch_size=config["batch"]))
+    opt, _ = _opt("sgd", model.parameters())
+    for xb, yb in loader:
+        _step(model, opt, None, xb, yb, False)
+    correct, count = 0, 0
+    with torch.no_grad():
+        for xb, yb in held:
+            correct += int((model(xb).argmax(1) == yb).sum())
+            count += len(yb)
+    totals = mixtrain.train.sum_over_workers({"correct": correct, "count": count})
+    mixtrain.train.report({"accuracy": totals["correct"] / totals["count"], "count": totals["count"], "own": count})
+    _save(config, model.module)
+
+
 def raising_loop(config: dict[str, Any]) -> None:
     prepare_model(net())
     if mixtrain.train.get_context().get_world_rank() == 1:

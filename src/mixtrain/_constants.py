@@ -62,6 +62,10 @@ WANDB_INIT_TIMEOUT_S = ("MIXTRAIN_WANDB_INIT_TIMEOUT_S", 30.0)
 this long once, then the logger is reported as failed and training goes on without it."""
 
 
+OUTPUT_POLL_S = ("MIXTRAIN_OUTPUT_POLL_S", 0.2)
+"""How often a loop's rank 0 looks for new lines in its log file, to show them on the driver's terminal."""
+
+
 MIN_TIMEOUT_S = 0.001
 """The shortest time (seconds) a MIXTRAIN_*_S variable may set: 1 ms."""
 

@@ -9,6 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from tests.conftest import REPO
 
 MIXTRAIN = str(Path(sys.executable).parent / "mixtrain")
@@ -46,12 +48,18 @@ def test_a_torchrun_script_runs_through_mixtrain_run_with_its_own_arguments(tmp_
     out = tmp_path / "result.json"
     proc = subprocess.run(
         [MIXTRAIN, "run", str(REPO / "docs/examples/torchrun_digits.py"), "--workers", "2", "--address", ray_address,
-         "--run-dir", str(tmp_path / "run"), "--", "--epochs", "5", "--out", str(out)],
+         "--run-dir", str(tmp_path / "run"), "--", "--epochs", "5", "--out", str(out), "--save",
+         str(tmp_path / "w.pt")],
         capture_output=True, text=True, timeout=300, cwd=tmp_path, check=False,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(out.read_text())
     assert result["world_size"] == 2 and result["accuracy"] >= 0.93, result
+    assert result["count"] == 359, result  # the whole held-out set, summed over the workers
+    import torch
+
+    saved = torch.load(tmp_path / "w.pt")  # model.module.state_dict(): the plain model's keys, as with DDP
+    torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.ReLU(), torch.nn.Linear(128, 10)).load_state_dict(saved)
     assert f"run folder: {tmp_path / 'run'}" in proc.stdout
 
 
@@ -77,6 +85,8 @@ def test_a_loop_function_runs_from_the_command_line_with_its_config(tmp_path, ra
 STOPPABLE = """
 import tempfile, time
 from pathlib import Path
+
+import pytest
 import torch
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
@@ -160,3 +170,152 @@ def test_ctrl_c_stops_a_loop_at_its_next_report_and_resume_continues_to_the_same
     got, want = torch.load(tmp_path / "a" / "final.pt"), torch.load(tmp_path / "b" / "final.pt")
     for name in want:  # another split (fixed 10:6 against measured shares), in one go: the same math
         assert torch.allclose(got[name], want[name], rtol=1e-5, atol=1e-6), name
+
+
+CHATTY = """
+import os, sys, time
+from pathlib import Path
+
+import pytest
+import mixtrain.train
+
+rank = int(os.environ["RANK"])
+print(f"rank {rank} says hello")
+print(f"rank {rank} warns on stderr", file=sys.stderr)
+go = Path(sys.argv[1])
+deadline = time.monotonic() + 120
+while not go.exists() and time.monotonic() < deadline:  # the test lets it go once it saw rank 0's line
+    time.sleep(0.05)
+mixtrain.train.report({"went": int(go.exists())})
+print(f"rank {rank} done")
+"""
+
+
+def test_mixtrain_run_shows_rank_0s_output_on_the_terminal_as_it_prints_and_every_ranks_in_the_logs(
+    tmp_path, ray_address
+):
+    import queue
+    import threading
+    import time
+
+    (tmp_path / "chatty.py").write_text(CHATTY)
+    go, run_dir = tmp_path / "go", tmp_path / "run"
+    proc = subprocess.Popen(
+        [MIXTRAIN, "run", "chatty.py", "--workers", "2", "--cpus-per-worker", "0.5", "--address", ray_address,
+         "--run-dir", str(run_dir), "--quiet", "--", str(go)],
+        cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    lines: queue.Queue[str | None] = queue.Queue()
+    reader = threading.Thread(target=lambda: [*map(lines.put, proc.stderr), lines.put(None)], daemon=True)
+    reader.start()
+    seen, deadline = [], time.monotonic() + 180
+    while "rank 0 says hello\n" not in seen:  # shown while the loop still waits for `go`: not at the end
+        assert time.monotonic() < deadline and proc.poll() is None, (seen, proc.poll())
+        try:
+            seen.append(lines.get(timeout=1))
+        except queue.Empty:
+            pass
+    go.touch()
+    seen.extend(iter(lambda: lines.get(timeout=120), None))  # to the end of the CLI's stderr
+    out = proc.stdout.read()
+    proc.wait(timeout=60)
+    assert proc.returncode == 0, "".join(seen)[-3000:]
+    assert "last report: went 1" in out, out
+    shown = "".join(seen)
+    assert "rank 0 warns on stderr" in shown and "rank 0 done" in shown, shown
+    assert "rank 1" not in shown, shown  # the other ranks' output is in their logs, where the one note says
+    assert shown.count(f"every worker's is in {run_dir / 'logs'}/worker-*.log") == 1, shown
+    rank1 = "".join(p.read_text() for p in (run_dir / "logs").glob("worker-1-*.log"))
+    assert "rank 1 says hello" in rank1 and "rank 1 done" in rank1, rank1
+
+
+# ---- what each port says it changed ----------------------------------------------------------------------------
+PORTS = ["ray_train_digits.py", "torchrun_digits.py", "accelerate_digits.py"]
+"""docs/examples/NAME, ported from docs/examples/originals/NAME."""
+MARKED = re.compile(r"\S\s+# (?:was: (?P<was>.+)|added\b.*)$|^\s*# removed: (?P<removed>.+)$")
+
+
+def _code(path: Path) -> list[str]:
+    """The file's lines after its module docstring (which says what the port is, not what it runs)."""
+    import ast
+
+    text = path.read_text()
+    end = ast.parse(text).body[0].end_lineno
+    return text.splitlines()[end:]
+
+
+def _ported(name: str) -> dict[str, list]:
+    """The port's changes against its original, by difflib: each changed or added line of the port with its
+    marker, each original line it replaced."""
+    import difflib
+
+    original, port = _code(REPO / "docs/examples/originals" / name), _code(REPO / "docs/examples" / name)
+    found: dict[str, list] = {"changed": [], "added": [], "removed": [], "unmarked": [], "marked": []}
+    for tag, i1, i2, j1, j2 in difflib.SequenceMatcher(None, original, port, autojunk=False).get_opcodes():
+        if tag == "equal":
+            continue
+        old = iter(original[i1:i2])
+        for line in port[j1:j2]:
+            mark = MARKED.search(line)
+            if mark is None:
+                found["unmarked"].append(line)
+                continue
+            found["marked"].append(line.strip())
+            kind = "changed" if mark["was"] else "removed" if mark["removed"] else "added"
+            found[kind].append((line, None if kind == "added" else next(old, None), mark["was"] or mark["removed"]))
+        found["unmarked"] += [f"(an original line not marked as replaced) {line}" for line in old]
+    return found
+
+
+@pytest.mark.parametrize("name", PORTS)
+def test_each_port_differs_from_its_original_by_exactly_the_lines_it_marks_and_counts(name):
+    found = _ported(name)
+    assert not found["unmarked"], found["unmarked"]  # every line that differs is marked, and nothing else
+    for line, replaced, was in found["changed"] + found["removed"]:
+        assert replaced is not None and was.strip() in replaced, (line, replaced)  # `was:` names what it was
+    doc = (REPO / "docs/examples" / name).read_text().split('"""')[1]
+    said = re.search(
+        r"(\d+) lines? changes?(?:, (\d+) (?:is|are) added)?(?:,? and (\d+) (?:is|are) (added|removed))?", doc
+    )
+    assert said, doc
+    counts = {"changed": int(said[1]), "added": int(said[2] or 0), "removed": 0}
+    if said[3]:
+        counts[said[4]] = int(said[3])
+    assert counts == {k: len(found[k]) for k in counts}, (counts, {k: found[k] for k in counts})
+
+
+@pytest.mark.parametrize("name", PORTS)
+def test_the_guide_lists_every_line_its_port_changed(name):
+    """docs/your-own-loop.md shows each port's marked lines in the block after `<!-- port: NAME -->`."""
+    page = (REPO / "docs/your-own-loop.md").read_text()
+    block = re.search(rf"^<!-- port: {re.escape(name)} -->\s*```\w*\n(.*?)```", page, re.S | re.M)
+    assert block, f"docs/your-own-loop.md has no block after <!-- port: {name} -->"
+    shown = [line.strip() for line in block[1].splitlines() if line.strip()]
+    assert shown == _ported(name)["marked"]
+
+
+def test_the_checkpoint_example_stopped_by_ctrl_c_goes_on_from_its_last_checkpoint(tmp_path, ray_address):
+    import os
+    import signal
+    import time
+
+    command = [sys.executable, str(REPO / "docs/examples/checkpoint_digits.py"), "--run-dir", str(tmp_path / "run"),
+               "--address", ray_address]  # fmt: skip
+    proc = subprocess.Popen([*command, "--epochs", "400"], cwd=tmp_path, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 180
+    while not list((tmp_path / "run" / "checkpoints").glob("checkpoint-*")):
+        assert time.monotonic() < deadline and proc.poll() is None, proc.poll()
+        time.sleep(0.1)
+    os.kill(proc.pid, signal.SIGINT)  # Ctrl-C
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 1 and "stopped; the same command goes on from" in err, err[-3000:]
+    stopped_at = max(int(e) for e in re.findall(r"epoch (\d+) .*checkpoint", err))
+    assert stopped_at < 399, err[-2000:]
+
+    resumed = subprocess.run([*command, "--epochs", str(stopped_at + 3)], cwd=tmp_path, capture_output=True,
+                             text=True, timeout=300, check=False)  # fmt: skip
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    # the loop went on after the epoch it had reported, and its last checkpoint loads into the plain model
+    said = re.search(r"epochs (\d+)-(\d+) in this run; held-out accuracy (\d\.\d+)", resumed.stdout)
+    assert said and (int(said[1]), int(said[2])) == (stopped_at + 1, stopped_at + 2), resumed.stdout
+    assert float(said[3]) >= 0.9, resumed.stdout

@@ -91,6 +91,19 @@ def test_loaders_hand_out_each_step_by_share_in_the_seeded_order_and_set_epoch_p
     assert [len(b) for b in seen[2]["seen"]["ordered"]] == [2, 2, 1]  # the last step split 6:4:2 -> 3:2:1
 
 
+def test_a_held_out_figure_summed_over_workers_with_unequal_shares_is_one_processs_over_the_whole_set(tmp_path):
+    # shares 9:3 of each global batch of 12: rank 0 reads 27 of the 36 held-out samples, rank 1 the other 9
+    held_x, held_y = loops.data(36, seed=1)
+    config = {"data": loops.data(48), "held_out": (held_x, held_y), "batch": 6}
+    result = _fit(loops.held_out_loop, config, tmp_path, workers=2, shares=(9, 3))
+    model = loops.net()
+    model.load_state_dict(torch.load(tmp_path / "weights.pt"))
+    with torch.no_grad():
+        want = int((model(held_x).argmax(1) == held_y).sum()) / 36
+    assert result.metrics["count"] == 36 and result.metrics["own"] == 27, result.metrics
+    assert result.metrics["accuracy"] == want, (result.metrics, want)
+
+
 def test_a_loop_that_raises_is_one_error_naming_the_worker_and_its_traceback(tmp_path):
     with pytest.raises(TrainingFailedError) as err:
         _fit(loops.raising_loop, {}, tmp_path, workers=2, shares=None)

@@ -95,3 +95,29 @@ def test_a_remote_log_copy_is_private_and_never_written_through_a_planted_symlin
     assert not (tmp_path / "victim").exists() and (logs / "worker-1.log").is_symlink()
     assert (logs / "worker-2.log").read_text() == "output of worker-2.log\n" and _mode(logs / "worker-2.log") == 0o600
     assert not (tmp_path / "run" / "escaped.log").exists()
+
+
+def test_a_follower_sends_lines_as_they_are_appended_and_the_rest_when_it_stops(tmp_path):
+    import threading
+
+    from mixtrain.observe.worker_log import LogFollower
+
+    log = tmp_path / "worker-0.log"
+    log.write_text("before the loop\n")
+    sent: list[tuple[list[str], bool]] = []
+    arrived = threading.Event()
+
+    def send(lines: list[str], wait: bool) -> None:
+        sent.append((lines, wait))
+        arrived.set()
+
+    follower = LogFollower(log, send, poll_s=0.01)
+    with open(log, "a") as f:
+        f.write("epoch 0 loss 1.2\nhalf a li")
+        f.flush()
+        assert arrived.wait(30)  # sent while the file is still being written: not at the end
+        assert sent == [(["epoch 0 loss 1.2"], False)]
+        f.write("ne\n 10%\r 50%\r100%\nno end")
+    follower.stop()
+    assert [line for lines, _ in sent for line in lines] == ["epoch 0 loss 1.2", "half a line", "100%", "no end"]
+    assert sent[-1][1] is True  # the last lines: sent and waited for

@@ -9,16 +9,19 @@ import inspect
 import shutil
 import tempfile
 import traceback
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 import ray
 import torch.distributed
 
-from mixtrain import devices
+from mixtrain import _constants, devices
 from mixtrain.comm import process_group
 from mixtrain.core.messages import JoinRequest, LoopDevice, LoopOutcome, LoopRequest
 from mixtrain.core.worker_process import WorkerProcess
+from mixtrain.observe import worker_log
 from mixtrain.train import _session
 from mixtrain.train.checkpoint import Checkpoint, write_files
 
@@ -50,7 +53,8 @@ class LoopWorker(WorkerProcess):
             checkpoint = Checkpoint(folder)
         _session.start(self._new_session(request, checkpoint))
         try:
-            _call(request.fn, request.config)
+            with self._output_shown(request.sink):
+                _call(request.fn, request.config)
         except _session.LoopStopped:
             return LoopOutcome(rank=self.rank, status="stopped")
         except SystemExit as exc:  # a script's sys.exit() (argparse's too): its status is the outcome
@@ -70,6 +74,28 @@ class LoopWorker(WorkerProcess):
             if folder is not None:
                 shutil.rmtree(folder, ignore_errors=True)
         return LoopOutcome(rank=self.rank, status="finished")
+
+    @contextmanager
+    def _output_shown(self, sink: Any) -> Iterator[None]:
+        """Rank 0's output while the loop runs goes to the driver's terminal too (line by line, as it is
+        written to this worker's log), as torchrun shows a rank's prints; the other ranks' stays in the logs."""
+        if self.rank != 0 or self.log_file is None:
+            yield
+            return
+
+        def send(lines: list[str], wait: bool) -> None:
+            sent = sink.output_lines.remote(lines)
+            if wait:  # the last lines are at the driver before the loop's end is
+                ray.get(sent)
+
+        follower = worker_log.LogFollower(self.log_file, send, _constants.env_float(_constants.OUTPUT_POLL_S))
+        try:
+            yield
+        finally:
+            try:
+                follower.stop()
+            except Exception as exc:  # the driver's sink gone (the run ends): the log file has every line
+                worker_log.log.warning("the loop's last output lines were not shown on the driver: %s", exc)
 
     def _new_session(self, request: LoopRequest, checkpoint: Checkpoint | None) -> _session.LoopSession:
         local_rank, local_world_size, node_rank = request.places.get(self.rank, (0, 1, 0))

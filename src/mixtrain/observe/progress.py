@@ -1,4 +1,5 @@
-"""Live progress on the driver's terminal (workers never print): one row per device and an overall bar."""
+"""Live progress on the driver's terminal: one row per device and an overall bar, and lines above it (mixtrain's,
+and a loop's rank 0's own output)."""
 
 from __future__ import annotations
 
@@ -96,6 +97,11 @@ class ProgressView:
     def log(self, message: str) -> None:
         if self.enabled:
             self.console.print(message, soft_wrap=True, markup=False, highlight=False)
+
+    def output(self, lines: list[str]) -> None:
+        """A worker's own output lines, as it printed them (above the live rows), also when progress is off."""
+        for line in lines:
+            self.console.print(line, soft_wrap=True, markup=False, highlight=False, emoji=False)
 
     def round_done(self, record: dict[str, Any]) -> None:
         self._last = record

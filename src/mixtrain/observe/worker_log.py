@@ -1,4 +1,4 @@
-"""Worker output goes to the run folder, never to the driver's terminal.
+"""Worker output goes to the run folder; a loop's rank 0 also shows its lines on the driver's terminal.
 
 Each worker points its stdout and stderr (file descriptors 1 and 2, so C++ output such as gloo's is
 caught too) and mixtrain's log records at one file. A worker on the driver's machine writes straight
@@ -6,6 +6,10 @@ into RUN_DIR/logs; one on another machine writes to a private folder of its own 
 folder (`mixtrain-logs-UID`, mode 0700, never one that another user made or a symlink), and the driver
 copies that file into RUN_DIR/logs when the run ends. Log files are created 0600 and never opened
 through a symlink: a log can hold data and paths, and a predictable name in /tmp is an invitation.
+
+A loop's rank 0 follows its own log file while the loop runs (LogFollower) and sends the new lines to the driver,
+which prints them as torchrun prints a rank's output: on whatever node rank 0 runs, from the one file that holds
+what it printed, gloo's and C++ output included.
 """
 
 from __future__ import annotations
@@ -15,6 +19,8 @@ import os
 import stat
 import sys
 import tempfile
+import threading
+from collections.abc import Callable
 from pathlib import Path
 
 from mixtrain._files import PrivateFolder
@@ -22,6 +28,10 @@ from mixtrain._files import PrivateFolder
 log = logging.getLogger("mixtrain.worker")
 MAX_FETCH = 4 * 2**20
 """Bytes of a remote worker's log copied back (its end)."""
+MAX_FOLLOW = 2**20
+"""Bytes of new output a LogFollower reads at one look (the rest at the next)."""
+MAX_LINE = 4000
+"""Characters of one followed line sent to the driver (a longer one is cut)."""
 
 
 _NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)  # Linux and macOS; Windows has no symlink attack of this kind
@@ -130,3 +140,45 @@ def read_tail(path: Path) -> str:
     with os.fdopen(os.open(path, os.O_RDONLY | _NOFOLLOW), "rb") as f:
         f.seek(max(0, os.fstat(f.fileno()).st_size - MAX_FETCH))
         return f.read().decode("utf-8", errors="replace")
+
+
+class LogFollower:
+    """Sends the lines appended to `path` after it was made: a thread looks every `poll_s` and hands the
+    complete lines to `send(lines, wait=False)`; `stop()` sends the rest (a last line without its end too) with
+    `wait=True` and returns. A carriage return keeps what follows it (a progress bar's last state), as a
+    terminal would show it."""
+
+    def __init__(self, path: Path, send: Callable[[list[str], bool], None], poll_s: float) -> None:
+        self._fd = os.open(path, os.O_RDONLY | _NOFOLLOW)
+        os.lseek(self._fd, 0, os.SEEK_END)  # what the worker wrote before the loop is not the loop's output
+        self._send, self._poll_s = send, poll_s
+        self._partial = b""
+        self._stopped = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="mixtrain-log-follower", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stopped.wait(self._poll_s):
+            lines = self._new_lines(final=False)
+            if lines:
+                self._send(lines, False)
+
+    def _new_lines(self, final: bool) -> list[str]:
+        data = self._partial + os.read(self._fd, MAX_FOLLOW)
+        *complete, self._partial = data.split(b"\n")
+        self._partial = self._partial.rsplit(b"\r", 1)[-1][-MAX_LINE * 4 :]  # bounded, whatever is printed
+        if final and self._partial:
+            complete, self._partial = [*complete, self._partial], b""
+        return [line.rsplit(b"\r", 1)[-1].decode("utf-8", errors="replace")[:MAX_LINE] for line in complete]
+
+    def stop(self) -> None:
+        self._stopped.set()
+        self._thread.join()
+        try:
+            for _ in range(64):  # what is left, up to 64 MiB; the log file keeps it all
+                lines = self._new_lines(final=True)
+                if not lines:
+                    break
+                self._send(lines, True)
+        finally:
+            os.close(self._fd)

@@ -21,7 +21,9 @@ PyTorch script runs after replacing `ray.train` with `mixtrain.train`.
 What mixtrain adds to such a loop: workers of different speeds get different shares of each global batch (the
 loader's batch_size times the number of workers) and the math stays that of one process training the whole
 batch; Apple GPUs beside NVIDIA ones and CPUs in one job; a lost worker restarts the loop on the rest from the
-last reported checkpoint. `import mixtrain.train` loads neither torch nor Ray: each name resolves when first used.
+last reported checkpoint. `sum_over_workers({"correct": c, "count": n})` adds up what each worker counted on its
+part of a prepared held-out loader, for a figure over the whole set. `import mixtrain.train` loads neither torch
+nor Ray: each name resolves when first used.
 """
 
 from __future__ import annotations
@@ -42,6 +44,7 @@ _PUBLIC = {
     "get_context": "mixtrain.train._api",
     "get_checkpoint": "mixtrain.train._api",
     "get_device": "mixtrain.train._api",
+    "sum_over_workers": "mixtrain.train._api",
 }
 __all__ = [
     "Checkpoint",
@@ -54,11 +57,12 @@ __all__ = [
     "get_context",
     "get_device",
     "report",
+    "sum_over_workers",
 ]
 
 if TYPE_CHECKING:
     from mixtrain.config import ScalingConfig
-    from mixtrain.train._api import get_checkpoint, get_context, get_device, report
+    from mixtrain.train._api import get_checkpoint, get_context, get_device, report, sum_over_workers
     from mixtrain.train._result import Result, TrainingFailedError
     from mixtrain.train.checkpoint import Checkpoint
     from mixtrain.train.config import FailureConfig, RunConfig

@@ -18,6 +18,7 @@ from typing import Any
 import numpy as np
 import torch
 from torch.utils.data import DataLoader, IterableDataset, SequentialSampler, TensorDataset, default_collate
+from torch.utils.data.distributed import DistributedSampler
 
 from mixtrain.comm import replicas
 from mixtrain.comm.loop_grads import LoopGrads
@@ -103,7 +104,7 @@ class PreparedLoader:
         self.dataset = loader.dataset
         self.batch_size = int(loader.batch_size or 0)  # (checked: not None)
         self.drop_last = loader.drop_last
-        self.shuffle = not isinstance(loader.sampler, SequentialSampler)
+        self.shuffle = _shuffles(loader)
         self.sampler = StepSampler()
         self._session = session
         self._move = move_to_device
@@ -200,6 +201,15 @@ def _check_loader(loader: Any) -> None:
             "prepare_data_loader: the DataLoader has a batch_sampler of its own (batch_size=None); give it "
             "batch_size=N and shuffle=True/False instead: mixtrain samples each step's global batch itself"
         )
+
+
+def _shuffles(loader: DataLoader) -> bool:
+    """Whether the loader asked for a new order every epoch: shuffle=True, or a torchrun script's
+    DistributedSampler, which shuffles unless told shuffle=False (whatever the DataLoader's own shuffle=False
+    said). mixtrain's sampler takes its place either way."""
+    if isinstance(loader.sampler, DistributedSampler):
+        return bool(loader.sampler.shuffle)
+    return not isinstance(loader.sampler, SequentialSampler)
 
 
 def _plan_point(step: int) -> bool:

@@ -18,6 +18,8 @@ class ReportSink:
         self.leave_out: dict[str, Any] | None = None
         """A worker the job is faster without (rank, reason): every worker stops at the next report that comes
         with a checkpoint, and the driver restarts the loop from it without that one."""
+        self.output: list[str] = []
+        """Rank 0's output lines not yet taken by the driver (shown on its terminal)."""
         self.last_checkpoint: str | None = None
         self._saved: set[tuple[int, int]] = set()
         self._numbers: dict[tuple[int, int], int] = {}
@@ -59,11 +61,15 @@ class ReportSink:
     def clear_leave_out(self) -> None:
         self.leave_out = None
 
-    def take(self) -> tuple[list[dict[str, Any]], list[tuple[str, dict[str, Any]]]]:
-        """The reports and events since the last take."""
+    def output_lines(self, lines: list[str]) -> None:
+        self.output.extend(lines)
+
+    def take(self) -> tuple[list[dict[str, Any]], list[tuple[str, dict[str, Any]]], list[str]]:
+        """The reports, events and rank 0's output lines since the last take."""
         reports, events = self._taken
         self._taken = (len(self.reports), len(self.events))
-        return self.reports[reports:], self.events[events:]
+        output, self.output = self.output, []
+        return self.reports[reports:], self.events[events:], output
 
     def request_stop(self) -> None:
         self.stop = True

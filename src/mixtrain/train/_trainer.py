@@ -192,6 +192,7 @@ class _Run:
         self.global_batches: list[int] = []
         """Each prepared loader's global batch, as the first attempt that prepared it asked: later ones keep it."""
         self._told: set[str] = set()  # what the terminal was told once per run
+        self._output_noted = False
 
     def train(self) -> None:
         self.batch_workers = len(self.group.members)  # as started: the global batch keeps it
@@ -322,7 +323,8 @@ class _Run:
 
     def _drain(self) -> None:
         """Show and record what the workers reported since the last look."""
-        reports, events = ray.get(self.sink.take.remote())
+        reports, events, output = ray.get(self.sink.take.remote())
+        self._show_output(output)
         for report in reports:
             self.history.append(report)
             self.log.write("report", report)
@@ -376,6 +378,16 @@ class _Run:
                 f"{self.batch_workers} workers the run started with) and keeps the run's {fixed}, fixed by the first "
                 "attempt: len(loader) and each epoch's steps stay as they were"
             )
+
+    def _show_output(self, lines: list[str]) -> None:
+        """Worker 0's output, as it prints it (shown also where RunConfig.progress is off: the lines are the loop's
+        own); where every worker's is, said once."""
+        if not lines:
+            return
+        if not self._output_noted:
+            self._output_noted = True
+            self.view.output([f"(worker 0's output follows; every worker's is in {self.group.log_dir}/worker-*.log)"])
+        self.view.output(lines)
 
     def _error(self, rank: int, outcome: LoopOutcome) -> str:
         member = self.group.members[rank]
