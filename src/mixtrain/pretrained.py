@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 
+from mixtrain._files import RunFolder
 from mixtrain.core.messages import HFModelSpec
 from mixtrain.errors import InputValueError, require
 
@@ -117,7 +118,8 @@ def export_pretrained(source: str | Path, out_dir: str | Path | None = None) -> 
 def read_spec(run_dir: Path) -> HFModelSpec:
     """The HFModelSpec the run wrote into its config.json; a run of another model has none."""
     try:
-        config = json.loads((run_dir / "config.json").read_text())
+        with RunFolder(run_dir) as folder:
+            config = folder.read_json("config.json")
     except (OSError, ValueError) as exc:
         raise InputValueError(
             f"export: cannot read {run_dir / 'config.json'} ({exc}); is {run_dir} a run folder?"

@@ -15,7 +15,7 @@ from pathlib import Path
 from statistics import fmean
 from typing import Any
 
-from mixtrain._files import PrivateFolder
+from mixtrain._files import PrivateFolder, RunFolder
 from mixtrain.callbacks import EVAL_KEYS
 from mixtrain.core.rounds import device_samples_per_s, time_split, worker_name
 from mixtrain.errors import InputValueError, require
@@ -31,14 +31,24 @@ class Report:
     """Per PNG file name, the titles of its panels."""
 
 
+def _read_config(folder: RunFolder) -> dict[str, Any]:
+    try:
+        return folder.read_json("config.json")
+    except FileNotFoundError:
+        return {}
+
+
 def read_run(run_dir: str | Path) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     run = Path(run_dir)
     metrics = run / "metrics.jsonl"
-    if not metrics.is_file():
-        raise InputValueError(f"report {str(run_dir)!r}: no metrics.jsonl there; give the folder a run wrote")
-    config = json.loads((run / "config.json").read_text()) if (run / "config.json").is_file() else {}
+    try:  # the run folder's one way: no link followed, no pipe read, a bounded size
+        with RunFolder(run) as folder:
+            text = folder.read("metrics.jsonl").decode("utf-8", errors="replace")
+            config = _read_config(folder)
+    except (FileNotFoundError, NotADirectoryError):
+        raise InputValueError(f"report {str(run_dir)!r}: no metrics.jsonl there; give the folder a run wrote") from None
     records = []
-    lines = metrics.read_text().splitlines()
+    lines = text.splitlines()
     for n, line in enumerate(lines, 1):
         if not line.strip():
             continue
