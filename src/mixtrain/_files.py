@@ -84,11 +84,19 @@ def _what(path: Path) -> str:
     return "a file"
 
 
-def _refused(path: Path, wanted: str) -> InputValueError:
-    return InputValueError(
-        f"{path} is {_what(path)}, not {wanted}: mixtrain opens a run folder's files without following a link and "
-        "reads or appends only regular files; remove it (or move the run folder's real file back in its place)"
-    )
+class NotAPlainEntry(InputValueError):
+    """A link, a pipe, a device or a folder where a run folder's file (or a folder, `wanted`) belongs."""
+
+    def __init__(self, path: Path, wanted: str) -> None:
+        self.what = _what(path)
+        super().__init__(
+            f"{path} is {self.what}, not {wanted}: mixtrain opens a run folder's files without following a link "
+            "and reads or appends only regular files; remove it (or move the run folder's real file back in its place)"
+        )
+
+
+def _refused(path: Path, wanted: str) -> NotAPlainEntry:
+    return NotAPlainEntry(path, wanted)
 
 
 class RunFolder:
