@@ -72,12 +72,13 @@ def _manifest_digest(manifest: dict[str, Any]) -> str:
 
 
 @contextlib.contextmanager
-def _in(path: Path) -> Iterator[RunFolder]:
-    """The checkpoints folder, opened the run folder's one way, for names `<checkpoint>/<file>` inside it: a link
-    at the checkpoint's own name is not followed either. Its errors are the checkpoint's (CheckpointError)."""
+def _in(path: Path) -> Iterator[tuple[RunFolder, str]]:
+    """(the run folder opened the one way, the checkpoint's name in it: `checkpoints/<checkpoint>`), so that neither
+    a link at `checkpoints` nor one at the checkpoint's own name is followed for a read. Its errors are the
+    checkpoint's (CheckpointError)."""
     try:
-        with RunFolder(path.parent) as folder:
-            yield folder
+        with RunFolder(path.parent.parent) as folder:
+            yield folder, f"{path.parent.name}/{path.name}"
     except (OSError, InputValueError) as exc:
         raise CheckpointError(f"{path}: {exc}") from None
 
@@ -86,8 +87,8 @@ def read_manifest(path: Path, layout: Layout) -> Any:
     """The parsed manifest of the checkpoint folder `path`: only a regular file of at most 1 MiB, never through a
     symbolic link, never a pipe or a device (which could block, or never end)."""
     try:
-        with RunFolder(path.parent) as folder:
-            data = folder.read(f"{path.name}/{layout.manifest}", _MANIFEST_MAX_BYTES)
+        with RunFolder(path.parent.parent) as folder:
+            data = folder.read(f"{path.parent.name}/{path.name}/{layout.manifest}", _MANIFEST_MAX_BYTES)
     except OSError as exc:
         raise CheckpointError(f"{path}: unreadable manifest ({exc.strerror or exc})") from None
     except InputValueError as exc:
@@ -165,11 +166,11 @@ def opened(path: Path, layout: Layout) -> Iterator[tuple[dict[str, Any], dict[st
     the ones checked (opened once, relative to the checkpoints folder, no link, no pipe). CheckpointError else."""
     manifest = read_manifest(path, layout)
     entries = check_files(path, manifest, layout)
-    with contextlib.ExitStack() as stack, _in(path) as folder:
+    with contextlib.ExitStack() as stack, _in(path) as (folder, where):
         files: dict[str, IO[bytes]] = {}
         for name, entry in entries.items():
             try:
-                f = stack.enter_context(os.fdopen(folder.open(f"{path.name}/{name}"), "rb"))
+                f = stack.enter_context(os.fdopen(folder.open(f"{where}/{name}"), "rb"))
             except FileNotFoundError:
                 raise CheckpointError(f"{path}: {name} is missing") from None
             except InputValueError:
