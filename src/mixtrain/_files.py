@@ -233,6 +233,8 @@ class RunFolder:
             if fd is None:
                 return atomic_write(self.path / name, write)
             _write_at(fd, last, write)
+        except (IsADirectoryError, NotADirectoryError):  # a folder where the file belongs: left as it is
+            raise _refused(self.path / name, "a regular file") from None
         finally:
             self._release(fd)
         return self.path / name

@@ -33,9 +33,12 @@ class Report:
 
 def _read_config(folder: RunFolder) -> dict[str, Any]:
     try:
-        return folder.read_json("config.json")
+        config = folder.read_json("config.json")
     except FileNotFoundError:
         return {}
+    if not isinstance(config, dict):
+        raise InputValueError(f"{folder.path / 'config.json'} is not a JSON object; move it away")
+    return config
 
 
 def read_run(run_dir: str | Path) -> tuple[dict[str, Any], list[dict[str, Any]]]:
