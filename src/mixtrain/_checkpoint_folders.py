@@ -71,14 +71,21 @@ def _manifest_digest(manifest: dict[str, Any]) -> str:
     return hashlib.sha256(json.dumps(rest, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
 
 
+def _split(path: Path) -> tuple[Path, str]:
+    """(the run folder, `checkpoints/<checkpoint>` in it) of the checkpoint folder `path` (relative or not)."""
+    where = path.absolute()
+    return where.parent.parent, f"{where.parent.name}/{where.name}"
+
+
 @contextlib.contextmanager
 def _in(path: Path) -> Iterator[tuple[RunFolder, str]]:
     """(the run folder opened the one way, the checkpoint's name in it: `checkpoints/<checkpoint>`), so that neither
     a link at `checkpoints` nor one at the checkpoint's own name is followed for a read. Its errors are the
     checkpoint's (CheckpointError)."""
+    root, where = _split(path)
     try:
-        with RunFolder(path.parent.parent) as folder:
-            yield folder, f"{path.parent.name}/{path.name}"
+        with RunFolder(root) as folder:
+            yield folder, where
     except (OSError, InputValueError) as exc:
         raise CheckpointError(f"{path}: {exc}") from None
 
@@ -86,9 +93,10 @@ def _in(path: Path) -> Iterator[tuple[RunFolder, str]]:
 def read_manifest(path: Path, layout: Layout) -> Any:
     """The parsed manifest of the checkpoint folder `path`: only a regular file of at most 1 MiB, never through a
     symbolic link, never a pipe or a device (which could block, or never end)."""
+    root, where = _split(path)
     try:
-        with RunFolder(path.parent.parent) as folder:
-            data = folder.read(f"{path.parent.name}/{path.name}/{layout.manifest}", _MANIFEST_MAX_BYTES)
+        with RunFolder(root) as folder:
+            data = folder.read(f"{where}/{layout.manifest}", _MANIFEST_MAX_BYTES)
     except OSError as exc:
         raise CheckpointError(f"{path}: unreadable manifest ({exc.strerror or exc})") from None
     except InputValueError as exc:
