@@ -18,7 +18,7 @@ from mixtrain.errors import InputValueError
 from mixtrain.observe import worker_log
 from mixtrain.observe.report import read_run
 from mixtrain.observe.runlog import RunLog
-from tests.trackers import mlflow_artifacts, mlflow_run, needs_mlflow
+from tests.trackers import mlflow_artifacts, mlflow_run, needs_mlflow, needs_wandb
 
 SECRET = "a stand-in secret\n"
 DEADLINE_S = 10.0
@@ -213,4 +213,16 @@ def test_an_mlflow_store_with_a_link_planted_in_its_artifacts_is_not_written_thr
     (run / "mlartifacts" / "1").symlink_to(secret.parent)
     with pytest.raises(InputValueError, match="symbolic link"):
         MLflowLogger().store_uri(run)
+    assert os.listdir(secret.parent) == ["secret.txt"]
+
+
+@needs_wandb
+def test_a_wandb_folder_planted_as_a_link_is_refused(run, secret, monkeypatch):
+    from mixtrain.loggers import WandbLogger
+    from tests.unit.test_loggers import started
+
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    (run / "wandb").symlink_to(secret.parent)
+    with pytest.raises(InputValueError, match="wandb is a symbolic link"):
+        WandbLogger(mode="offline").on_run_start(started(run))
     assert os.listdir(secret.parent) == ["secret.txt"]
