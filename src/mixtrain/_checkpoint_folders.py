@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
 
-from mixtrain._files import NotAPlainEntry, RunFolder, fsync_dir
+from mixtrain._files import NotAPlainEntry, RunFolder, fsync_dir, relative_parts
 from mixtrain.errors import InputValueError
 
 
@@ -150,9 +150,7 @@ def _own_name(name: Any, layout: Layout) -> bool:
 
 def check_relative(name: str) -> None:
     """InputValueError for a file name that is not inside its folder (absolute, `..`, `.`, empty parts, NUL)."""
-    parts = name.split("/")
-    if name.startswith("/") or "\\" in name or "\0" in name or any(p in ("", ".", "..") for p in parts):
-        raise InputValueError(f"checkpoint file name {name!r} is not a name inside its folder")
+    relative_parts(name)
 
 
 def saved_seq(path: Path, layout: Layout) -> int | None:

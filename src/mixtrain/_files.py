@@ -95,10 +95,6 @@ class NotAPlainEntry(InputValueError):
         )
 
 
-def _refused(path: Path, wanted: str) -> NotAPlainEntry:
-    return NotAPlainEntry(path, wanted)
-
-
 class RunFolder:
     """A run folder's files, opened one way for every read and write (metrics.jsonl, config.json, command.json,
     logs/, tensorboard/, the loggers' stores, checkpoints, the report's inputs and outputs).
@@ -136,7 +132,7 @@ class RunFolder:
         """(an open descriptor of `name`'s folder, its last component); the caller closes the descriptor unless
         it is the run folder's own. Each folder on the way is opened without following a link (`make`: made 0700
         where missing)."""
-        parts = _relative_parts(name)
+        parts = relative_parts(name)
         if self.fd is None:
             for i in range(1, len(parts)):
                 self._check_folder(self.path.joinpath(*parts[:i]), make)
@@ -151,7 +147,7 @@ class RunFolder:
             except OSError as exc:
                 self._release(fd)
                 if exc.errno in (errno.ELOOP, errno.ENOTDIR):
-                    raise _refused(self.path.joinpath(*parts[: i + 1]), "a folder") from None
+                    raise NotAPlainEntry(self.path.joinpath(*parts[: i + 1]), "a folder") from None
                 raise
             self._release(fd)
             fd = inner
@@ -162,7 +158,7 @@ class RunFolder:
         if make and not os.path.lexists(path):
             path.mkdir(mode=0o700)
         if path.is_symlink() or not path.is_dir():
-            raise _refused(path, "a folder")
+            raise NotAPlainEntry(path, "a folder")
 
     def _release(self, fd: int | None) -> None:
         if fd is not None and fd != self.fd:
@@ -189,13 +185,13 @@ class RunFolder:
             )
         except OSError as exc:
             if exc.errno in (errno.ELOOP, errno.ENXIO, errno.EISDIR, errno.ENOTDIR):
-                raise _refused(self.path / name, "a regular file") from None
+                raise NotAPlainEntry(self.path / name, "a regular file") from None
             raise
         finally:
             self._release(fd)
         if not stat.S_ISREG(os.fstat(opened).st_mode):
             os.close(opened)
-            raise _refused(self.path / name, "a regular file")
+            raise NotAPlainEntry(self.path / name, "a regular file")
         if _NONBLOCK:
             os.set_blocking(opened, True)
         return opened
@@ -234,7 +230,7 @@ class RunFolder:
                 return atomic_write(self.path / name, write)
             _write_at(fd, last, write)
         except (IsADirectoryError, NotADirectoryError):  # a folder where the file belongs: left as it is
-            raise _refused(self.path / name, "a regular file") from None
+            raise NotAPlainEntry(self.path / name, "a regular file") from None
         finally:
             self._release(fd)
         return self.path / name
@@ -246,7 +242,7 @@ class RunFolder:
     def create(self, name: str, data: bytes) -> bool:
         """`data` into a new private file `name`; False, and nothing touched, when anything is there already
         (a file, or a symlink, dangling or not). `name` is a plain file name (it may come from another process)."""
-        if len(_relative_parts(name)) > 1:
+        if len(relative_parts(name)) > 1:
             raise InputValueError(f"{name!r} is not a plain file name")
         fd, last = self._parent(name, make=True)
         flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | _NOFOLLOW | _CLOEXEC
@@ -291,11 +287,11 @@ def _make_folder(path: Path) -> None:
         path.mkdir(mode=0o700)
 
 
-def _relative_parts(name: str) -> list[str]:
-    """A name inside a folder, as its components: never absolute, never `..`, `.` or empty (it may come from a file
-    someone else wrote)."""
-    parts = name.replace(os.altsep or os.sep, os.sep).split(os.sep)
-    if name.startswith(os.sep) or any(p in ("", ".", "..") for p in parts) or "\0" in name:
+def relative_parts(name: str) -> list[str]:
+    """A name inside a folder, as its components: never absolute, never `..`, `.` or empty, no backslash or NUL (it
+    may come from a file someone else wrote: a checkpoint's manifest, another process)."""
+    parts = name.split("/")
+    if name.startswith("/") or "\\" in name or "\0" in name or any(p in ("", ".", "..") for p in parts):
         raise InputValueError(f"{name!r} is not a name inside a run folder (absolute, empty, or with . or ..)")
     return parts
 

@@ -88,7 +88,7 @@ def test_a_manifest_naming_a_file_outside_its_folder_is_refused(tmp_path, name):
 
 
 def test_a_loop_cannot_save_a_file_outside_the_checkpoint(tmp_path):
-    with pytest.raises(ValueError, match="not a name inside its folder"):
+    with pytest.raises(ValueError, match="not a name inside"):
         _store(tmp_path).save({"../escape": b"x"}, {"report": 1})
     assert not (tmp_path / "run" / "checkpoints" / "escape").exists()
 
