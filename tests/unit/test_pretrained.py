@@ -147,3 +147,21 @@ def test_at_the_end_of_fit_a_folder_that_cannot_be_written_is_said_not_raised(tm
     spec = spec_of(model)
     assert save_final_hf_model(model.state_dict(), spec, tmp_path, said.append, "hf_best") == tmp_path / "hf_best"
     assert said[-1] == f"done: Hugging Face model in {tmp_path / 'hf_best'} (AutoModel.from_pretrained reads it)"
+
+
+def test_the_run_folders_hugging_face_folder_is_private_and_a_link_planted_there_is_not_written_through(tmp_path):
+    import os
+    import stat
+
+    from mixtrain.pretrained import save_final_hf_model
+
+    model = _trained()
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / HF_MODEL).symlink_to(elsewhere)
+    path = save_final_hf_model(model.state_dict(), spec_of(model), run, lambda _m: None)
+    assert path == run / HF_MODEL and not path.is_symlink() and os.listdir(elsewhere) == []
+    modes = {p.name: stat.S_IMODE(os.lstat(p).st_mode) for p in [path, *path.iterdir()]}
+    assert modes.pop(HF_MODEL) == 0o700 and set(modes.values()) == {0o600}, modes
