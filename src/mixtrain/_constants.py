@@ -113,3 +113,7 @@ HOST_MMAP_THRESHOLD_MB = ("MIXTRAIN_HOST_MMAP_THRESHOLD_MB", 16.0)
 """Host blocks at least this large get their own mapping in a worker process, returned to the system when freed
 (glibc's mmap threshold; 32 MB during a forward pass, for its activations; 0 keeps glibc's own rising threshold).
 See devices/host_allocator.py."""
+
+RUN_FILE_MAX_MB = ("MIXTRAIN_RUN_FILE_MAX_MB", 256.0)
+"""The most a run folder's file read whole may hold (metrics.jsonl, config.json, the report's
+inputs): a planted huge file, or a device that never ends, is refused at this size instead of filling memory."""

@@ -9,15 +9,9 @@ as before.
 
 from __future__ import annotations
 
-import errno
 import hashlib
 import json
-import os
 import pickle
-import secrets
-import shutil
-import stat
-import tempfile
 from collections.abc import Callable
 from dataclasses import MISSING, dataclass, fields
 from pathlib import Path
@@ -25,7 +19,15 @@ from typing import Any
 
 import torch
 
-from mixtrain._files import atomic_write, fsync_dir
+from mixtrain._checkpoint_folders import MANIFEST_SHA256 as MANIFEST_SHA256  # re-exported: what tests check
+from mixtrain._checkpoint_folders import (
+    CheckpointError,
+    FolderStore,
+    Layout,
+    opened,
+)
+from mixtrain._checkpoint_folders import _manifest_digest as _manifest_digest
+from mixtrain._files import atomic_write
 from mixtrain.errors import InputValueError
 
 
@@ -252,10 +254,8 @@ MODEL = "model.safetensors"
 FORMAT = 2
 READS = (1, 2)
 """Format 1 (before safetensors): everything in state.pt."""
-
-
-class CheckpointError(RuntimeError):
-    """No checkpoint could be loaded (none there, or every one failed its check); the message says why."""
+TASK = Layout(prefix="step-", manifest=MANIFEST, formats=READS, names=(STATE, MODEL), required=(STATE,))
+"""The `Task` path's checkpoints in the store both doors share (_checkpoint_folders)."""
 
 
 def _sha256(path: Path) -> str:
@@ -266,274 +266,48 @@ def _sha256(path: Path) -> str:
     return digest.hexdigest()
 
 
-def _write_synced(path: Path, write: Callable[[Any], None]) -> None:
-    with open(path, "wb") as f:
-        write(f)
-        f.flush()
-        os.fsync(f.fileno())
-
-
-MANIFEST_SHA256 = "manifest_sha256"
-"""The manifest's key for the SHA-256 of its other keys (as canonical JSON): a manifest damaged or edited since
-it was written fails its check like a damaged file (manifests from before it are not checked)."""
-_MANIFEST_MAX_BYTES = 1 << 20
-
-
-def _manifest_digest(manifest: dict[str, Any]) -> str:
-    rest = {key: value for key, value in manifest.items() if key != MANIFEST_SHA256}
-    return hashlib.sha256(json.dumps(rest, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
-
-
-def _read_manifest(path: Path) -> Any:
-    """The parsed manifest of the checkpoint folder `path`. Only a regular file of at most 1 MiB is read: never
-    through a symbolic link, and never a pipe or a device (which could block, or never end)."""
-    try:
-        fd = os.open(path / MANIFEST, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
-        with os.fdopen(fd, "rb") as f:
-            if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
-                raise CheckpointError(f"{path}: unreadable manifest (not a regular file)")
-            data = f.read(_MANIFEST_MAX_BYTES + 1)
-    except OSError as exc:
-        why = "a symbolic link" if exc.errno == errno.ELOOP else exc.strerror or str(exc)
-        raise CheckpointError(f"{path}: unreadable manifest ({why})") from None
-    if len(data) > _MANIFEST_MAX_BYTES:
-        raise CheckpointError(f"{path}: unreadable manifest (over {_MANIFEST_MAX_BYTES} bytes)")
-    try:
-        return json.loads(data)
-    except (ValueError, RecursionError) as exc:
-        raise CheckpointError(f"{path}: unreadable manifest ({exc})") from None
-
-
-def _files(path: Path, manifest: Any) -> dict[str, dict[str, Any]]:
-    """The manifest's file entries, after checking its shape and its own hash: a malformed manifest is a
-    CheckpointError (the checkpoint is skipped), never a KeyError."""
-    if not isinstance(manifest, dict):
-        raise CheckpointError(f"{path}: the manifest is not a JSON object (malformed)")
-    if MANIFEST_SHA256 in manifest and manifest[MANIFEST_SHA256] != _manifest_digest(manifest):
-        raise CheckpointError(f"{path}: the manifest does not match its own SHA-256 (edited or corrupted)")
-    if not _int_at_least(manifest.get("saved_seq", 0), 0):  # else it would sort as the newest, or fail to sort
-        raise CheckpointError(f"{path}: saved_seq={manifest['saved_seq']!r}, not an integer >= 0 (malformed)")
-    if manifest.get("format") not in READS:
-        raise CheckpointError(f"{path}: format {manifest.get('format')!r}, this mixtrain reads {READS}")
-    files = manifest.get("files")
-    if not isinstance(files, dict) or STATE not in files:
-        raise CheckpointError(f"{path}: the manifest lists no {STATE} (malformed)")
-    for name, entry in files.items():
-        if name not in (STATE, MODEL) or not isinstance(entry, dict):  # a name is never a path elsewhere
-            raise CheckpointError(f"{path}: the manifest's entry {name!r} is not one of its files (malformed)")
-        if not _int_at_least(entry.get("bytes"), 0) or not isinstance(entry.get("sha256"), str):
-            raise CheckpointError(f"{path}: the manifest's entry for {name} lacks its size or hash (malformed)")
-    return files
-
-
-_UNREADABLE = 2**62
-"""The save position given to a checkpoint whose manifest cannot be read: tried first, so loading reports it."""
-
-
-def _saved_seq(path: Path) -> int | None:
-    """The checkpoint's place in its folder's save order (0: written before places were kept); None for what is
-    no checkpoint mixtrain can read: a symbolic link, or a folder whose manifest is unreadable or malformed."""
-    if path.is_symlink():
-        return None
-    try:
-        manifest = _read_manifest(path)
-        _files(path, manifest)
-    except CheckpointError:
-        return None
-    return int(manifest.get("saved_seq", 0))
-
-
-_TMP = ".tmp-"
-"""Prefix of the hidden folders of a checkpoint being written or deleted: loading ignores them, a save removes them."""
-REPLACED = ".replaced"
-"""Suffix of a checkpoint renamed aside while the same step is written again; deleted once the new one is in
-place. A crash before that leaves it, and loading reads it like any other checkpoint."""
-
-
-def _delete(path: Path) -> None:
-    """Remove what mixtrain wrote at `path`; a symbolic link there is unlinked, never followed."""
-    try:
-        if path.is_symlink() or path.is_file():
-            path.unlink()
-        elif path.is_dir():
-            shutil.rmtree(path)
-    except OSError:
-        pass  # what is left is hidden (.tmp-*): the next save tries again
-
-
-def _retire(path: Path) -> bool:
-    """Delete the checkpoint at `path`: renamed to a hidden name first, so a crash while deleting leaves a .tmp-*
-    folder (ignored, removed by the next save), never a half-deleted checkpoint without its manifest."""
-    if path.is_symlink():
-        _delete(path)
-        return not os.path.lexists(path)
-    hidden = path.with_name(f"{_TMP}del-{path.name}-{secrets.token_hex(4)}")
-    try:
-        os.rename(path, hidden)
-        fsync_dir(path.parent)
-    except OSError:
-        return False
-    _delete(hidden)
-    return True
-
-
 def checkpoint_name(global_step: int) -> str:
     """A checkpoint's folder name in RUN_DIR/checkpoints."""
     return f"step-{global_step:09d}"
 
 
-class CheckpointStore:
-    """`run_dir/checkpoints/step-000000123/{model.safetensors, state.pt, manifest.json}`, the newest `keep` of them.
-
-    A checkpoint is written into a hidden temporary folder (each file fsynced, the manifest last),
-    renamed into place, and the parent folder fsynced: a crash leaves the previous checkpoints and
-    at most a temporary folder, which loading ignores and the next save removes. The same step written
-    again replaces the old one only once the new one is in place (`_put_in_place`). Loading checks
-    every file against the manifest's SHA-256 and falls back to the previous checkpoint when the
-    newest fails; tensors load with weights_only=True, so a file carrying pickled code is refused.
-    Nothing is written or deleted through a symbolic link.
-    """
+class CheckpointStore(FolderStore):
+    """`run_dir/checkpoints/step-000000123/{model.safetensors, state.pt, manifest.json}`, the newest `keep` of them,
+    in the store both doors share (_checkpoint_folders: atomic folders, manifests with their own SHA-256, files
+    opened the run folder's one way, pruning that keeps the newest readable). Weights are a safetensors file; the
+    rest loads with weights_only=True, so a file carrying pickled code is refused. Loading falls back to the
+    previous checkpoint when the newest fails a check."""
 
     def __init__(self, run_dir: str | Path, keep: int = 3) -> None:
-        if keep < 1:
-            raise InputValueError(f"RunConfig.keep_checkpoints={keep}: keep at least 1")
-        self.root = Path(run_dir) / "checkpoints"
-        self.keep = keep
-        self.keep_also: set[str] = set()
-        """Checkpoint folder names kept beside the newest `keep` (the best one: RunConfig.keep_best)."""
-
-    def _listing(self) -> list[tuple[Path, int | None]]:
-        """Each `step-*` entry with its place in the save order (None: unreadable), newest first."""
-        if not self.root.is_dir():
-            return []
-        found = [(p, _saved_seq(p)) for p in self.root.glob("step-*") if p.is_dir() or p.is_symlink()]
-        return sorted(found, key=lambda e: (_UNREADABLE if e[1] is None else e[1], e[0].name), reverse=True)
-
-    def paths(self) -> list[Path]:
-        """Checkpoints, newest first: by the order they were saved (a run that went back to an older checkpoint
-        saves lower step numbers after higher ones), then by name (checkpoints from before that). One that
-        cannot be read (a symbolic link, an unreadable or malformed manifest) comes first, so loading reports it."""
-        return [path for path, _ in self._listing()]
-
-    def _check_root(self) -> None:
-        """Writes and deletes happen in a folder of the run itself: a `checkpoints` that is a symbolic link (in a
-        run folder someone else made) would point them at files elsewhere."""
-        if self.root.is_symlink():
-            raise InputValueError(
-                f"{self.root} is a symbolic link (to {os.readlink(self.root)}): mixtrain writes and deletes "
-                "checkpoints only in a folder of the run itself; replace the link by a folder, or give a new run "
-                "folder (--run-dir / RunConfig(run_dir=...)) on the disk it pointed to"
-            )
-
-    def _clear_temporary(self) -> None:
-        for stale in self.root.glob(f"{_TMP}*"):  # left by a crash while writing or deleting one
-            _delete(stale)
+        super().__init__(run_dir, keep, TASK)
 
     def save(self, state: dict[str, Any], meta: dict[str, Any]) -> Path:
         """Write `state` (tensors and plain values only) and `meta` (JSON) as checkpoint `meta['global_step']`."""
-        self._check_root()
-        self.root.mkdir(parents=True, exist_ok=True)
-        self._clear_temporary()
-        final = self.root / checkpoint_name(int(meta["global_step"]))
-        seqs = [seq for _, seq in self._listing() if seq is not None]
-        meta = {**meta, "saved_seq": 1 + max(seqs, default=0)}
-        tmp = Path(tempfile.mkdtemp(dir=self.root, prefix=_TMP))
-        try:
-            files = {}
-            if isinstance(state.get("model"), dict):  # the weights without pickle; the rest keeps torch.save
-                weights, other = _split(state["model"])
-                _write_synced(tmp / MODEL, lambda f: f.write(_safetensors_bytes(weights)))
-                files[MODEL] = {"sha256": _sha256(tmp / MODEL), "bytes": (tmp / MODEL).stat().st_size}
-                state = {**state, "model": other}
-            _write_synced(tmp / STATE, lambda f: _torch_save(state, f))
-            files[STATE] = {"sha256": _sha256(tmp / STATE), "bytes": (tmp / STATE).stat().st_size}
-            manifest = {"format": FORMAT, "files": files, **meta}
-            manifest[MANIFEST_SHA256] = _manifest_digest(manifest)
-            with open(tmp / MANIFEST, "w") as f:
-                json.dump(manifest, f, indent=1)
-                f.flush()
-                os.fsync(f.fileno())
-            fsync_dir(tmp)
-            self._put_in_place(tmp, final)
-        except BaseException:
-            _delete(tmp)
-            raise
-        self.prune(self.keep)
-        return final
-
-    def _put_in_place(self, tmp: Path, final: Path) -> None:
-        """Rename the finished `tmp` to `final`. A checkpoint already there (the same step written again: a
-        Ctrl-C right after a resume, every resume of a sharded optimizer) is renamed aside first, and deleted
-        only once the new one is in place and the folder synced: a crash at any point leaves a loadable
-        checkpoint of this step, the old one (`step-N.replaced`) or the new one."""
-        aside = final.with_name(final.name + REPLACED)
-        if os.path.lexists(final):
-            if os.path.lexists(aside):  # an older copy of this step, left by a crash before its delete
-                _retire(aside)
-            os.rename(final, aside)
-            try:
-                os.rename(tmp, final)
-            except BaseException:
-                os.rename(aside, final)  # an error, not a crash: the old one back in its place
-                raise
-        else:
-            os.rename(tmp, final)
-        fsync_dir(self.root)
-        if os.path.lexists(aside):  # renamed aside just now, or left by a crash between the two renames
-            _retire(aside)
-
-    def prune(self, keep: int) -> list[Path]:
-        """Delete all but the newest `keep` checkpoints and those named in `keep_also` (and unfinished temporary
-        folders); returns those deleted.
-        Only checkpoints that can be read count: what cannot be (a crash's leftover from an earlier version, a
-        damaged manifest, a symbolic link) neither takes a good one's place nor is deleted, so the newest good
-        checkpoint always stays."""
-        assert keep >= 1, "the newest good checkpoint is never deleted"
-        self._check_root()
-        self._clear_temporary()
-        good = [path for path, seq in self._listing() if seq is not None]
-        return [path for path in good[keep:] if path.name not in self.keep_also and _retire(path)]
+        files: dict[str, Callable[[Any], None]] = {}
+        if isinstance(state.get("model"), dict):  # the weights without pickle; the rest keeps torch.save
+            weights, other = _split(state["model"])
+            data = _safetensors_bytes(weights)
+            files[MODEL] = lambda f: f.write(data)
+            state = {**state, "model": other}
+        files[STATE] = lambda f: _torch_save(state, f)
+        return self.write(checkpoint_name(int(meta["global_step"])), files, {"format": FORMAT, **meta})
 
     @staticmethod
     def verify(path: Path) -> dict[str, Any]:
         """The manifest of the checkpoint at `path` after checking every file; raises CheckpointError."""
-        manifest = _read_manifest(path)
-        for name, entry in _files(path, manifest).items():
-            file = path / name
-            try:
-                info = file.lstat()
-            except OSError:
-                raise CheckpointError(f"{path}: {name} is missing") from None
-            if not stat.S_ISREG(info.st_mode):
-                raise CheckpointError(f"{path}: {name} is not a regular file (a link, a pipe or a device)")
-            if info.st_size != entry["bytes"]:
-                raise CheckpointError(
-                    f"{path}: {name} has {info.st_size} bytes, the manifest says {entry['bytes']} (truncated?)"
-                )
-            if _sha256(file) != entry["sha256"]:
-                raise CheckpointError(f"{path}: {name} does not match its SHA-256 in the manifest (corrupted)")
-        return manifest
+        with opened(path, TASK) as (manifest, _):
+            return manifest
 
     @staticmethod
     def read(path: Path) -> tuple[dict[str, Any], dict[str, Any]]:
         """(state, manifest) of one checkpoint, verified; pickled code is refused, never run."""
-        manifest = CheckpointStore.verify(path)
-        try:
-            state = torch.load(path / STATE, map_location="cpu", weights_only=True)
-        except pickle.UnpicklingError as exc:
-            raise CheckpointError(
-                f"{path}: refused to load {STATE}: it holds more than tensors and plain values "
-                f"(weights_only=True found {str(exc).splitlines()[0][:200]!r}); it was not written by mixtrain"
-            ) from None
-        except Exception as exc:  # a file that matches its hash but is no torch file: forged, not damaged
-            raise CheckpointError(f"{path}: {STATE} is not a torch file ({exc})") from None
-        if not isinstance(state, dict) or not isinstance(state.get("model", {}), dict):
-            raise CheckpointError(f"{path}: {STATE} does not hold a training state (malformed)")
-        if MODEL in manifest["files"]:
-            try:
-                state["model"] = {**_read_safetensors(path / MODEL), **state.get("model", {})}
-            except Exception as exc:  # safetensors raises its own error types for a damaged header
-                raise CheckpointError(f"{path}: {MODEL} is not a valid safetensors file ({exc})") from None
+        with opened(path, TASK) as (manifest, files):
+            state = _load_state(path, files[STATE])
+            if MODEL in files:
+                try:
+                    state["model"] = {**_read_safetensors(path / MODEL), **state.get("model", {})}
+                except Exception as exc:  # safetensors raises its own error types for a damaged header
+                    raise CheckpointError(f"{path}: {MODEL} is not a valid safetensors file ({exc})") from None
         return state, manifest
 
     def latest(
@@ -541,19 +315,28 @@ class CheckpointStore:
     ) -> tuple[dict[str, Any], dict[str, Any], Path]:
         """The newest checkpoint that passes its checks (and `accept(manifest)`, which raises CheckpointError
         for a manifest it cannot use); each one skipped is reported through `warn`."""
-        problems = []
-        for path in self.paths():
-            try:
-                if path.is_symlink():
-                    raise CheckpointError(f"{path}: a symbolic link, not a checkpoint folder (links are not followed)")
-                state, manifest = self.read(path)
-                if accept is not None:
-                    accept(manifest)
-            except CheckpointError as exc:
-                why = str(exc) if str(exc).startswith(str(path)) else f"{path}: {exc}"
-                problems.append(why)
-                warn(f"checkpoint skipped: {why}; trying the previous one")
-                continue
-            return state, manifest, path
-        detail = "; ".join(problems) if problems else "there are none"
-        raise CheckpointError(f"no usable checkpoint in {self.root}: {detail}")
+
+        def read(path: Path) -> tuple[dict[str, Any], dict[str, Any]]:
+            state, manifest = self.read(path)
+            if accept is not None:
+                accept(manifest)
+            return state, manifest
+
+        (state, manifest), path = self.first_good(read, warn)
+        return state, manifest, path
+
+
+def _load_state(path: Path, f: Any) -> dict[str, Any]:
+    """state.pt from its open, verified file, with weights_only=True."""
+    try:
+        state = torch.load(f, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as exc:
+        raise CheckpointError(
+            f"{path}: refused to load {STATE}: it holds more than tensors and plain values "
+            f"(weights_only=True found {str(exc).splitlines()[0][:200]!r}); it was not written by mixtrain"
+        ) from None
+    except Exception as exc:  # a file that matches its hash but is no torch file: forged, not damaged
+        raise CheckpointError(f"{path}: {STATE} is not a torch file ({exc})") from None
+    if not isinstance(state, dict) or not isinstance(state.get("model", {}), dict):
+        raise CheckpointError(f"{path}: {STATE} does not hold a training state (malformed)")
+    return state

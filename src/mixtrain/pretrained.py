@@ -16,6 +16,7 @@ import json
 import os
 import secrets
 import shutil
+import stat
 import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -23,6 +24,7 @@ from typing import Any
 
 import torch
 
+from mixtrain._files import RunFolder
 from mixtrain.core.messages import HFModelSpec
 from mixtrain.errors import InputValueError, require
 
@@ -70,6 +72,18 @@ def save_pretrained(
     return out
 
 
+def _private(folder: Path) -> Path:
+    """The run folder's modes on a folder transformers wrote with the umask's: folders 0700, files 0600 (links,
+    none of its own, are left alone: chmod would follow them)."""
+    for where, dirs, files in os.walk(folder):
+        for name in [*dirs, *files, ""]:
+            path = os.path.join(where, name) if name else where
+            mode = os.lstat(path).st_mode
+            if stat.S_ISDIR(mode) or stat.S_ISREG(mode):
+                os.chmod(path, 0o700 if stat.S_ISDIR(mode) else 0o600)
+    return folder
+
+
 def save_final_hf_model(
     state_dict: dict[str, Any],
     spec: HFModelSpec | None,
@@ -83,7 +97,7 @@ def save_final_hf_model(
     if spec is None:
         return None
     try:
-        path = save_pretrained(state_dict, spec, run_dir / name, import_module=True)
+        path = _private(save_pretrained(state_dict, spec, run_dir / name, import_module=True))
     except Exception as exc:
         say(f"could not write the Hugging Face folder {run_dir / name}: {exc} (the weights are in the run folder: "
             "`mixtrain export RUN_DIR`, or `mixtrain export CHECKPOINT --out DIR`, tries again)")  # fmt: skip
@@ -130,7 +144,8 @@ def export_pretrained(source: str | Path, out_dir: str | Path | None = None) -> 
 def read_spec(run_dir: Path) -> HFModelSpec:
     """The HFModelSpec the run wrote into its config.json; a run of another model has none."""
     try:
-        config = json.loads((run_dir / "config.json").read_text())
+        with RunFolder(run_dir) as folder:
+            config = folder.read_json("config.json")
     except (OSError, ValueError) as exc:
         raise InputValueError(
             f"export: cannot read {run_dir / 'config.json'} ({exc}); is {run_dir} a run folder?"

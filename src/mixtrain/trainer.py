@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import hashlib
-import json
 import time
 import uuid
 from collections.abc import Callable, Sequence
@@ -14,6 +13,7 @@ from typing import Any, cast
 import numpy as np
 import ray
 
+from mixtrain._files import RunFolder
 from mixtrain.callbacks import Callback, EarlyStopping, RunEnded, RunStarted, is_run_id
 from mixtrain.checkpoint import MANIFEST, CheckpointMeta, CheckpointStore, save_final_weights
 from mixtrain.cluster import connect
@@ -177,7 +177,8 @@ class Trainer:
             if start.resumed is not None:
                 controller.load_driver_state(driver_state)
             resumed_from = start.resumed[2] if start.resumed is not None else None
-            config = json.loads((start.run_dir / "config.json").read_text())
+            with RunFolder(start.run_dir) as folder:
+                config = folder.read_json("config.json")
             hooks.run_started(
                 RunStarted(
                     start.run_dir,

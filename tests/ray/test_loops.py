@@ -5,6 +5,7 @@ lost mid-epoch; shares that follow speed (issue 35)."""
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -193,3 +194,31 @@ def test_a_loop_that_divides_its_batch_by_the_world_size_keeps_its_steps_and_sch
         (0, 20, 40),
     ]
     _close(torch.load(tmp_path / "weights.pt"), weights)
+
+
+def test_a_resume_skips_a_loop_checkpoint_with_a_planted_pipe_within_seconds_and_continues_from_the_previous(
+    tmp_path,
+):
+    """A FIFO planted in a loop checkpoint made `mixtrain run s.py --resume` hang before Ray started (issue 45 item 8):
+    the store both doors share skips it with a line, and the loop continues exactly from the previous one."""
+    from tests.unit.test_run_files import within
+
+    config = {"data": loops.data(60), "batch": 10, "epochs": 2, "kill": False}
+    run = RunConfig(name="r", storage_path=str(tmp_path / "runs"), seed=loops.SEED, progress=False)
+    scaling = ScalingConfig(num_workers=2, cpus_per_worker=0.5, shares=[6, 4])
+
+    def trainer(epochs: int) -> TorchTrainer:
+        loop_config = {**config, "epochs": epochs, "out": str(tmp_path)}
+        return TorchTrainer(
+            loops.checkpointing_loop, train_loop_config=loop_config, scaling_config=scaling, run_config=run
+        )
+
+    trainer(2).fit()
+    newest = tmp_path / "runs" / "r" / "checkpoints" / "checkpoint-000002"
+    (newest / "state.pt").unlink()
+    os.mkfifo(newest / "state.pt")
+    _, resume = within(trainer(3)._run_dir)  # where it hung: before Ray starts
+    assert resume is not None and Path(resume.path).name == "checkpoint-000001"
+    trainer(3).fit()
+    assert (tmp_path / "restarted-from-1").exists()
+    _close(torch.load(tmp_path / "weights.pt"), loops.reference({**config, "epochs": 3, "opt": "sgd"}, workers=2))

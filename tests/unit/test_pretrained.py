@@ -196,3 +196,21 @@ def test_export_out_into_the_current_or_a_run_folder_is_one_line(tmp_path, monke
     assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr
     assert ("is the current folder" if out == "." else "is a run folder") in proc.stderr
     assert sorted(p.name for p in tmp_path.rglob("*")) == before
+
+
+def test_the_run_folders_hugging_face_folder_is_private_and_a_link_planted_there_is_not_written_through(tmp_path):
+    import os
+    import stat
+
+    from mixtrain.pretrained import save_final_hf_model
+
+    model = _trained()
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / HF_MODEL).symlink_to(elsewhere)
+    path = save_final_hf_model(model.state_dict(), spec_of(model), run, lambda _m: None)
+    assert path == run / HF_MODEL and not path.is_symlink() and os.listdir(elsewhere) == []
+    modes = {p.name: stat.S_IMODE(os.lstat(p).st_mode) for p in [path, *path.iterdir()]}
+    assert modes.pop(HF_MODEL) == 0o700 and set(modes.values()) == {0o600}, modes

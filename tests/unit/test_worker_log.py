@@ -39,9 +39,9 @@ def test_a_log_path_planted_as_a_symlink_is_refused_and_its_target_untouched(tmp
     victim.write_text("keep me")
     path = worker_log.log_path("/runs/a/logs", "driver-node", "this-node", "worker-1.log")
     path.symlink_to(victim)
-    with pytest.raises(OSError):
+    with pytest.raises(ValueError, match="symbolic link"):
         worker_log.open_log(path)
-    with pytest.raises(OSError):
+    with pytest.raises(ValueError, match="symbolic link"):
         worker_log.read_tail(path)
     assert victim.read_text() == "keep me"
 

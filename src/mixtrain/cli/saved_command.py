@@ -17,13 +17,12 @@ A run folder is a file anyone can hand you, so what it says is data, never trust
 from __future__ import annotations
 
 import json
-import os
-import stat
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from mixtrain._files import RunFolder
 from mixtrain.errors import InputValueError
 from mixtrain.signing import sign_if_possible, signed_by_me
 
@@ -61,7 +60,6 @@ class SavedCommand:
 
 def save_command(raw: list[str], run_dir: Path, target: str, config: dict[str, Any], job_args: dict[str, Any]) -> None:
     """Write RUN_DIR/command.json for a new run (raw: the command line, "train" first)."""
-    from mixtrain._files import write_json
     from mixtrain.job import module_file
 
     keep: list[str] = []
@@ -88,7 +86,8 @@ def save_command(raw: list[str], run_dir: Path, target: str, config: dict[str, A
         record["config"] = config
     if job_args:
         record["args"] = job_args
-    write_json(sign_if_possible(record, _say), run_dir / COMMAND_FILE)
+    with RunFolder(run_dir) as folder:
+        folder.write_json(COMMAND_FILE, sign_if_possible(record, _say))
 
 
 def read_command(run_dir: str | Path) -> SavedCommand | None:
@@ -111,20 +110,13 @@ def read_record(run_dir: str | Path) -> Any:
     """RUN_DIR/command.json's JSON, unchecked, or None when there is none: a small regular file, read without
     following a symlink or blocking on a FIFO (one line otherwise)."""
     path = Path(run_dir) / COMMAND_FILE
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    try:  # the run folder's one way: no link, no pipe, at most MAX_BYTES
+        with RunFolder(run_dir) as folder:
+            text = folder.read(COMMAND_FILE, MAX_BYTES)
     except FileNotFoundError:
         return None
     except OSError as exc:
-        raise InputValueError(f"{path}: cannot be read ({exc.strerror}); a symlink is refused") from None
-    try:
-        info = os.fstat(fd)
-        if not stat.S_ISREG(info.st_mode) or info.st_size > MAX_BYTES:
-            raise InputValueError(f"{path}: not a regular file of at most {MAX_BYTES} bytes; refused unread")
-        with os.fdopen(fd, "rb", closefd=False) as f:
-            text = f.read(MAX_BYTES + 1)
-    finally:
-        os.close(fd)
+        raise InputValueError(f"{path}: cannot be read ({exc.strerror})") from None
     try:
         return json.loads(text)
     except (ValueError, UnicodeDecodeError) as exc:

@@ -12,6 +12,7 @@ import ray
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from mixtrain._files import RunFolder
 from mixtrain.cluster import connect, placement
 from mixtrain.config import ScalingConfig
 from mixtrain.core import emulation, warm_workers
@@ -169,7 +170,8 @@ class WorkerGroup(GroupCalls):
     def _log_to(self) -> tuple[str, str] | None:
         if self.log_dir is None:
             return None
-        self.log_dir.mkdir(parents=True, exist_ok=True)
+        with RunFolder(self.log_dir.parent) as run:  # RUN_DIR/logs, 0700, never through a link planted there
+            run.folder(self.log_dir.name)
         return str(self.log_dir), ray.get_runtime_context().get_node_id()
 
     # ---- who is in --------------------------------------------------------------------------------

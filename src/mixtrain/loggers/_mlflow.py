@@ -20,8 +20,9 @@ from pathlib import Path
 from typing import Any
 
 from mixtrain import _checks as check
+from mixtrain._files import RunFolder
 from mixtrain.callbacks import Callback, CheckpointSaved, Evaluated, RoundEnded, RunEnded, RunStarted, is_run_id
-from mixtrain.errors import require
+from mixtrain.errors import InputValueError, require
 from mixtrain.loggers._scalars import eval_scalars, flat_params, round_scalars
 
 STORE_FILE = "mlflow.db"
@@ -74,6 +75,7 @@ class MLflowLogger(Callback):
         """(tracking URI, artifact location for a new experiment: None lets the store decide)."""
         uri = self.tracking_uri or os.environ.get("MLFLOW_TRACKING_URI")
         if not uri:
+            _check_store(run_dir)
             return f"sqlite:///{run_dir / STORE_FILE}", (run_dir / ARTIFACTS_DIR).as_uri()
         if uri.startswith("sqlite:///"):  # MLflow would put the artifacts in ./mlruns, wherever the run started
             return uri, (Path(uri.removeprefix("sqlite:///")).absolute().parent / ARTIFACTS_DIR).as_uri()
@@ -162,15 +164,43 @@ class MLflowLogger(Callback):
             client.set_terminated(run_id, _status(event.error))
 
     def _artifacts(self, client: Any, run_id: str, event: RunEnded) -> None:
-        for name in ("config.json", "metrics.jsonl"):
-            if (event.run_dir / name).is_file():
-                client.log_artifact(run_id, str(event.run_dir / name), "run")
-        with tempfile.TemporaryDirectory(prefix="mixtrain-report-") as out:
-            if write_report(event.run_dir, Path(out)):
-                client.log_artifacts(run_id, out, "report")
-        model = getattr(event.result, "model_path", None)
-        if self.log_model and model is not None and Path(model).is_file():
-            client.log_artifact(run_id, str(model), "model")
+        # MLflow copies a file by its path, following links and keeping its mode: each run file goes through a
+        # private copy read the run folder's one way (a link planted there is refused, never its target copied).
+        with tempfile.TemporaryDirectory(prefix="mixtrain-artifacts-") as tmp, RunFolder(event.run_dir) as run:
+            refused = []
+            for name in ("config.json", "metrics.jsonl"):
+                try:
+                    client.log_artifact(run_id, str(run.copy_out(name, Path(tmp) / "run" / name)), "run")
+                except FileNotFoundError:
+                    pass
+                except InputValueError as exc:  # the other artifacts are still logged; this one is said below
+                    refused.append(str(exc))
+            report = Path(tmp) / "report"
+            report.mkdir()
+            if write_report(event.run_dir, report):
+                client.log_artifacts(run_id, str(report), "report")
+            model = getattr(event.result, "model_path", None)
+            if self.log_model and model is not None and Path(model).parent == event.run_dir:
+                name = Path(model).name
+                client.log_artifact(run_id, str(run.copy_out(name, Path(tmp) / "model" / name)), "model")
+        if refused:
+            raise InputValueError("; ".join(refused))
+
+
+def _check_store(run_dir: Path) -> None:
+    """The store in the run folder is opened by SQLite and MLflow by path: mlflow.db must be a regular file (made
+    0600 here where missing) and mlartifacts/ a folder (0700) holding no link, or writes would go where a link
+    planted there points."""
+    with RunFolder(run_dir) as run:
+        os.close(run.open(STORE_FILE, os.O_RDWR | os.O_CREAT))
+        artifacts = run.folder(ARTIFACTS_DIR)
+    for folder, dirs, files in os.walk(artifacts):  # os.walk follows no link to a folder
+        for name in dirs + files:
+            if os.path.islink(os.path.join(folder, name)):
+                raise InputValueError(
+                    f"{os.path.join(folder, name)} is a symbolic link: MLflow would write an artifact through it; "
+                    "remove it"
+                )
 
 
 def _status(error: BaseException | None) -> str:

@@ -6,6 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from mixtrain._files import RunFolder
 from mixtrain.callbacks import Callback, Evaluated, RoundEnded, RunEnded, RunStarted
 from mixtrain.errors import MissingExtraError
 from mixtrain.loggers._scalars import eval_scalars, round_scalars
@@ -51,7 +52,11 @@ class TensorBoardLogger(Callback):
         self.writer: Any = None
 
     def on_run_start(self, event: RunStarted) -> None:
-        folder = self.log_dir if self.log_dir is not None else event.run_dir / TENSORBOARD_DIR
+        if self.log_dir is not None:
+            folder = self.log_dir
+        else:  # made 0700; a link planted at RUN_DIR/tensorboard is refused, not written through
+            with RunFolder(event.run_dir) as run:
+                folder = run.folder(TENSORBOARD_DIR)
         self.writer = summary_writer_class()(str(folder), flush_secs=FLUSH_S)
 
     def on_round_end(self, event: RoundEnded) -> None:

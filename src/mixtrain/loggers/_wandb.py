@@ -12,6 +12,7 @@ from typing import Any, Literal, cast
 
 from mixtrain import _checks as check
 from mixtrain._constants import WANDB_INIT_TIMEOUT_S, env_float
+from mixtrain._files import RunFolder
 from mixtrain.callbacks import Callback, Evaluated, RoundEnded, RunEnded, RunStarted, is_run_id
 from mixtrain.errors import InputValueError, require
 from mixtrain.loggers._scalars import eval_scalars, round_scalars
@@ -62,6 +63,9 @@ class WandbLogger(Callback):
     def on_run_start(self, event: RunStarted) -> None:
         import wandb
 
+        if self.save_dir is None:  # W&B writes into RUN_DIR/wandb: made 0700, refused where it is a planted link
+            with RunFolder(event.run_dir) as folder:
+                folder.folder("wandb")
         settings = wandb.Settings(
             console="off",  # the progress view redraws the terminal: not a log to copy
             silent=True,

@@ -15,7 +15,7 @@ from pathlib import Path
 from statistics import fmean
 from typing import Any
 
-from mixtrain._files import PrivateFolder
+from mixtrain._files import PrivateFolder, RunFolder
 from mixtrain.callbacks import EVAL_KEYS
 from mixtrain.core.rounds import device_samples_per_s, time_split, worker_name
 from mixtrain.errors import InputValueError, require
@@ -32,6 +32,22 @@ class Report:
     """Per PNG file name, the titles of its panels."""
 
 
+def _read_config(folder: RunFolder) -> dict[str, Any]:
+    """The run's config.json, or {} (its figures then show as '?') when it is missing or malformed."""
+    try:
+        config = folder.read_json("config.json")
+    except (FileNotFoundError, ValueError):
+        return {}
+    if not isinstance(config, dict):
+        return {}
+    for key in ("num_samples", "global_batch"):
+        if key in config and not (isinstance(config[key], int) and config[key] >= 0):
+            del config[key]
+    if not isinstance(config.get("strategy", {}), dict):
+        del config["strategy"]
+    return config
+
+
 def read_run(run_dir: str | Path) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     config, records, _ = read_run_counted(run_dir)
     return config, records
@@ -42,13 +58,15 @@ def read_run_counted(run_dir: str | Path) -> tuple[dict[str, Any], list[dict[str
     lines were skipped as malformed (not JSON, or not a record the report can read: record_check.py). A partial
     last line (a run killed mid-write) is not counted."""
     run = Path(run_dir)
-    metrics = run / "metrics.jsonl"
-    if not metrics.is_file():
-        raise InputValueError(f"report {str(run_dir)!r}: no metrics.jsonl there; give the folder a run wrote")
-    config = _config(run / "config.json")
+    try:  # the run folder's one way: no link followed, no pipe read, a bounded size
+        with RunFolder(run) as folder:
+            text = folder.read("metrics.jsonl").decode("utf-8", errors="replace")
+            config = _read_config(folder)
+    except (FileNotFoundError, NotADirectoryError):
+        raise InputValueError(f"report {str(run_dir)!r}: no metrics.jsonl there; give the folder a run wrote") from None
     records = []
     skipped = 0
-    lines = metrics.read_text(errors="replace").splitlines()
+    lines = text.splitlines()
     for n, line in enumerate(lines, 1):
         if not line.strip():
             continue
@@ -66,22 +84,6 @@ def read_run_counted(run_dir: str | Path) -> tuple[dict[str, Any], list[dict[str
         bad = f" ({skipped} malformed lines skipped)" if skipped else ""
         raise InputValueError(f"report {str(run_dir)!r}: the run has no finished round yet{bad}; nothing to plot")
     return config, records, skipped
-
-
-def _config(path: Path) -> dict[str, Any]:
-    """The run's config.json, or {} (its figures then show as '?') when it is missing or malformed."""
-    try:
-        config = json.loads(path.read_text()) if path.is_file() else {}
-    except ValueError:
-        return {}
-    if not isinstance(config, dict):
-        return {}
-    for key in ("num_samples", "global_batch"):
-        if key in config and not (isinstance(config[key], int) and config[key] >= 0):
-            del config[key]
-    if not isinstance(config.get("strategy", {}), dict):
-        del config["strategy"]
-    return config
 
 
 def write_report(run_dir: str | Path, out: str | Path | None = None) -> Report:

@@ -126,11 +126,12 @@ class RunLog:
     """Appends one JSON line per event to metrics.jsonl (the callbacks, TensorBoard's among them, hear each line)."""
 
     def __init__(self, run_dir: Path, config: dict[str, Any]) -> None:
-        from mixtrain._files import write_json
+        from mixtrain._files import RunFolder
 
         self.run_dir = run_dir
-        write_json(plain(config), run_dir / "config.json")
-        self._metrics = open(run_dir / "metrics.jsonl", "a", buffering=1)
+        with RunFolder(run_dir) as folder:  # a link or a pipe planted at either name is refused, its target untouched
+            folder.write_json("config.json", plain(config))
+            self._metrics = folder.append("metrics.jsonl")
         self.write_error: OSError | None = None
         """The first error writing metrics.jsonl (a full disk): later lines are dropped, training goes on."""
 

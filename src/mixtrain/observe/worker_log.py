@@ -23,7 +23,7 @@ import threading
 from collections.abc import Callable
 from pathlib import Path
 
-from mixtrain._files import PrivateFolder
+from mixtrain._files import PrivateFolder, RunFolder
 
 log = logging.getLogger("mixtrain.worker")
 MAX_FETCH = 4 * 2**20
@@ -32,9 +32,6 @@ MAX_FOLLOW = 2**20
 """Bytes of new output a LogFollower reads at one look (the rest at the next)."""
 MAX_LINE = 4000
 """Characters of one followed line sent to the driver (a longer one is cut)."""
-
-
-_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)  # Linux and macOS; Windows has no symlink attack of this kind
 
 
 def _user() -> str:
@@ -68,17 +65,20 @@ def remote_log_dir(run_name: str) -> Path:
 
 def log_path(log_dir: str, driver_node: str, this_node: str, name: str) -> Path:
     """Where this worker writes: the run folder when it shares the driver's node, else a private folder here."""
-    if this_node == driver_node:
-        folder = Path(log_dir)
-        folder.mkdir(parents=True, exist_ok=True)
+    if this_node == driver_node:  # RUN_DIR/logs, made 0700, refused where it is a link
+        with RunFolder(Path(log_dir).parent) as run:
+            folder = run.folder(Path(log_dir).name)
     else:
         folder = remote_log_dir(Path(log_dir).parent.name)
     return folder / name
 
 
 def open_log(path: Path) -> int:
-    """A descriptor for appending to `path`: created 0600, refused (OSError) when `path` is a symlink."""
-    return os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | _NOFOLLOW, 0o600)
+    """A descriptor for appending to `path` (FOLDER/logs/NAME): created 0600, opened relative to FOLDER without
+    following a link at `logs` or at NAME, and only a regular file (a planted pipe would block the worker);
+    InputValueError otherwise."""
+    with RunFolder(path.parent.parent) as folder:
+        return folder.open(f"{path.parent.name}/{path.name}", os.O_WRONLY | os.O_CREAT | os.O_APPEND)
 
 
 _original: tuple[int, int, tuple[list[logging.Handler], int, bool]] | None = None
@@ -137,7 +137,7 @@ def save_copies(log_dir: Path, copies: list[tuple[str, str]]) -> None:
 
 def read_tail(path: Path) -> str:
     """The end of a log file, for copying a remote worker's log back."""
-    with os.fdopen(os.open(path, os.O_RDONLY | _NOFOLLOW), "rb") as f:
+    with RunFolder(path.parent) as folder, os.fdopen(folder.open(path.name), "rb") as f:
         f.seek(max(0, os.fstat(f.fileno()).st_size - MAX_FETCH))
         return f.read().decode("utf-8", errors="replace")
 
@@ -149,7 +149,8 @@ class LogFollower:
     terminal would show it."""
 
     def __init__(self, path: Path, send: Callable[[list[str], bool], None], poll_s: float) -> None:
-        self._fd = os.open(path, os.O_RDONLY | _NOFOLLOW)
+        with RunFolder(path.parent) as folder:  # the worker's own log, opened the run folder's one way
+            self._fd = folder.open(path.name)
         os.lseek(self._fd, 0, os.SEEK_END)  # what the worker wrote before the loop is not the loop's output
         self._send, self._poll_s = send, poll_s
         self._partial = b""

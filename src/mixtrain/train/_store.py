@@ -1,82 +1,61 @@
-"""The checkpoints of a loop run: RUN_DIR/checkpoints/checkpoint-NNNNNN/, each the user's files and a manifest
-(each file's size and SHA-256, the report it came with), written into a hidden folder, fsynced, renamed into place;
-the newest `keep` kept. Loading checks every file and falls back to the previous checkpoint when one fails."""
+"""The checkpoints of a loop run: RUN_DIR/checkpoints/checkpoint-NNNNNN/, each the user's own files (as their loop
+wrote them, readable where they are) and a manifest, in the store both doors share (_checkpoint_folders): written
+whole or not at all, a manifest with each file's size and SHA-256 and its own, names only inside the folder, files
+opened without following a link or blocking on a pipe, pruning that keeps the newest readable. Loading checks every
+file and falls back to the previous checkpoint when one fails, saying which and why."""
 
 from __future__ import annotations
 
-import hashlib
-import json
-import os
-import shutil
-import tempfile
+import logging
 from pathlib import Path
 from typing import Any
 
-from mixtrain._files import fsync_dir
-from mixtrain.train.checkpoint import write_files
+from mixtrain._checkpoint_folders import CheckpointError, FolderStore, Layout, Writer, check_relative, opened
 
 MANIFEST = "mixtrain_checkpoint.json"
 PREFIX = "checkpoint-"
+FORMAT = 1
+LOOP = Layout(prefix=PREFIX, manifest=MANIFEST, formats=(None, FORMAT), names=None)
+"""A loop's checkpoints: any file names inside the folder (not the manifest's); format None: written before the
+store was shared (no manifest hash then)."""
+
+log = logging.getLogger("mixtrain")
 
 
 class LoopCheckpoints:
     def __init__(self, run_dir: str | Path, keep: int) -> None:
-        self.root = Path(run_dir) / "checkpoints"
-        self.keep = keep
+        self.store = FolderStore(run_dir, keep, LOOP)
+        self.root = self.store.root
 
     def paths(self) -> list[Path]:
-        """Finished checkpoints, newest first."""
-        if not self.root.is_dir():
-            return []
-        found = [p for p in self.root.glob(f"{PREFIX}*") if p.is_dir() and not p.is_symlink()]
-        return sorted(found, key=lambda p: p.name, reverse=True)
+        """Checkpoints, newest first (one that cannot be read first, so loading reports it)."""
+        return self.store.paths()
 
     def save(self, files: dict[str, bytes], meta: dict[str, Any]) -> Path:
-        self.root.mkdir(parents=True, exist_ok=True)
-        number = 1 + max(
-            (int(p.name[len(PREFIX) :]) for p in self.paths() if p.name[len(PREFIX) :].isdigit()), default=0
-        )
-        final = self.root / f"{PREFIX}{number:06d}"
-        tmp = Path(tempfile.mkdtemp(dir=self.root, prefix=".tmp-"))
-        try:
-            write_files(files, tmp)
-            entries = {}
-            for name, data in files.items():
-                with open(tmp / name, "rb+") as f:
-                    os.fsync(f.fileno())
-                entries[name] = {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
-            with open(tmp / MANIFEST, "w") as f:
-                json.dump({"files": entries, **meta}, f, indent=1)
-                f.flush()
-                os.fsync(f.fileno())
-            fsync_dir(tmp)
-            os.rename(tmp, final)
-        except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise
-        fsync_dir(self.root)
-        for old in self.paths()[self.keep :]:
-            shutil.rmtree(old, ignore_errors=True)
-        return final
+        """The loop's `files` (relative name -> bytes) and `meta` (JSON) as the next checkpoint-NNNNNN."""
+        # A file named as the manifest is an earlier checkpoint's, copied along by a loop that saved into the
+        # folder get_checkpoint() gave it: the store writes this checkpoint's own.
+        files = {name: data for name, data in files.items() if name != MANIFEST}
+        for name in files:
+            check_relative(name)
+        numbers = [int(p.name[len(PREFIX) :]) for p in self.paths() if p.name[len(PREFIX) :].isdigit()]
+        writers: dict[str, Writer] = {name: _writer(data) for name, data in files.items()}
+        return self.store.write(f"{PREFIX}{1 + max(numbers, default=0):06d}", writers, {"format": FORMAT, **meta})
 
     def latest(self) -> tuple[Path, dict[str, bytes]] | None:
-        """The newest checkpoint whose files all match their manifest, with its files; None when there is none."""
-        for path in self.paths():
-            files = _verified(path)
-            if files is not None:
-                return path, files
-        return None
+        """The newest checkpoint whose files all match their manifest, with its files; None when there is none.
+        Each one skipped is said (a log warning) with why."""
+        try:
+            files, path = self.store.first_good(_read, lambda message: log.warning("%s", message))
+        except CheckpointError:
+            return None
+        return path, files
 
 
-def _verified(path: Path) -> dict[str, bytes] | None:
-    try:
-        manifest = json.loads((path / MANIFEST).read_text())
-        out = {}
-        for name, entry in manifest["files"].items():
-            data = (path / name).read_bytes()
-            if len(data) != entry["bytes"] or hashlib.sha256(data).hexdigest() != entry["sha256"]:
-                return None
-            out[name] = data
-        return out
-    except (OSError, ValueError, KeyError, TypeError, AttributeError):
-        return None
+def _writer(data: bytes) -> Writer:
+    return lambda f: f.write(data)
+
+
+def _read(path: Path) -> dict[str, bytes]:
+    with opened(path, LOOP) as (_, files):
+        return {name: f.read() for name, f in files.items()}

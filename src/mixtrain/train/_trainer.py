@@ -147,7 +147,7 @@ class TorchTrainer:
             path = root / self.run.name
             found = LoopCheckpoints(path, self.run.keep_checkpoints).latest()
             if found is not None:
-                return path, Checkpoint(found[0])
+                return path, Checkpoint._verified(found[0], found[1])
             check_new_run_dir(path)
             make_folder(path, "RunConfig.name")
             return path, self.resume_from

@@ -23,6 +23,15 @@ class Checkpoint:
 
     def __init__(self, path: str | os.PathLike[str]) -> None:
         self.path = str(path)
+        self._checked: dict[str, bytes] | None = None
+
+    @classmethod
+    def _verified(cls, path: str | os.PathLike[str], files: dict[str, bytes]) -> Checkpoint:
+        """A checkpoint of the run folder as the store read and checked it: files() gives those bytes (not the
+        folder read again, and not mixtrain's manifest)."""
+        out = cls(path)
+        out._checked = dict(files)
+        return out
 
     @classmethod
     def from_directory(cls, path: str | os.PathLike[str]) -> Checkpoint:
@@ -43,6 +52,8 @@ class Checkpoint:
 
     def files(self) -> dict[str, bytes]:
         """Every regular file of the folder by its relative path (links are not followed)."""
+        if self._checked is not None:
+            return dict(self._checked)
         root = Path(self.path)
         out: dict[str, bytes] = {}
         for file in sorted(root.rglob("*")):
