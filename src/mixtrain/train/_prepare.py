@@ -141,7 +141,7 @@ class PreparedLoader:
         if shares is None:
             session.end_epoch()
             return
-        cut = EpochCut(order, batch, rank, shares)
+        cut = EpochCut(order, batch, total, rank, shares)
         self._reads.start(epoch, cut)
         try:
             for t in range(total):

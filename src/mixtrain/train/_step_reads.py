@@ -28,8 +28,9 @@ _END = object()
 class EpochCut:
     """One epoch's steps for this worker: each step's slice of the epoch's order under the shares in force."""
 
-    def __init__(self, order: np.ndarray, global_batch: int, rank: int, shares: list[int]) -> None:
+    def __init__(self, order: np.ndarray, global_batch: int, steps: int, rank: int, shares: list[int]) -> None:
         self.order, self.global_batch, self.rank = order, global_batch, rank
+        self.steps = steps  # the epoch's: without the last, partial one where the loader drops it
         self.shares = shares
         self.version = 0
         """How many times the shares moved this epoch (a batch cut under an older version is stale)."""
@@ -73,7 +74,7 @@ class _StepKeys:
     def __iter__(self) -> Iterator[list[tuple[int, int]]]:
         cut, epoch = self.cut, self.epoch
         assert cut is not None, "start() names the epoch's cut before the loader is iterated"
-        for step in range(-(-len(cut.order) // cut.global_batch)):
+        for step in range(cut.steps):
             idx = cut.indices(step)
             if len(idx):
                 self.sent.append((step, cut.version))
