@@ -13,6 +13,11 @@ Command lines:
         # "ideal" = one worker alone + the slow worker alone = single1 x (1 + 1/3)
     python benchmarks/compare.py --runners ddp,raytrain,mixtrain-all,mxloop --workloads mlp,cnn   # your own loop
         # (mxloop: the same step loop through mixtrain.train's prepare_model and prepare_data_loader)
+    python benchmarks/compare.py --workloads newcomer --runners single,single1,mxloop1,mxloop-default,mxloop,mixtrain1
+        # the newcomer's script (issue 45): a CNN on scikit-learn's digits, a Dataset that is not a TensorDataset,
+        # DataLoader(batch_size=64, num_workers=1, shuffle=True), 8 epochs; the whole loop timed, as its author
+        # would time it (loader starts included); mxloop1: one worker through the loop API, mxloop: two,
+        # mxloop-default: the default (one worker holding every core here), mixtrain1: the Task door
     python benchmarks/compare.py --emulate 1:3@4 --runners mixtrain-all --workloads cnn --repeats 1
         # a slowdown switched on at round 4: prints mixtrain's shares per round
     python benchmarks/compare.py --workloads cnn --emulate 1:3 --runners ddp,mx:allreduce,mx:ps,mx:ps-async,\
@@ -51,7 +56,9 @@ WORKLOADS = {
     # name: (samples per epoch, epochs, warm-up steps excluded from samples/s)
     "mlp": (128 * 100, 4, 40),
     "cnn": (128 * 30, 2, 6),
+    "newcomer": (1438, 8, 0),  # scikit-learn's digits less a held-out fifth; the whole loop is timed
 }
+NEWCOMER_BATCH = 64  # the newcomer's DataLoader(batch_size=64): the global batch on every runner
 RUNNERS = ("single", "ddp", "raytrain", "mixtrain")
 EMULATE_ENV = "MIXTRAIN_EMULATE_SLOWDOWN"  # the same variable mixtrain's workers read
 
@@ -149,6 +156,8 @@ def run_single(workload: str, threads: int = NUM_WORKERS) -> dict:
     import torch
 
     torch.set_num_threads(threads)
+    if workload == "newcomer":
+        return newcomer_plain()
     torch.manual_seed(0)
     model = make_model(workload)
     x, y = make_data(workload)
@@ -244,6 +253,8 @@ def run_mixtrain(
     from mixtrain import RunConfig, ScalingConfig, StrategyConfig, Trainer
 
     name, _, compress = strategy.partition("+")
+    if workload == "newcomer":
+        return newcomer_task(workers)
 
     x, y = make_data(workload)
     n, epochs, warmup = WORKLOADS[workload]
@@ -273,7 +284,7 @@ def run_mixtrain(
     }
 
 
-def run_mxloop(workload: str, shares: str = "auto") -> dict:
+def run_mxloop(workload: str, shares: str = "auto", workers: int | None = NUM_WORKERS) -> dict:
     """The same step loop as DDP's and Ray Train's, through mixtrain's loop API (mixtrain.train): prepare_model,
     prepare_data_loader over the same tensors (batch_size = the global batch / the workers), the shares following
     measured speed at each epoch's start. Rank 0 times the steps after the warm-up."""
@@ -283,9 +294,9 @@ def run_mxloop(workload: str, shares: str = "auto") -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         out_file = Path(tmp) / "out.json"
         TorchTrainer(
-            _mxloop,
+            _newcomer_mxloop if workload == "newcomer" else _mxloop,
             train_loop_config={"workload": workload, "out": str(out_file)},
-            scaling_config=ScalingConfig(num_workers=NUM_WORKERS, shares=shares),
+            scaling_config=ScalingConfig(num_workers=workers, shares=shares),  # type: ignore[arg-type]
             run_config=RunConfig(storage_path=tmp, progress=False),
         ).fit()
         return json.loads(out_file.read_text())
@@ -304,7 +315,8 @@ def _mxloop(config: dict) -> None:
     model = prepare_model(make_model(workload))
     opt = make_optimizer(model)
     x, y = make_data(workload)
-    loader = prepare_data_loader(DataLoader(TensorDataset(x, y), batch_size=GLOBAL_BATCH // NUM_WORKERS, shuffle=True))
+    batch = GLOBAL_BATCH // mixtrain.train.get_context().get_world_size()
+    loader = prepare_data_loader(DataLoader(TensorDataset(x, y), batch_size=batch, shuffle=True))
     first_step = time.time() - t0()
     steps, t_measure = 0, 0.0
     for _ in range(epochs):
@@ -328,6 +340,111 @@ def _mixtrain_task(workload: str):
 
     model = make_model(workload)
     return Task(model=model, optimizer=make_optimizer(model), loss_fn=torch.nn.functional.cross_entropy)
+
+
+# ---- the newcomer's script (issue 45 item 6, issue 49) -----------------------------------------------
+class DigitsImages:
+    """The newcomer's Dataset (a map-style one that is not a TensorDataset): scikit-learn's digits less a held-out
+    fifth, one (image, label) per index."""
+
+    def __init__(self) -> None:
+        from mixtrain.examples.digits import load_digits
+
+        (self.x, self.y), _ = load_digits()
+
+    def __len__(self) -> int:
+        return len(self.y)
+
+    def __getitem__(self, i: int):
+        return self.x[i], self.y[i]
+
+
+def newcomer_epochs(model, opt, loader, device) -> tuple[float, float]:
+    """The newcomer's loop, 8 epochs; returns its seconds (loader starts included, as its author timed it) and the
+    CPU seconds this process and its loader processes spent in it (steadier than the wall on a loaded machine)."""
+    import torch
+
+    t, cpu = time.perf_counter(), _cpu_s()
+    for _ in range(WORKLOADS["newcomer"][1]):
+        for xb, yb in loader:
+            xb, yb = xb.to(device), yb.to(device)
+            opt.zero_grad()
+            torch.nn.functional.cross_entropy(model(xb), yb).backward()
+            opt.step()
+    return time.perf_counter() - t, _cpu_s() - cpu
+
+
+def _cpu_s() -> float:
+    """CPU seconds of this process and its ended children (loader processes end with their epoch)."""
+    import resource
+
+    own, children = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
+
+
+def _newcomer_out(loop: tuple[float, float], first_step_s: float) -> dict:
+    n, epochs, _ = WORKLOADS["newcomer"]
+    return {"samples_per_s": n * epochs / loop[0], "first_step_s": first_step_s, "loop_s": loop[0], "cpu_s": loop[1]}
+
+
+def newcomer_plain() -> dict:
+    """The script alone: DataLoader(batch_size=64, num_workers=1, shuffle=True)."""
+    import torch
+    from torch.utils.data import DataLoader
+
+    from mixtrain.examples.digits import DigitsCNN
+
+    torch.manual_seed(0)
+    model = DigitsCNN()
+    opt = torch.optim.Adam(model.parameters(), lr=2e-3)
+    loader = DataLoader(DigitsImages(), batch_size=NEWCOMER_BATCH, num_workers=1, shuffle=True)
+    first_step = time.time() - t0()
+    return _newcomer_out(newcomer_epochs(model, opt, loader, torch.device("cpu")), first_step)
+
+
+def _newcomer_mxloop(config: dict) -> None:
+    """The script through the loop API: its loader's batch_size is the global batch over the workers (the math
+    of the plain script)."""
+    import torch
+    from torch.utils.data import DataLoader
+
+    import mixtrain.train
+    from mixtrain.examples.digits import DigitsCNN
+    from mixtrain.train.torch import prepare_data_loader, prepare_model
+
+    ctx = mixtrain.train.get_context()
+    torch.manual_seed(0)
+    model = prepare_model(DigitsCNN())
+    opt = torch.optim.Adam(model.parameters(), lr=2e-3)
+    batch = NEWCOMER_BATCH // ctx.get_world_size()
+    loader = prepare_data_loader(DataLoader(DigitsImages(), batch_size=batch, num_workers=1, shuffle=True))
+    first_step = time.time() - t0()
+    loop_s = newcomer_epochs(model, opt, loader, mixtrain.train.get_device())
+    if ctx.get_world_rank() == 0:
+        Path(config["out"]).write_text(json.dumps(_newcomer_out(loop_s, first_step)))
+
+
+def newcomer_task(workers: int | None) -> dict:
+    """The same model, data and loader processes through the Task door (samples/s over the rounds' wall time)."""
+    from mixtrain import RunConfig, ScalingConfig, Trainer
+    from mixtrain.data import Loader
+    from mixtrain.examples.digits import make_task
+
+    t_fit = time.time()
+    with tempfile.TemporaryDirectory() as tmp:
+        result = Trainer(
+            make_task,
+            Loader(dataset=DigitsImages(), num_workers=1),
+            global_batch=NEWCOMER_BATCH,
+            scaling=ScalingConfig(num_workers=workers),  # type: ignore[arg-type]
+            run=RunConfig(run_dir=tmp, progress=False),
+        ).fit(epochs=WORKLOADS["newcomer"][1])
+    samples = sum(r["samples"] for r in result.history)
+    out = _newcomer_out((1.0, 0.0), t_fit + result.seconds_to_first_step - t0())
+    del out["loop_s"], out["cpu_s"]  # not timed here: the rounds' wall time is
+    out["samples_per_s"] = samples / sum(r["wall_s"] for r in result.history)
+    out["workers_used"] = len(result.workers)
+    return out
 
 
 # ---- the comparison ---------------------------------------------------------------------------
@@ -354,7 +471,8 @@ def compare(workloads: list[str], runners: list[str], repeats: int) -> dict:
                 results.setdefault(workload, {}).setdefault(runner, []).append(out)
                 print(
                     f"  [{rep + 1}/{repeats}] {workload:4s} {runner:9s} {out['samples_per_s']:9,.0f} samples/s  "
-                    f"first step {out['first_step_s']:5.1f} s",
+                    f"first step {out['first_step_s']:5.1f} s"
+                    + (f"  loop CPU {out['cpu_s']:5.1f} s" if "cpu_s" in out else ""),
                     file=sys.stderr,
                     flush=True,
                 )
@@ -464,6 +582,8 @@ def main() -> None:
             "mixtrain-default": lambda w: run_mixtrain(w, workers=None),
             "mxloop": run_mxloop,
             "mxloop-equal": lambda w: run_mxloop(w, shares="equal"),
+            "mxloop1": lambda w: run_mxloop(w, workers=1),
+            "mxloop-default": lambda w: run_mxloop(w, workers=None),
         }
         print(json.dumps(runner[args.runner](args.workload)))
         return

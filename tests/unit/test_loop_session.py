@@ -134,3 +134,26 @@ def test_the_wait_at_a_plan_point_is_no_steps_compute(monkeypatch):
             clock[0] += 0.5
     session.close_interval()
     assert session.speed() == pytest.approx(40 / 0.04)  # 10 ms per step, the wait nowhere
+
+
+@pytest.mark.parametrize("persistent", [False, True])
+def test_a_prepared_loader_starts_its_loader_processes_as_the_users_own_and_reads_each_sample_once(
+    tmp_path, persistent
+):
+    """Once an epoch, or once for the run with persistent_workers (a new DataLoader every epoch ignored it); the
+    loader processes read ahead only up to the last step the loader hands out (drop_last: 8 of 10 samples)."""
+    from torch.utils.data import DataLoader
+
+    from mixtrain.train._prepare import PreparedLoader
+    from tests.datasets import Augmented, read_counts
+
+    x, y = torch.randn(10, 4), torch.arange(10) % 3
+    data = Augmented(x, y, str(tmp_path))
+    user = DataLoader(data, batch_size=4, shuffle=True, drop_last=True, num_workers=1, persistent_workers=persistent)
+    session = _session()
+    session.batch_workers = 1  # the one worker the run asked for
+    loader, epochs = PreparedLoader(user, session), 3
+    for epoch in range(epochs):
+        assert [len(b[1]) for b in loader] == [4, 4]
+        assert sum(read_counts(str(tmp_path)).values()) == 8 * (epoch + 1)  # the epoch's 8 samples, none more
+    assert len(list(tmp_path.glob("reads-*.txt"))) == (1 if persistent else epochs)

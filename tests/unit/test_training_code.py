@@ -109,6 +109,29 @@ def test_a_dataset_source_reads_only_what_it_is_asked_and_restores_the_callers_r
     assert [len(b[1]) for b in first] == [2, 1] and torch.equal(first[0][1], y[[5, 9]])
 
 
+def test_a_batch_is_seeded_sample_by_sample_without_torch_manual_seed_and_its_streams_saved_once(monkeypatch):
+    # issue 45: torch.manual_seed also seeds every CUDA, XPU and MTIA device, and before CUDA starts it formats a
+    # stack trace per device for each call: 2-5 ms a sample, five times the newcomer's step. Saving numpy's state
+    # around each sample cost about 0.2 ms more. Both are counted here (a DataLoader's batch: one __getitems__).
+    calls = {"manual_seed": 0, "np_get_state": 0}
+    for name, module, key in (("manual_seed", torch, "manual_seed"), ("get_state", np.random, "np_get_state")):
+        real = getattr(module, name)
+
+        def counted(*args, _real=real, _key=key, **kwargs):
+            calls[_key] += 1
+            return _real(*args, **kwargs)
+
+        monkeypatch.setattr(module, name, counted)
+    x, y = torch.randn(50, 4), torch.arange(50) % 3
+    source = DatasetSource(Loader(dataset=Augmented(x, y), num_workers=0), seed=7, pin_memory=False)
+    batches = list(source.batches(0, [np.arange(16), np.arange(16, 32)]))
+    assert calls == {"manual_seed": 0, "np_get_state": 2}, calls
+    for i in (3, 20):  # each sample's view is still the one seed_sample gives it
+        seed_sample(7, 0, i)
+        want = Augmented(x, y)[i][0]
+        assert torch.equal(batches[i // 16][0][i % 16], want)
+
+
 def test_the_first_samples_are_read_once_however_often_the_checks_and_the_probe_ask(tmp_path):
     # the shape check (1 sample), the numerics check (8) and the probe (32, its trials up to 100) share one read
     # of the first 32 samples in epoch 0's views; a smaller dataset is read whole and repeated

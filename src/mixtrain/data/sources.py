@@ -1,8 +1,8 @@
 """Where a worker's samples come from, in one interface: in-memory tensors read zero-copy from Ray's object
 store, or a map-style Dataset read lazily, only at this worker's indices, through a DataLoader.
 
-Augmentation keeps the math exact: around `dataset[i]` in epoch `e`, the torch, numpy and Python `random`
-streams are seeded from `(seed, e, i)` (`seed_sample`), so a sample's random view depends on the sample,
+Augmentation keeps the math exact: around `dataset[i]` in epoch `e`, torch's CPU stream and the numpy and Python
+`random` streams are seeded from `(seed, e, i)` (`seed_sample`), so a sample's random view depends on the sample,
 not on which worker or loader process reads it. A single-process reference that calls
 `seed_sample(seed, epoch, i)` before `dataset[i]` sees the same views.
 """
@@ -32,12 +32,36 @@ EVAL_EPOCH = -1
 
 
 def seed_sample(seed: int, epoch: int, index: int) -> None:
-    """Seed torch, numpy and Python `random` for reading sample `index` in `epoch` of a run with `seed`:
-    the rule every mixtrain worker applies around `dataset[index]`."""
-    state = np.random.SeedSequence([seed, epoch + 1, index]).generate_state(2, np.uint32)
-    torch.manual_seed(int(state[0]) << 32 | int(state[1]))
-    np.random.seed(int(state[0]))
-    random.seed(int(state[1]))
+    """Seed torch's CPU stream, numpy and Python `random` for reading sample `index` in `epoch` of a run with
+    `seed`: the rule every mixtrain worker applies around `dataset[index]`."""
+    _seed_streams(int(sample_seeds(seed, np.array([epoch]), np.array([index]))[0]))
+
+
+def sample_seeds(seed: int, epochs: np.ndarray, indices: np.ndarray) -> np.ndarray:
+    """The 64-bit seed of each sample `indices[k]` read in epoch `epochs[k]`, for a whole batch in a few array
+    operations (splitmix64's mixing: a numpy SeedSequence per sample took longer than reading a small sample)."""
+    with np.errstate(over="ignore"):  # uint64 arithmetic wraps, as the mixing means it to
+        h = _mix(np.full(len(indices), seed + 1, dtype=np.uint64) * _GOLDEN)
+        h = _mix(h ^ (np.asarray(epochs, dtype=np.int64) + 1).astype(np.uint64) * _GOLDEN)
+        return _mix(h ^ (np.asarray(indices, dtype=np.uint64) + np.uint64(1)) * _GOLDEN)
+
+
+_GOLDEN = np.uint64(0x9E3779B97F4A7C15)
+
+
+def _mix(x: np.ndarray) -> np.ndarray:
+    x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+    x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    return x ^ (x >> np.uint64(31))
+
+
+def _seed_streams(value: int) -> None:
+    """torch's CPU generator (where a Dataset's transforms draw) rather than torch.manual_seed, which also seeds
+    every CUDA, XPU and MTIA device and, before CUDA starts, formats a stack trace per device for its queue of
+    lazy calls: 2-5 ms a sample, longer than the newcomer's whole step (issue 45)."""
+    torch.default_generator.manual_seed(value)
+    np.random.seed(value >> 32)
+    random.seed(value & 0xFFFFFFFF)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -258,7 +282,9 @@ class TensorSource(SampleSource):
 
 class _Seeded(Dataset):
     """Reads `(epoch, index)` keys: the base dataset's sample with the random streams seeded by the
-    sample; the caller's streams are restored afterwards (dropout in this process stays untouched)."""
+    sample; the caller's streams are restored afterwards (dropout in this process stays untouched). A DataLoader
+    reads a batch's keys in one `__getitems__`: the seeds are made for the batch at once and the streams saved and
+    restored once a batch (numpy's state alone takes about 0.1 ms each way)."""
 
     def __init__(self, base: Any, seed: int) -> None:
         self.base = base
@@ -268,11 +294,18 @@ class _Seeded(Dataset):
         return len(self.base)
 
     def __getitem__(self, key: tuple[int, int]) -> Any:
-        epoch, index = key
+        return self.__getitems__([key])[0]
+
+    def __getitems__(self, keys: Sequence[tuple[int, int]]) -> list[Any]:
+        pairs = np.asarray(keys, dtype=np.int64).reshape(-1, 2)
+        seeds = sample_seeds(self.seed, pairs[:, 0], pairs[:, 1]).tolist()
         saved = torch.get_rng_state(), np.random.get_state(), random.getstate()
         try:
-            seed_sample(self.seed, epoch, index)
-            return self.base[index]
+            out = []
+            for value, index in zip(seeds, pairs[:, 1].tolist()):
+                _seed_streams(value)
+                out.append(self.base[index])
+            return out
         finally:
             torch.set_rng_state(saved[0])
             np.random.set_state(saved[1])
@@ -324,14 +357,14 @@ class DatasetSource(SampleSource):
         return len(self.seeded)
 
     def read(self, epoch: int, indices: np.ndarray) -> Any:
-        return self._collate([self.seeded[(epoch, int(i))] for i in indices])
+        return self._collate(self.seeded.__getitems__([(epoch, int(i)) for i in indices]))
 
     def batches(self, epoch: int, chunks: Sequence[np.ndarray]) -> Iterator[Any]:
         self.sampler.batches = [[(epoch, int(i)) for i in c] for c in chunks]
         return iter(self.loader)
 
     def _fetch(self, indices: np.ndarray) -> list[Any]:
-        return [self.seeded[(0, int(i))] for i in indices]
+        return self.seeded.__getitems__([(0, int(i)) for i in indices])
 
     def _assemble(self, samples: list[Any]) -> Any:
         return self._collate(samples)

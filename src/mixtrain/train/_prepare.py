@@ -22,11 +22,12 @@ from torch.utils.data.distributed import DistributedSampler
 
 from mixtrain.comm import replicas
 from mixtrain.comm.loop_grads import LoopGrads
-from mixtrain.data.sampling import epoch_permutation, step_size, worker_indices
+from mixtrain.data.sampling import epoch_permutation, step_size
 from mixtrain.data.sources import _Seeded, to_device
 from mixtrain.errors import InputTypeError, InputValueError
 from mixtrain.policies.planner import equal_shares, largest_remainder, make_plan, needs_rebalance
 from mixtrain.train._session import LoopSession
+from mixtrain.train._step_reads import DatasetReads, EpochCut, TensorReads
 
 
 class PreparedModel(torch.nn.Module):
@@ -113,6 +114,11 @@ class PreparedLoader:
             self._options["prefetch_factor"] = loader.prefetch_factor
         self._seeded = _Seeded(self.dataset, session.seed)
         self._global_batch = session.loader_global_batch(self.batch_size)
+        self._reads: TensorReads | DatasetReads
+        if isinstance(self.dataset, TensorDataset) and self._options["collate_fn"] is default_collate:
+            self._reads = TensorReads(self.dataset.tensors)
+        else:  # each sample's random streams seeded from (seed, epoch, index)
+            self._reads = DatasetReads(self._seeded, self._options)
 
     @property
     def global_batch(self) -> int:
@@ -128,43 +134,33 @@ class PreparedLoader:
     def __iter__(self) -> Iterator[Any]:
         """The epoch's batches for this worker. With shares="auto" the split is planned at the epoch's start and
         looked at again after steps 2, 4, 8, ... and every 128 steps: where the measured speeds have moved, the
-        rest of the epoch is cut by the new shares (each step's samples are the same whatever the split)."""
+        rest of the epoch is cut by the new shares (each step's samples are the same whatever the split), read by
+        the same loader processes."""
         session, rank = self._session, self._session.context.world_rank
         epoch = self.sampler.take_epoch()
         num, total, batch = len(self.dataset), len(self), self.global_batch  # type: ignore[arg-type]
         order = epoch_permutation(session.seed, epoch, num) if self.shuffle else np.arange(num)
-        shares: list[int] | None = plan_shares(session, batch, at=(epoch, 0))
-        t = 0
-        try:
-            while shares is not None and t < total:
-                session.share = shares[rank]
-                steps = [worker_indices(order, batch, s, shares, rank) for s in range(t, total)]
-                reads = self._reads(epoch, steps)
-                for idx in steps:
-                    read = next(reads) if len(idx) else self._empty(epoch, order)
-                    session.begin_batch(len(idx), step_size(num, batch, t))
-                    yield to_device(read, session.context.device) if self._move else read
-                    t += 1
-                    moved = None
-                    if t < total and _plan_point(t):
-                        session.close_interval()  # the gather and a restarted loader are no step's compute
-                        moved = plan_shares(session, batch, shares, (epoch, t))
-                    if moved is not None:
-                        shares = moved
-                        break
-        finally:
+        shares = plan_shares(session, batch, at=(epoch, 0))
+        if shares is None:
             session.end_epoch()
-
-    def _reads(self, epoch: int, steps: list[np.ndarray]) -> Iterator[Any]:
-        """This worker's batches of the epoch, in order (none for an empty step). Tensors in memory (a TensorDataset
-        with the default collate function) are indexed in one go, as DataLoader would batch them but without a
-        call per sample: a sample's random streams cannot matter there. Any other dataset is read through a
-        DataLoader with the user's options, each sample's random streams seeded from (seed, epoch, index)."""
-        if isinstance(self.dataset, TensorDataset) and self._options["collate_fn"] is default_collate:
-            tensors = self.dataset.tensors
-            return (tuple(t[torch.from_numpy(idx)] for t in tensors) for idx in steps if len(idx))
-        batches = [[(epoch, int(i)) for i in idx] for idx in steps if len(idx)]
-        return iter(DataLoader(self._seeded, batch_sampler=batches, **self._options))
+            return
+        cut = EpochCut(order, batch, total, rank, shares)
+        self._reads.start(epoch, cut)
+        try:
+            for t in range(total):
+                session.share = cut.shares[rank]
+                idx = cut.indices(t)
+                read = self._reads.take(t, idx) if len(idx) else self._empty(epoch, order)
+                session.begin_batch(len(idx), step_size(num, batch, t))
+                yield to_device(read, session.context.device) if self._move else read
+                if t + 1 < total and _plan_point(t + 1):
+                    session.close_interval()  # the gather is no step's compute
+                    moved = plan_shares(session, batch, cut.shares, (epoch, t + 1))
+                    if moved is not None:
+                        cut.move(moved)
+        finally:
+            self._reads.end()
+            session.end_epoch()
 
     def _empty(self, epoch: int, order: np.ndarray) -> Any:
         """A batch of no samples, shaped as the others (the last step of an epoch may hold fewer samples than
