@@ -134,3 +134,22 @@ def test_the_wait_at_a_plan_point_is_no_steps_compute(monkeypatch):
             clock[0] += 0.5
     session.close_interval()
     assert session.speed() == pytest.approx(40 / 0.04)  # 10 ms per step, the wait nowhere
+
+
+def test_get_checkpoint_tells_the_driver_once_that_the_loop_resumes_and_a_restart_says_where_it_goes_on():
+    # After a lost worker a loop that never asks get_checkpoint() trains again from its first epoch, whatever it
+    # reported: the driver said "from <checkpoint>" (issue 45). Rank 0 tells it, once, that this loop does resume.
+    from mixtrain.train._trainer import restart_from
+
+    session, told = _session(), []
+    session.event_to = lambda kind, record: told.append(kind)
+    sessions.start(session)
+    try:
+        assert _api.get_checkpoint() is None and _api.get_checkpoint() is None
+    finally:
+        sessions.end()
+    assert told == ["resumes"] and session.resumes
+    assert restart_from("RUN/checkpoints/checkpoint-000002", resumes=True) == "from RUN/checkpoints/checkpoint-000002"
+    line = restart_from("RUN/checkpoints/checkpoint-000002", resumes=False)
+    assert line.startswith("from the start: the loop never calls mixtrain.train.get_checkpoint()"), line
+    assert restart_from(None, resumes=True) == "from the start (no checkpoint reported yet)"
