@@ -157,3 +157,22 @@ def test_a_prepared_loader_starts_its_loader_processes_as_the_users_own_and_read
         assert [len(b[1]) for b in loader] == [4, 4]
         assert sum(read_counts(str(tmp_path)).values()) == 8 * (epoch + 1)  # the epoch's 8 samples, none more
     assert len(list(tmp_path.glob("reads-*.txt"))) == (1 if persistent else epochs)
+
+
+def test_get_checkpoint_tells_the_driver_once_that_the_loop_resumes_and_a_restart_says_where_it_goes_on():
+    # After a lost worker a loop that never asks get_checkpoint() trains again from its first epoch, whatever it
+    # reported: the driver said "from <checkpoint>" (issue 45). Rank 0 tells it, once, that this loop does resume.
+    from mixtrain.train._trainer import restart_from
+
+    session, told = _session(), []
+    session.event_to = lambda kind, record: told.append(kind)
+    sessions.start(session)
+    try:
+        assert _api.get_checkpoint() is None and _api.get_checkpoint() is None
+    finally:
+        sessions.end()
+    assert told == ["resumes"] and session.resumes
+    assert restart_from("RUN/checkpoints/checkpoint-000002", resumes=True) == "from RUN/checkpoints/checkpoint-000002"
+    line = restart_from("RUN/checkpoints/checkpoint-000002", resumes=False)
+    assert line.startswith("from the start: the loop never calls mixtrain.train.get_checkpoint()"), line
+    assert restart_from(None, resumes=True) == "from the start (no checkpoint reported yet)"

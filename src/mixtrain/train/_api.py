@@ -31,6 +31,8 @@ def get_checkpoint() -> Checkpoint | None:
     in a loop that starts from scratch. A loop that calls it resumes: only then may mixtrain restart it without a
     slow worker (restarting a loop that does not resume would train its first epochs again)."""
     session = _session.current("get_checkpoint")
+    if not session.resumes and session.context.world_rank == 0:
+        session.event_to("resumes", {})  # the driver says "from the start" after a loss where nobody asks
     session.resumes = True
     return session.checkpoint
 

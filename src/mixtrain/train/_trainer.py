@@ -193,6 +193,8 @@ class _Run:
         """Each prepared loader's global batch, as the first attempt that prepared it asked: later ones keep it."""
         self._told: set[str] = set()  # what the terminal was told once per run
         self._output_noted = False
+        self.resumes = False
+        """The loop called get_checkpoint(): a restart goes on from the last checkpoint, not from the start."""
 
     def train(self) -> None:
         self.batch_workers = len(self.group.members)  # as started: the global batch keeps it
@@ -210,7 +212,7 @@ class _Run:
             latest = ray.get(self.sink.latest.remote())
             if latest is not None:
                 self.checkpoint_files = ray.put(latest[1])
-            where = f"from {latest[0]}" if latest is not None else "from the start (no checkpoint reported yet)"
+            where = restart_from(latest[0] if latest is not None else None, self.resumes)
             self.attempt += 1
             self.view.log(
                 f"the loop starts again on {len(self.group.members)} workers {where}"
@@ -331,6 +333,9 @@ class _Run:
             shown = "  ".join(f"{k} {v:.4f}" if isinstance(v, float) else f"{k} {v}" for k, v in report.items())
             self.view.log(shown)
         for kind, record in events:
+            if kind == "resumes":
+                self.resumes = True
+                continue
             self.log.write(kind, record)
             if kind == "plan":
                 self._plan(record)
@@ -421,6 +426,19 @@ def loop_backend(requested: str, found: Sequence[LoopDevice]) -> tuple[str, str 
     """The loop's collective backend, chosen as a Task's is (comm/process_group.group_backend), and the note
     where NCCL was passed over."""
     return group_backend(requested, [(d.info.host, d.info.device.split(":")[0], d.uuid, d.nccl) for d in found])
+
+
+def restart_from(checkpoint: str | None, resumes: bool) -> str:
+    """Where a restarted loop goes on from, as the terminal says it: a loop that never called get_checkpoint()
+    trains again from its first epoch, whatever checkpoints it reported (said so, not hidden behind one)."""
+    if checkpoint is None:
+        return "from the start (no checkpoint reported yet)"
+    if not resumes:
+        return (
+            f"from the start: the loop never calls mixtrain.train.get_checkpoint(), so it trains its first epochs "
+            f"again (its last checkpoint, {checkpoint}, is kept)"
+        )
+    return f"from {checkpoint}"
 
 
 def _loop(worker: Any) -> LoopCalls:
