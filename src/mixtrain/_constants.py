@@ -26,8 +26,8 @@ EXCLUDE_GAIN = ("MIXTRAIN_EXCLUDE_GAIN", 0.30)
 """Leave a worker out only when the job is predicted at least this fraction faster without it."""
 LEAVE_OUT_PAYBACK_S = ("MIXTRAIN_LEAVE_OUT_PAYBACK_S", 2.0)
 """Leave a worker out mid-run only when the predicted speed-up saves at least this long over the training left,
-or the measured time the group took to form when that is longer (the price of re-forming it); 0 and a formation
-measured at 0: whenever it is faster. Before the first step a leave-out costs nothing and this does not apply."""
+or the measured time the group took to form when that is longer (the price of re-forming it); 0: whenever it is
+faster. Before the first step a leave-out costs nothing and this does not apply."""
 BUCKET_MB = ("MIXTRAIN_BUCKET_MB", 25.0)
 """Size of one gradient bucket (one all-reduce call)."""
 STORE_PAGES_MB = ("MIXTRAIN_STORE_PAGES_MB", 0.0)

@@ -65,10 +65,14 @@ def test_a_torchrun_script_runs_through_mixtrain_run_with_its_own_arguments(tmp_
 
 def test_a_loop_function_runs_from_the_command_line_with_its_config(tmp_path, ray_address):
     (tmp_path / "myloops.py").write_text(
+        "import tempfile\n"
         "import mixtrain.train\n"
         "def train_func(config):\n"
         "    ctx = mixtrain.train.get_context()\n"
-        "    mixtrain.train.report({'rank_seen': ctx.get_world_rank(), 'size': ctx.get_world_size(), **config})\n"
+        "    with tempfile.TemporaryDirectory() as d:\n"
+        "        open(d + '/state.txt', 'w').write('epoch 0')\n"
+        "        mixtrain.train.report({'rank_seen': ctx.get_world_rank(), 'size': ctx.get_world_size(), **config},\n"
+        "                              checkpoint=mixtrain.train.Checkpoint.from_directory(d))\n"
     )
     proc = subprocess.run(
         [MIXTRAIN, "run", "myloops:train_func", "--workers", "3", "--cpus-per-worker", "0.5", "--address",
@@ -77,6 +81,11 @@ def test_a_loop_function_runs_from_the_command_line_with_its_config(tmp_path, ra
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "last report: rank_seen 0, size 3, lr 0.5000" in proc.stdout, proc.stdout
+    # the Ray cluster was started from another folder: the logs and the checkpoint land in this run folder all
+    # the same (a relative run folder once reached the workers, and the report sink, relative to their own)
+    [run] = (tmp_path / "mixtrain_runs").iterdir()
+    [saved] = (run / "checkpoints").glob("checkpoint-*/state.txt")
+    assert saved.read_text() == "epoch 0" and len(list((run / "logs").glob("worker-*.log"))) == 3
     bad = subprocess.run([MIXTRAIN, "run", "myloops:train_func", "--loop-config", "[1]"], capture_output=True,
                          text=True, timeout=60, cwd=tmp_path, check=False)  # fmt: skip
     assert bad.returncode == 2 and "--loop-config: a JSON object, not list" in bad.stderr

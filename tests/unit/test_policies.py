@@ -305,3 +305,11 @@ def test_a_nan_streak_over_an_epochs_end_names_where_it_began():
     decision = streak.observe(epoch=1, steps=range(0, 2), skipped_steps=[0, 1], nonfinite_steps=[[0], []], names=names)
     assert isinstance(decision, Stop)
     assert "4 steps in a row (epoch 0 step 6 to epoch 1 step 1)" in decision.reason, decision.reason
+
+
+def test_a_payback_of_zero_turns_the_rule_off_whatever_the_formation_cost():
+    # MIXTRAIN_LEAVE_OUT_PAYBACK_S=0 means "whenever it is faster" (the tests of the decisions set it): a measured
+    # formation time must not bring the rule back (a forced leave-out with no predicted gain was vetoed by it)
+    r = rebalancer(payback_s=0.0)
+    decisions = [late(r, 0.001, reform_s=30.0) for _ in range(EXCLUDE_ROUNDS)]
+    assert isinstance(decisions[-1], LeaveOut)

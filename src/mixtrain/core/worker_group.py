@@ -172,7 +172,8 @@ class WorkerGroup(GroupCalls):
             return None
         with RunFolder(self.log_dir.parent) as run:  # RUN_DIR/logs, 0700, never through a link planted there
             run.folder(self.log_dir.name)
-        return str(self.log_dir), ray.get_runtime_context().get_node_id()
+        # absolute: a worker's working folder is its Ray node's, not the driver's (a cluster started elsewhere)
+        return str(self.log_dir.absolute()), ray.get_runtime_context().get_node_id()
 
     # ---- who is in --------------------------------------------------------------------------------
     def drop(self, ranks: Iterable[int], *, lost: bool = False) -> None:

@@ -101,7 +101,7 @@ class Rebalancer:
         self.payback_s = payback_s
         """The least price of a leave-out mid-run, in seconds (MIXTRAIN_LEAVE_OUT_PAYBACK_S): re-forming the group
         and its warm-up round (a worker was once left out in the last epoch of a 14-second run). The measured
-        price of forming the group (`decide(reform_s=...)`) counts where it is higher."""
+        price of forming the group (`decide(reform_s=...)`) counts where it is higher; 0 turns the rule off."""
         self.leave_out_slow = leave_out_slow
         self.threshold = threshold
         self.min_gain = min_gain
@@ -137,7 +137,7 @@ class Rebalancer:
         left) is under the price of re-forming the group: `reform_s` as measured, at least `payback_s`."""
         plan = make_plan(speeds, self.global_batch, memory_caps=memory_caps, comm_s=comm_s, min_gain=self.min_gain)
         found = self._exclusion(plan, speeds, measured_rate, alone_speeds)
-        if found is not None and remaining_s is not None:
+        if found is not None and remaining_s is not None and self.payback_s > 0:
             if saved_s(remaining_s, found[3]) < max(self.payback_s, reform_s):
                 found = None  # the end is near: a leave-out would not pay for itself
         self.hold_rounds = max(0, self.hold_rounds - 1)

@@ -453,7 +453,7 @@ def _start_sink(run_dir: Path, keep: int) -> Any:
     remote: Any = ray.remote(ReportSink)
     return remote.options(
         num_cpus=0, scheduling_strategy=NodeAffinitySchedulingStrategy(node_id=here, soft=False)
-    ).remote(str(run_dir), keep)
+    ).remote(str(run_dir.absolute()), keep)  # absolute: an actor works in its Ray node's folder, not the driver's
 
 
 def _cpus(scaling: ScalingConfig) -> float:
