@@ -205,18 +205,13 @@ def test_a_worker_killed_mid_exchange_is_survived(overlap, tmp_path, monkeypatch
     assert all(torch.isfinite(v).all() for v in result.state_dict.values())
 
 
-def test_resume_continues_exactly_with_the_outer_momentum(tmp_path):
-    # the outer optimizer's momentum is in every checkpoint; the inner SGD keeps no state and the replicas
-    # are equal at every round's end, so 1 epoch + resume to 2 equals 2 epochs straight (overlapped, per-device
-    # pace, unequal shares, DiLoCo's momentum)
-    x, y = data("mlp", GLOBAL_BATCH * 10)
-    strategy = StrategyConfig(
-        name="local-sgd", local_steps=H, outer_lr=OUTER_LR, outer_momentum=MU, overlap=True, pace="per-device"
-    )
+def straight_and_resumed(tmp_path, opt: str, samples: int, strategy: StrategyConfig):
+    """The same local-SGD run twice: 2 epochs straight, and 1 epoch then a resume to 2 (shares 40:24)."""
+    x, y = data("mlp", samples)
 
     def fit(run_dir, epochs, resume=None):
         return Trainer(
-            factory("mlp", "sgd0"),
+            factory("mlp", opt),
             (x, y),
             global_batch=GLOBAL_BATCH,
             scaling=ScalingConfig(num_workers=2, shares=[40, 24]),
@@ -226,7 +221,17 @@ def test_resume_continues_exactly_with_the_outer_momentum(tmp_path):
 
     straight = fit(tmp_path / "straight", 2)
     fit(tmp_path / "stopped", 1)
-    resumed = fit(tmp_path / "stopped", 2, resume=tmp_path / "stopped")
+    return straight, fit(tmp_path / "stopped", 2, resume=tmp_path / "stopped")
+
+
+def test_resume_continues_exactly_with_the_outer_momentum(tmp_path):
+    # the outer optimizer's momentum is in every checkpoint; the inner SGD keeps no state and the replicas
+    # are equal at every round's end, so 1 epoch + resume to 2 equals 2 epochs straight (overlapped, per-device
+    # pace, unequal shares, DiLoCo's momentum)
+    strategy = StrategyConfig(
+        name="local-sgd", local_steps=H, outer_lr=OUTER_LR, outer_momentum=MU, overlap=True, pace="per-device"
+    )
+    straight, resumed = straight_and_resumed(tmp_path, "sgd0", GLOBAL_BATCH * 10, strategy)
     # (without the momentum restored, the first layer differed by 3.6e-2)
     assert_same_weights(resumed.state_dict, straight.state_dict, rtol=1e-6)
 
@@ -236,23 +241,9 @@ def test_resume_gives_every_replica_its_own_inner_optimizer_and_error_feedback(t
     # each replica's inner AdamW moments (and, with int8, what quantization dropped from its last delta) are its
     # own: a checkpoint held rank 0's only, and a resumed overlapped int8 run at H=4 ended up to 0.15 away from
     # the run it continued (issue 46). Now each rank gets its own back: 1 epoch + resume to 2 equals 2 straight
-    x, y = data("mlp", GLOBAL_BATCH * 8)
     strategy = StrategyConfig(
         name="local-sgd", local_steps=4, outer_lr=OUTER_LR, outer_momentum=MU, overlap=True, compress=compress
     )
-
-    def fit(run_dir, epochs, resume=None):
-        return Trainer(
-            factory("mlp", "adamw"),
-            (x, y),
-            global_batch=GLOBAL_BATCH,
-            scaling=ScalingConfig(num_workers=2, shares=[40, 24]),
-            run=RunConfig(run_dir=str(run_dir), seed=SEED, steps_per_round=ROUND, progress=False),
-            strategy=strategy,
-        ).fit(epochs=epochs, resume=resume)
-
-    straight = fit(tmp_path / "straight", 2)
-    fit(tmp_path / "stopped", 1)
-    resumed = fit(tmp_path / "stopped", 2, resume=tmp_path / "stopped")
+    straight, resumed = straight_and_resumed(tmp_path, "adamw", GLOBAL_BATCH * 8, strategy)
     for name, want in straight.state_dict.items():  # bit for bit
         assert torch.equal(resumed.state_dict[name], want), name
