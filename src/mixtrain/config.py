@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import os
+import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any, Literal, cast, get_args
@@ -22,6 +23,8 @@ DeviceKind = Literal["cpu", "gpu", "cuda", "mps"]
 _DEVICE_KINDS: tuple[str, ...] = get_args(DeviceKind)
 Backend = Literal["auto", "gloo", "nccl"]
 BACKENDS: tuple[str, ...] = get_args(Backend)
+Shard = Literal["none", "optimizer", "gradients", "full"]
+SHARDS: tuple[str, ...] = get_args(Shard)
 NumericsCheck = Literal["warn", "strict", "off"]
 NUMERICS_CHECKS: tuple[str, ...] = get_args(NumericsCheck)
 MAX_SEED = 2**32 - 1
@@ -178,11 +181,16 @@ class ScalingConfig:
     emulate_slowdown: Mapping[int, float | tuple[float, int]] | None = None
     """EMULATION for tests and benchmarks: rank -> factor (or (factor, from_round)), that worker computes
     `factor` times slower. Also read from MIXTRAIN_EMULATE_SLOWDOWN=RANK:FACTOR[@ROUND][,...]. Off by default."""
+    shard: Shard = "none"
+    """How much of the training state is sliced across the workers, by memory (the compute shares still follow
+    speed): "none" (every worker holds everything), "optimizer" (ZeRO-1: each keeps the optimizer state of its
+    slice of the parameters, steps it and sends it to the others), "gradients" (ZeRO-2: also each gradient only
+    on its owner), "full" (ZeRO-3: also the weights; a block's weights are gathered just before its forward and
+    its backward and freed after). The same math as one process at every level. Needs strategy "allreduce"."""
+    shard_slices: Sequence[float] | None = None
+    """Relative slice sizes, one per worker (e.g. [3, 1, 2]); None: each device's free memory."""
     shard_optimizer: bool | Sequence[float] = False
-    """Optimizer state sharded by memory (ZeRO-1 across unequal devices): each worker keeps the optimizer
-    state (AdamW: twice the weights) of a slice of the parameters sized by its free memory, steps only
-    that slice and sends it to the others. Same math as unsharded. True sizes slices by each device's free
-    memory; a list gives relative sizes per worker. Needs strategy "allreduce"."""
+    """DEPRECATED: use shard="optimizer" (True), with shard_slices=[...] for a list."""
     placement_strategy: PlacementStrategy = "PACK"
     """Ray placement group strategy for the workers' bundles."""
     address: str | None = None
@@ -193,6 +201,7 @@ class ScalingConfig:
     `mixtrain.release_workers()` frees them. None: MIXTRAIN_KEEP_WORKERS=1 turns it on; off by default."""
 
     def __post_init__(self) -> None:
+        self._take_shard_optimizer()
         if self.num_workers is None:
             if self.groups is None and not self.use_gpu and self.resources_per_worker is None:
                 object.__setattr__(self, "groups", "auto")
@@ -227,6 +236,24 @@ class ScalingConfig:
             return
         self._check_shares()
         self._check_per_worker()
+
+    def _take_shard_optimizer(self) -> None:
+        """The deprecated shard_optimizer=True / [sizes] becomes shard="optimizer" (with shard_slices)."""
+        check.choice("ScalingConfig.shard", self.shard, SHARDS)
+        old = self.shard_optimizer
+        if old is False:
+            return
+        warnings.warn(
+            "ScalingConfig.shard_optimizer is deprecated: use shard='optimizer' (and shard_slices=[...] for sizes)",
+            DeprecationWarning,
+            stacklevel=4,
+        )
+        if self.shard not in ("none", "optimizer"):
+            raise InputValueError(f"ScalingConfig.shard_optimizer={old!r} with shard={self.shard!r}: give shard alone")
+        object.__setattr__(self, "shard", "optimizer")
+        if not isinstance(old, bool):
+            object.__setattr__(self, "shard_slices", old)
+        object.__setattr__(self, "shard_optimizer", False)
 
     def _check_groups(self) -> None:
         """groups: 'auto' or DeviceGroups, whose sizes give num_workers."""
@@ -263,8 +290,8 @@ class ScalingConfig:
 
     def _check_per_worker(self) -> None:
         """max_micro_batch and the emulated slowdown: one entry per worker, in range."""
-        shard = self.shard_optimizer
-        if not isinstance(shard, bool) and (
+        shard = self.shard_slices
+        if shard is not None and (
             not isinstance(shard, (list, tuple))
             or len(shard) != self.num_workers
             or not all(isinstance(w, (int, float)) and not isinstance(w, bool) and math.isfinite(w) for w in shard)
@@ -272,7 +299,7 @@ class ScalingConfig:
             or not sum(shard) > 0
         ):
             raise InputValueError(
-                f"ScalingConfig.shard_optimizer={shard!r}: use True (slices sized by free memory), False, or one "
+                f"ScalingConfig.shard_slices={shard!r}: use None (slices sized by free memory), or one "
                 f"relative size >= 0 per worker ({self.num_workers}) with a positive sum"
             )
         micro = self.max_micro_batch
@@ -544,9 +571,9 @@ class StrategyConfig:
 
 def check_together(scaling: ScalingConfig, strategy: StrategyConfig) -> None:
     """What the configs ask of each other (each checks itself on construction)."""
-    if scaling.shard_optimizer is not False and strategy.name != "allreduce":
+    if scaling.shard != "none" and strategy.name != "allreduce":
         raise InputValueError(
-            f"ScalingConfig.shard_optimizer with strategy={strategy.name!r}: a sharded optimizer needs "
+            f"ScalingConfig.shard={scaling.shard!r} with strategy={strategy.name!r}: sliced state needs "
             "strategy='allreduce' (parameter servers already keep the optimizer off the workers; local SGD "
             "steps a whole optimizer on each worker)"
         )

@@ -193,11 +193,16 @@ class Trainer:
             )
             stop.arm()
             controller.run(epochs, position)
-            state = group.receive(
-                group.nearest(), WorkerCalls.stream_state_dict, stall_s=group.tunables.collective_timeout_s
-            )
+            if up.ops.slices_weights:  # every worker holds a slice of the weights: each sends its own
+                weights = up.ops.full_state()["model"]
+            else:
+                weights = unpack(
+                    group.receive(
+                        group.nearest(), WorkerCalls.stream_state_dict, stall_s=group.tunables.collective_timeout_s
+                    )
+                )
             finished = True
-            return controller, up, unpack(state)
+            return controller, up, weights
         except KeyboardInterrupt:
             interrupted = True
             raise

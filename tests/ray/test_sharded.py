@@ -5,31 +5,40 @@ a lost worker's slice is recovered from the last checkpoint."""
 import functools
 
 import pytest
+import torch
 
 from mixtrain import RunConfig, ScalingConfig, Trainer
 from tests.conftest import run_records
-from tests.models import data, factory, faulty_task
+from tests.models import data, factory, faulty_task, make_task
 from tests.ray.test_exactness import GLOBAL_BATCH, NUM_SAMPLES, SEED, assert_same_weights, reference
 
 pytestmark = pytest.mark.usefixtures("ray_session")
 
 
-def fit(task, run_dir, *, workers=3, shard=True, shares="auto", epochs=1, resume=None, **run):
+def fit(task, run_dir, *, workers=3, shard="optimizer", slices=None, shares="auto", epochs=1, resume=None, **kw):
     x, y = data("mlp", NUM_SAMPLES)
+    micro = kw.pop("max_micro_batch", None)
     trainer = Trainer(
         task,
         (x, y),
+        eval_data=kw.pop("eval_data", None),
         global_batch=GLOBAL_BATCH,
         scaling=ScalingConfig(
-            num_workers=workers, cpus_per_worker=0.5, shares=shares, shard_optimizer=shard, leave_out_slow=False
+            num_workers=workers,
+            cpus_per_worker=0.5,
+            shares=shares,
+            shard=shard,
+            shard_slices=slices,
+            leave_out_slow=False,
+            max_micro_batch=micro,
         ),
-        run=RunConfig(run_dir=str(run_dir), seed=SEED, steps_per_round=2, progress=False, **run),
+        run=RunConfig(run_dir=str(run_dir), seed=SEED, steps_per_round=2, progress=False, **kw),
     )
     return trainer.fit(epochs=epochs, resume=resume), (x, y)
 
 
 def test_sharded_adamw_with_unequal_slices_trains_exactly_like_one_adamw(tmp_path):
-    result, (x, y) = fit(factory("mlp", "adamw"), tmp_path / "run", shard=[3, 1, 2], shares=[30, 20, 14])
+    result, (x, y) = fit(factory("mlp", "adamw"), tmp_path / "run", slices=[3, 1, 2], shares=[30, 20, 14])
     assert_same_weights(result.state_dict, reference("mlp", "adamw", x, y))
     held = [w["state_bytes"]["optimizer"] for w in result.history[-1]["workers"]]
     weights = result.history[-1]["workers"][0]["state_bytes"]["weights"]
@@ -39,10 +48,12 @@ def test_sharded_adamw_with_unequal_slices_trains_exactly_like_one_adamw(tmp_pat
     assert held[0] > held[2] > held[1], held  # slices sized 3 : 1 : 2 (whole parameters, so roughly)
 
 
-def test_a_lost_worker_takes_its_slice_along_and_training_goes_on_from_the_last_checkpoint(tmp_path, monkeypatch):
+@pytest.mark.parametrize("shard", ["optimizer", "full"])
+def test_a_lost_worker_takes_its_slice_along_and_goes_on_from_the_last_checkpoint(tmp_path, monkeypatch, shard):
+    """Its slice of the optimizer state (and at "full", of the weights) exists nowhere else: the last checkpoint."""
     monkeypatch.setenv("MIXTRAIN_COLLECTIVE_TIMEOUT_S", "5")
     task = functools.partial(faulty_task, "mlp", "adamw", "kill", 1, 12, str(tmp_path / "fired"))
-    result, (x, y) = fit(task, tmp_path / "run", checkpoint_every_s=0, rejoin=False)
+    result, (x, y) = fit(task, tmp_path / "run", shard=shard, checkpoint_every_s=0, rejoin=False)
     [rewound] = run_records(result.run_dir, "rewound")
     assert (rewound["epoch"], rewound["step"]) == (0, 10), rewound  # the checkpoint after the round of steps 8-9
     assert len(result.history[-1]["shares"]) == 2
@@ -52,6 +63,47 @@ def test_a_lost_worker_takes_its_slice_along_and_training_goes_on_from_the_last_
 def test_a_sharded_checkpoint_resumes_on_another_number_of_workers_exactly(tmp_path):
     first, _ = fit(factory("mlp", "adamw"), tmp_path / "run", workers=3)
     resumed, _ = fit(factory("mlp", "adamw"), tmp_path / "run", workers=2, epochs=2, resume=first.run_dir)
-    straight, _ = fit(factory("mlp", "adamw"), tmp_path / "straight", workers=2, shard=False, epochs=2)
+    straight, _ = fit(factory("mlp", "adamw"), tmp_path / "straight", workers=2, shard="none", epochs=2)
     assert resumed.history[0]["epoch"] == 1
     assert_same_weights(resumed.state_dict, straight.state_dict, rtol=1e-6)
+
+
+def test_full_slicing_trains_exactly_like_one_adamw_and_each_worker_holds_a_slice_of_the_weights(tmp_path):
+    """shard="full": compute shares 30:20:14 (micro-batches of at most 8 and 16 on two of them: every worker
+    runs as many passes, the third some idle ones), memory slices 3:1:2, held-out data evaluated in step."""
+    ex, ey = data("mlp", 50, seed=3)
+    result, (x, y) = fit(
+        factory("mlp", "adamw"),
+        tmp_path / "run",
+        shard="full",
+        slices=[3, 1, 2],
+        shares=[30, 20, 14],
+        max_micro_batch=[8, 16, None],
+        eval_data=(ex, ey),
+    )
+    assert_same_weights(result.state_dict, reference("mlp", "adamw", x, y))
+    held = result.history[-1]["workers"]
+    whole = sum(v.numel() * v.element_size() for v in result.state_dict.values())
+    weights = [w["state_bytes"]["weights"] for w in held]
+    assert sum(weights) == whole and all(0 < w < whole / 1.5 for w in weights), (weights, whole)
+    task = make_task("mlp", "adamw")
+    task.model.load_state_dict(result.state_dict)
+    with torch.no_grad():
+        want = float(task.loss_fn(task.model(ex), ey))
+    assert result.metrics["samples"] == 50 and result.metrics["loss"] == pytest.approx(want, rel=1e-5)
+
+
+def test_gradients_slicing_trains_exactly_like_one_sgd(tmp_path):
+    result, (x, y) = fit(factory("mlp", "sgd"), tmp_path / "run", shard="gradients", shares=[40, 24], workers=2)
+    assert_same_weights(result.state_dict, reference("mlp", "sgd", x, y))
+
+
+def test_a_full_checkpoint_resumes_replicated_and_back_exactly(tmp_path):
+    """A run with sliced weights resumed on 2 workers holding everything (a bigger machine), and one of those
+    resumed sliced again on 3: the same weights as 2 workers straight through."""
+    first, _ = fit(factory("mlp", "adamw"), tmp_path / "run", shard="full")
+    second, _ = fit(factory("mlp", "adamw"), tmp_path / "run", workers=2, shard="none", epochs=2, resume=first.run_dir)
+    third, _ = fit(factory("mlp", "adamw"), tmp_path / "run", shard="full", epochs=3, resume=second.run_dir)
+    straight, _ = fit(factory("mlp", "adamw"), tmp_path / "straight", workers=2, shard="none", epochs=3)
+    assert (second.history[0]["epoch"], third.history[0]["epoch"]) == (1, 2)
+    assert_same_weights(third.state_dict, straight.state_dict, rtol=1e-6)

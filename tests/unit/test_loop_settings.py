@@ -17,7 +17,8 @@ SET = {  # a value other than the default for each refused field
     "numerics_check": "strict",
     "numerics_tolerance": 1e-3,
     "max_micro_batch": [4, 4],
-    "shard_optimizer": True,
+    "shard": "full",
+    "shard_slices": [1, 2],
 }
 
 

@@ -48,10 +48,19 @@ def test_unequal_weights_give_proportional_runs():
 def test_bad_shard_weights_are_refused_with_the_field_and_the_fix():
     with pytest.raises(ValueError, match="weights"):
         split_runs([1, 2], [0, 0])
-    with pytest.raises(ValueError, match=r"ScalingConfig.shard_optimizer=\[1, 2\].*one\s+relative size"):
-        ScalingConfig(num_workers=3, shard_optimizer=[1, 2])
-    ScalingConfig(num_workers=2, shard_optimizer=[1, 2])  # fine
-    ScalingConfig(num_workers=2, shard_optimizer=True)
+    with pytest.raises(ValueError, match=r"ScalingConfig.shard_slices=\[1, 2\].*one\s+relative size"):
+        ScalingConfig(num_workers=3, shard="full", shard_slices=[1, 2])
+    with pytest.raises(ValueError, match=r"ScalingConfig.shard='zero3'.*optimizer, gradients, full"):
+        ScalingConfig(num_workers=2, shard="zero3")
+    ScalingConfig(num_workers=2, shard="gradients", shard_slices=[1, 2])  # fine
+
+
+def test_shard_optimizer_still_works_and_says_it_is_now_shard_optimizer():
+    with pytest.warns(DeprecationWarning, match="shard='optimizer'"):
+        old = ScalingConfig(num_workers=2, shard_optimizer=[1, 2])
+    assert (old.shard, list(old.shard_slices or []), old.shard_optimizer) == ("optimizer", [1, 2], False)
+    with pytest.warns(DeprecationWarning), pytest.raises(ValueError, match="give shard alone"):
+        ScalingConfig(num_workers=2, shard_optimizer=True, shard="full")
 
 
 def test_packed_state_round_trips_every_dtype_and_pickles_without_the_tensor_copy():

@@ -38,7 +38,7 @@ def test_a_call_starts_the_method_on_the_actor_and_names_it():
             return Method()
 
     pending = WorkerCalls(Actor()).probe(4, 64, None)
-    assert isinstance(pending, Pending) and pending.ref == ("probe", (4, 64, None)) and pending.method == "probe"
+    assert isinstance(pending, Pending) and pending.ref == ("probe", (4, 64, None, False)) and pending.method == "probe"
 
 
 def test_the_driver_calls_no_worker_method_by_name():

@@ -338,11 +338,13 @@ def _job_flags(p: argparse.ArgumentParser) -> None:
         "is split with gradient accumulation (default: measured on GPUs, no limit on CPUs)",
     )
     p.add_argument(
-        "--shard-optimizer",
-        action="store_true",
-        help="split the optimizer state (AdamW: twice the weights) over the workers by their free memory "
-        "instead of keeping all of it on each: larger models fit, the same math (allreduce only)",
+        "--shard",
+        choices=["none", "optimizer", "gradients", "full"],
+        help="slice the training state over the workers by their free memory instead of keeping all of it on each: "
+        "optimizer (its state, AdamW: twice the weights), gradients (also the gradients), full (also the weights, "
+        "gathered one block at a time): larger models fit, the same math (allreduce only; default none)",
     )
+    p.add_argument("--shard-optimizer", action="store_true", help="the same as --shard optimizer (deprecated)")
     p.add_argument(
         "--keep-all-devices",
         action="store_true",
@@ -555,7 +557,7 @@ def _trainer(
         "groups": None if counted else args.workers,
         "max_micro_batch": micro,
         "leave_out_slow": not args.keep_all_devices,
-        "shard_optimizer": args.shard_optimizer,
+        "shard": args.shard or ("optimizer" if args.shard_optimizer else "none"),
         "address": args.address,
         "network_interface": args.interface,
     }

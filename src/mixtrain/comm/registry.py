@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from mixtrain.comm.local_sgd import LocalSGDStrategy
 from mixtrain.comm.ps import ParameterServerStrategy
+from mixtrain.comm.sliced import SlicedStrategy
 from mixtrain.comm.strategy import AllReduceStrategy, SyncStrategy
 from mixtrain.config import StrategyConfig
 
@@ -15,5 +16,10 @@ STRATEGIES: dict[str, type[SyncStrategy]] = {
 }
 
 
-def make(config: StrategyConfig) -> SyncStrategy:
+def make(config: StrategyConfig, shard: str = "none") -> SyncStrategy:
+    """The strategy `config` names; with gradients or weights sliced (ScalingConfig.shard), all-reduce's math
+    through comm/sliced.py."""
+    if shard in ("gradients", "full"):
+        assert config.name == "allreduce", "check_together refuses sliced state with other strategies"
+        return SlicedStrategy(config, "full" if shard == "full" else "gradients")
     return STRATEGIES[config.name](config)

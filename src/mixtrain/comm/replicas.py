@@ -107,7 +107,8 @@ def digest(tensors: Sequence[torch.Tensor]) -> bytes:
         h.update(f"{tuple(t.shape)}{t.dtype};".encode())
         flat = t.detach().reshape(-1)
         for piece in flat.split(CHECKSUM_CHUNK):
-            h.update(piece.to("cpu").contiguous().view(torch.uint8).numpy().data)
+            # a copy: numpy() on the weight's own storage would make it non-resizable for good (shard="full")
+            h.update(piece.to("cpu", copy=True).contiguous().view(torch.uint8).numpy().data)
     return h.digest()
 
 

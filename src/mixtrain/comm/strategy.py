@@ -177,6 +177,20 @@ class SyncStrategy(ABC):
         """Each rank holds only its slice of the optimizer state."""
         return False
 
+    slices_weights: bool = False
+    """Each rank holds only its slice of the weights (shard="full"): `model_state` leaves the others' out."""
+    lockstep: bool = False
+    """Every rank must run as many forward and backward passes per step, and held-out batches (the passes call
+    collectives: shard="gradients" and "full")."""
+
+    def model_state(self, task: Task) -> dict[str, Any]:
+        """The model's state_dict as this rank can give it (under sliced weights: None for those others own)."""
+        return task.model.state_dict()
+
+    def model_part(self, task: Task) -> dict[str, Any]:
+        """The weights this rank alone holds, by state_dict key (sliced weights), for the driver to merge."""
+        return {}
+
     def state_bytes(self, task: Task) -> dict[str, int]:
         """Bytes this replica holds besides weights and gradients: its optimizer state, and the strategy's
         own copies (local SGD's common point and outer momentum)."""

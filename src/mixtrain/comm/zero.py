@@ -78,14 +78,17 @@ class ShardedOptimizer:
         self.local = type(optimizer)(groups, **_constructor_defaults(optimizer))  # same class, only this run
         self.owned = range(lo, hi)
 
-    def step(self) -> None:
-        """Step this rank's run, then every owner broadcasts its run (one collective per rank)."""
+    def step(self, broadcast: bool = True) -> None:
+        """Step this rank's run, then (`broadcast`) every owner broadcasts its run (one collective per rank);
+        without, each run stays with its owner (weights sliced too: comm/sliced.py)."""
         for mine, theirs in zip(self.local.param_groups, self.user.param_groups):
             for key, value in theirs.items():  # what the LR scheduler (or the user) changed since
                 if key != "params":
                     mine[key] = value
         if len(self.owned):
             self.local.step()
+        if not broadcast:
+            return
         for owner, (lo, hi) in enumerate(self.runs):
             if hi > lo:  # in pieces of at most 16 MB, a large weight in place: no copy of the run
                 replicas.broadcast_tensors(self.params[lo:hi], src=owner)

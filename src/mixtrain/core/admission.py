@@ -125,10 +125,11 @@ class Admission:
         with a note in `refused`) when it fails meanwhile."""
         wait_s, worker = self.ops.tunables.setup_s, member.worker
         cap = user_cap(self.group.scaling, member.spec)
+        forward_only = self.group.scaling.shard in ("gradients", "full")  # the whole gradient may not fit here
         try:
             self.group.gather({n - 1: worker.load_data(*self.ops.data_refs)}, wait_s)
             member.probe = self.group.gather(
-                {n - 1: worker.probe(math.ceil(global_batch / n), global_batch, cap)}, wait_s
+                {n - 1: worker.probe(math.ceil(global_batch / n), global_batch, cap, forward_only)}, wait_s
             )[0]
             self.group.gather({n - 1: worker.load_training_state(state_ref)}, wait_s)
         except WorkerError as exc:

@@ -280,7 +280,12 @@ def _probe(group: WorkerGroup, global_batch: int) -> list[ProbeResult]:
     n = len(members)
     probes = group.gather(
         {
-            r: m.worker.probe(math.ceil(global_batch / n), global_batch, user_cap(group.scaling, m.spec))
+            r: m.worker.probe(
+                math.ceil(global_batch / n),
+                global_batch,
+                user_cap(group.scaling, m.spec),
+                forward_only=group.scaling.shard in ("gradients", "full"),
+            )
             for r, m in enumerate(members)
         },
         group.tunables.setup_s,

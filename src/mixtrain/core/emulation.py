@@ -38,9 +38,9 @@ class _SlowedMixin:
         self._factor, self._from_round = self.SLOWDOWN.get(setup.bundle, (1.0, 0))
         self._slow_now = 1.0
 
-    def probe(self, guess: int, limit: int, memory_cap: int | None = None) -> ProbeResult:
+    def probe(self, guess: int, limit: int, memory_cap: int | None = None, forward_only: bool = False) -> ProbeResult:
         """The start-up probe sees the slowdown in force from the first round."""
-        result: ProbeResult = super().probe(guess, limit, memory_cap)  # type: ignore[misc]
+        result: ProbeResult = super().probe(guess, limit, memory_cap, forward_only)  # type: ignore[misc]
         factor = self._factor if self._from_round == 0 else 1.0
         return replace(result, samples_per_s=result.samples_per_s / max(factor, 1.0))
 

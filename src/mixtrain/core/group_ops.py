@@ -87,7 +87,12 @@ class GroupOps:
 
     @property
     def shards_optimizer(self) -> bool:
-        return self.group.scaling.shard_optimizer is not False
+        return self.group.scaling.shard != "none"
+
+    @property
+    def slices_weights(self) -> bool:
+        """Each worker holds only its slice of the weights (shard="full"): whole weights come from all ranks."""
+        return self.group.scaling.shard == "full"
 
     # ---- the collective group -------------------------------------------------------------------
     def form(self) -> None:
@@ -102,18 +107,21 @@ class GroupOps:
             servers=tuple(self.group.servers),
             fresh_state=self._fresh_state,
             shard_optimizer=self._shard_weights(),
+            shard_level=self.group.scaling.shard,
             store_pages_bytes=t.store_pages_bytes,
         )
         self._fresh_state = False
         self.form_s = time.perf_counter() - start
 
     def _shard_weights(self) -> tuple[float, ...] | None:
-        """ScalingConfig.shard_optimizer for the current ranks: None (off), () (by free memory, measured by the
+        """ScalingConfig.shard_slices for the current ranks: None (not sliced), () (by free memory, measured by the
         workers) or the user's relative sizes, by starting rank."""
-        shard = self.group.scaling.shard_optimizer
-        if isinstance(shard, bool):
-            return () if shard else None
-        return tuple(float(shard[m.spec.rank]) for m in self.members)
+        scaling = self.group.scaling
+        if scaling.shard == "none":
+            return None
+        if scaling.shard_slices is None:
+            return ()
+        return tuple(float(scaling.shard_slices[m.spec.rank]) for m in self.members)
 
     def reform(self) -> None:
         """Everyone leaves and the same workers form the group again (the strategy restarts from the
@@ -175,7 +183,11 @@ class GroupOps:
         if self.shards_optimizer:
             for rank in (r for r in range(len(self.members)) if r != source):
                 part = self.group.receive(rank, WorkerCalls.stream_optimizer_part, stall_s=stall_s)
-                state["optimizer"]["state"].update(part)
+                state["optimizer"]["state"].update(part["optimizer"])
+                state["model"].update(part["model"])  # the weights it owns (shard="full"; else none)
+        missing = [k for k, v in state["model"].items() if v is None]
+        if missing:
+            raise RuntimeError(f"the gathered weights lack {missing[:5]}: no worker owns them")
         return state
 
     @contextmanager

@@ -49,6 +49,8 @@ class JoinRequest:
     """The workers hold state the parameter servers have not seen yet (a first formation, a loaded state)."""
     shard_optimizer: tuple[float, ...] | None = None
     """None: not sharded; (): slices by each worker's free memory; else relative sizes per rank."""
+    shard_level: str = "none"
+    """ScalingConfig.shard: "optimizer" (all-reduce with a sliced optimizer), "gradients" or "full"."""
     store_pages_bytes: int = 0
 
 

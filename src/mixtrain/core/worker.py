@@ -53,15 +53,20 @@ def forward_backward(
     chunks: list[np.ndarray],
     step_total: int,
     grad_total: int | None = None,
+    filler: Any = None,
 ) -> torch.Tensor:
     """Backward of this rank's micro-batches (`chunks`, read from `batches`), each mean loss scaled by its
     size / B so the sum over micro-batches and ranks is the global mean (`grad_total`: scaled by its size /
     grad_total instead, an inner batch of per-device-paced local SGD). Returns this rank's term of the
     global mean loss as a 1-element fp32 tensor on the device: reading it here would make every step wait for
     a GPU to finish. A function, not an actor method: Ray wraps every method of an actor class (tracing),
-    which cost a few percent of a small model's step."""
+    which cost a few percent of a small model's step. An empty chunk (sliced state, where every rank runs as
+    many passes) is a zero-weighted pass over `filler`."""
     total: torch.Tensor | None = None
     for n, chunk in enumerate(chunks):
+        if not len(chunk):
+            idle_pass(task, device, prec, filler)
+            continue
         batch = to_device(next(batches), device)
         with precision.autocast(device, prec), host_allocator.activations():
             loss = task.batch_loss(task.model, batch).float()
@@ -77,6 +82,22 @@ def forward_backward(
     return total.reshape(1)
 
 
+def idle_pass(task: Task, device: torch.device, prec: str, filler: Any, backward: bool = True) -> None:
+    """A pass that changes nothing but calls every collective a real one calls (sliced state): `filler` (one
+    training sample) forward in eval mode (no statistics or random streams move), and backward of zero times
+    its loss (zero gradients go to the owners)."""
+    model = task.model
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.set_grad_enabled(backward), precision.autocast(device, prec):
+            loss = task.batch_loss(model, filler).float()
+        if backward:
+            (loss * 0.0).backward()
+    finally:
+        model.train(was_training)
+
+
 class TrainWorker(WorkerProcess):
     """One replica of a `Task`'s model on one device, and the step loop. Every method is called by the driver for
     all ranks at once (SPMD); between calls the worker holds its state. The process itself (logs, rank, the
@@ -86,6 +107,7 @@ class TrainWorker(WorkerProcess):
         super()._setup(setup)
         self.precision_request = setup.precision_request
         self.precision = "fp32"
+        self._filler: Any = None  # one training sample on the device, for a sliced run's idle passes
         # Set by the driver's calls, in this order: build, load_data, open_rendezvous (rank 0), join.
         self._task: Task | None = None
         self.data = WorkerData.empty()
@@ -170,21 +192,23 @@ class TrainWorker(WorkerProcess):
         error = float((mine - ref).norm() / ref.norm().clamp_min(1e-12))
         return NumericsResult(rank=self.rank, error=error, tolerance=tolerance)
 
-    def probe(self, guess: int, limit: int, memory_cap: int | None = None) -> ProbeResult:
+    def probe(self, guess: int, limit: int, memory_cap: int | None = None, forward_only: bool = False) -> ProbeResult:
         """Before the group forms: this device's speed (samples/s of reading and forward+backward at a micro-batch
         of `guess`) and, on an accelerator, the largest micro-batch up to `limit` that fits, found by a search that
         survives out-of-memory errors. A user-given `memory_cap` skips the search. Every trial runs on the first
         `guess` training samples, each read once (those the start-up checks read among them) and repeated for a
         larger trial: their reading time, measured that once, is added per sample to the timed compute, so slow
         loading still counts without reading the user's data over and over. Weights, buffers (BatchNorm
-        statistics), gradients and random streams are left as they were."""
+        statistics), gradients and random streams are left as they were. `forward_only` (sliced state: the whole
+        gradient may not fit here): no memory search, and forward passes without gradients, timed x3 (a backward
+        costs about two forwards); the rounds' measured times correct the shares from there."""
         model = self.task.model
         buffers = {name: b.detach().clone() for name, b in model.named_buffers()}
         held = self.data.train.first(guess)
         cap = memory_cap
         rng_devices = [self.device] if self.kind.has_own_random_stream else []
         with torch.random.fork_rng(devices=rng_devices, device_type=self.device.type):
-            if cap is None and self.kind.probes_memory:
+            if cap is None and self.kind.probes_memory and not forward_only:
                 found = probe.largest_fitting(
                     lambda size: self._probe_step(held.batch(size)),
                     guess,
@@ -200,7 +224,9 @@ class TrainWorker(WorkerProcess):
             load_s = held.read_s / len(held.samples) + (time.perf_counter() - t0) / batch
             self.kind.reset_peak_memory(self.device.index or 0)
             core_wait = CpuShare(enabled=self.kind.kind == "cpu")  # time waiting for a core is not the device's
-            compute_s = probe.time_steps(lambda _: self._probe_step(samples), batch, waited=core_wait.waited_s)
+            compute_s = probe.time_steps(
+                lambda _: self._probe_step(samples, forward_only), batch, waited=core_wait.waited_s
+            ) * (3 if forward_only else 1)
             core_wait.close()
             peak = self.kind.memory_in_use(self.device.index or 0)
         self.data.train.forget_first()
@@ -217,14 +243,15 @@ class TrainWorker(WorkerProcess):
             load_s_per_sample=load_s,
         )
 
-    def _probe_step(self, samples: Any) -> None:
+    def _probe_step(self, samples: Any, forward_only: bool = False) -> None:
         """One forward+backward of a batch of training samples (from `first`: read once, collated already)."""
         batch = to_device(samples, self.device)
         model = self.task.model
         model.zero_grad(set_to_none=True)
-        with precision.autocast(self.device, self.precision):
+        with torch.set_grad_enabled(not forward_only), precision.autocast(self.device, self.precision):
             loss = self.task.batch_loss(model, batch).float()
-        loss.backward()
+        if not forward_only:
+            loss.backward()
         self.kind.synchronize()
         model.zero_grad(set_to_none=True)
 
@@ -246,7 +273,7 @@ class TrainWorker(WorkerProcess):
         """Join the collective group at rank 0's rendezvous and set the strategy up on it, keeping what the
         strategy held (a re-formed group) unless a state was just loaded."""
         self._join_group(request)
-        previous, self._strategy = self._strategy, registry.make(request.strategy)
+        previous, self._strategy = self._strategy, registry.make(request.strategy, request.shard_level)
         loaded, self._loaded = self._loaded, None
         # A re-formed group keeps the strategy's state (the same on every rank), unless state was just loaded
         # (a resume, a replacement, a survivor that fell behind, a sharded optimizer re-split).
@@ -335,7 +362,7 @@ class TrainWorker(WorkerProcess):
         self.kind.reset_peak_memory(index)
         inner = self.strategy.inner_batch(plan.global_batch, len(plan.shares))
         steps = self._round_segments(plan, inner)
-        chunks = [c for _, _, segments in steps for seg, _ in segments for c in seg]
+        chunks = [c for _, _, segments in steps for seg, _ in segments for c in seg if len(c)]
         batches = self.data.train.batches(plan.epoch, chunks)
         self.task.model.train()
         if inner is not None:  # per-device pace: gradients add up across steps until an inner batch is full
@@ -367,7 +394,7 @@ class TrainWorker(WorkerProcess):
         for seg, fraction in segments:
             cpu.start()
             term = forward_backward(
-                self.task, self.strategy, self.device, self.precision, batches, seg, step_total, inner
+                self.task, self.strategy, self.device, self.precision, batches, seg, step_total, inner, self._filler
             )
             cpu.stop()
             local_loss = term if local_loss is None else local_loss + term
@@ -382,19 +409,28 @@ class TrainWorker(WorkerProcess):
     def _round_segments(self, plan: RoundPlan, inner: int | None) -> list[StepSegments]:
         """The round's steps, each as segments of micro-batches: one per step (an update per global step), or
         cut where this worker's inner batch of `inner` samples fills (local SGD at per-device pace)."""
-        steps = self.data.round_chunks(plan, self.rank)
+        steps = self.data.round_chunks(plan, self.rank, lockstep=self.strategy.lockstep)
+        if self.strategy.lockstep and self._filler is None:
+            self._filler = self._sample()
         if inner is None:
             return [(step, total, [(chunks, 0.0)]) for step, total, chunks in steps]
         flush = self.strategy.exchanges_after(len(steps))
         flush[-1] = True  # a round ends with an exchange
         return paced_segments(steps, inner, flush)
 
+    def _sample(self) -> Any:
+        """One training sample on the device (the data's first)."""
+        sample = self.data.train.first(1).batch(1)
+        self.data.train.forget_first()
+        return to_device(sample, self.device)
+
     def _state_bytes(self) -> dict[str, int]:
         """What this replica holds, by part: weights (and buffers), gradients, optimizer state, strategy state."""
         model = self.task.model
         tensors = [*model.parameters(), *model.buffers()]
+        held = (lambda t: t.untyped_storage().nbytes()) if self.strategy.slices_weights else None
         return {
-            "weights": sum(t.numel() * t.element_size() for t in tensors),
+            "weights": sum(held(t) if held else t.numel() * t.element_size() for t in tensors),
             "grads": sum(p.grad.numel() * p.grad.element_size() for p in model.parameters() if p.grad is not None),
             **self.strategy.state_bytes(self.task),
         }
@@ -408,6 +444,8 @@ class TrainWorker(WorkerProcess):
         `unevaluated_from`, the first sample left, and the driver hands the rest to the other workers."""
         assert self.data.eval is not None, "evaluate called without eval data"
         self.task.model.eval()
+        if self._strategy is not None and self.strategy.lockstep:
+            return self._evaluate_lockstep(start, stop, batch)
         batch = max(1, min(batch, self._eval_batch or batch))
         sums: dict[str, float] = defaultdict(float)
         done = [start]  # the first sample not evaluated yet
@@ -424,6 +462,20 @@ class TrainWorker(WorkerProcess):
                     break
                 batch = self._eval_batch = batch // 2
                 worker_log.log.warning("evaluation: out of memory; batch halved to %d", batch)
+        return dict(sums)
+
+    def _evaluate_lockstep(self, start: int, stop: int, batch: int) -> dict[str, float]:
+        """Sliced state: every forward pass calls collectives, so every rank runs as many (the most any rank
+        needs; idle ones over a filler sample). No halving on out-of-memory here: the ranks would fall out of step."""
+        sums: dict[str, float] = defaultdict(float)
+        mine = -(-(stop - start) // batch)
+        most = torch.tensor([mine], dtype=torch.int64)
+        torch.distributed.all_reduce(most, op=torch.distributed.ReduceOp.MAX)
+        self._evaluate_from([start], stop, batch, sums)
+        if self._filler is None and int(most) > mine:
+            self._filler = self._sample()
+        for _ in range(int(most) - mine):
+            idle_pass(self.task, self.device, self.precision, self._filler, backward=False)
         return dict(sums)
 
     def _evaluate_from(self, done: list[int], stop: int, batch: int, sums: dict[str, float]) -> None:
@@ -444,7 +496,7 @@ class TrainWorker(WorkerProcess):
         loss scale and the strategy's own state. For checkpoints, replacements and survivors that fell behind."""
         t = self.task
         state = {
-            "model": t.model.state_dict(),
+            "model": self.strategy.model_state(t),
             "optimizer": self.strategy.optimizer_state(t),
             "scheduler": t.scheduler.state_dict() if t.scheduler is not None else None,
             "loss_scale": self.strategy.loss_scale.state_dict(),
@@ -464,8 +516,10 @@ class TrainWorker(WorkerProcess):
         yield from state_transfer.stream(unpack(self.state_dict()))
 
     def optimizer_part(self) -> dict:
-        """This rank's slice of a sharded optimizer's state (by the optimizer's parameter numbers), packed."""
-        return pack(self.strategy.optimizer_state(self.task)["state"])
+        """This rank's slice of a sharded optimizer's state (by the optimizer's parameter numbers) and of sliced
+        weights (by state_dict key), packed."""
+        t = self.task
+        return pack({"optimizer": self.strategy.optimizer_state(t)["state"], "model": self.strategy.model_part(t)})
 
     def rank_state(self) -> dict:
         """What this replica holds that the others do not (SyncStrategy.rank_state), packed; empty for most."""
@@ -477,6 +531,8 @@ class TrainWorker(WorkerProcess):
         sharded optimizer keeps only its slice. `rank_state`: what this rank held of its own when the checkpoint
         was written (local SGD's inner optimizer and error feedback), for a resume on as many workers."""
         t = self.task
+        if self._strategy is not None and self.strategy.slices_weights:
+            self.strategy.close()  # every weight whole again, to be filled from `state` (sliced at the next join)
         t.model.load_state_dict(unpack(state["model"]))  # copies into the parameters
         if t.scheduler is not None and state.get("scheduler") is not None:
             t.scheduler.load_state_dict(unpack(state["scheduler"], copy=True))
@@ -499,7 +555,8 @@ class TrainWorker(WorkerProcess):
         self.leave()
 
     def state_dict(self) -> dict:
-        """The model's weights and buffers, packed (the driver unpacks them)."""
+        """The model's weights and buffers, packed (the driver unpacks them; sliced weights: from every rank,
+        GroupOps.full_state)."""
         return pack(self.task.model.state_dict())
 
     def _release(self) -> None:

@@ -55,8 +55,10 @@ class WorkerCalls:
     def check_numerics(self, tolerance: float | None = None, count: int = 8) -> Pending[NumericsResult]:
         return Pending(self.actor.check_numerics.remote(tolerance, count), "check_numerics")
 
-    def probe(self, guess: int, limit: int, memory_cap: int | None = None) -> Pending[ProbeResult]:
-        return Pending(self.actor.probe.remote(guess, limit, memory_cap), "probe")
+    def probe(
+        self, guess: int, limit: int, memory_cap: int | None = None, forward_only: bool = False
+    ) -> Pending[ProbeResult]:
+        return Pending(self.actor.probe.remote(guess, limit, memory_cap, forward_only), "probe")
 
     def measure_comm(self, repeats: int = 5) -> Pending[tuple[float, int]]:
         return Pending(self.actor.measure_comm.remote(repeats), "measure_comm")

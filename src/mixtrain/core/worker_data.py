@@ -60,14 +60,20 @@ class WorkerData:
             self._perm = (epoch, epoch_permutation(self.seed, epoch, len(self.train)))
         return self._perm[1]
 
-    def round_chunks(self, plan: RoundPlan, rank: int) -> list[StepChunks]:
-        """Every step of the round: this worker's samples, cut into micro-batches of at most the plan's size."""
+    def round_chunks(self, plan: RoundPlan, rank: int, lockstep: bool = False) -> list[StepChunks]:
+        """Every step of the round: this worker's samples, cut into micro-batches of at most the plan's size.
+        `lockstep`: into as many micro-batches as the rank that needs most (some may be empty), so that every
+        rank runs as many passes (sliced state: each pass calls collectives)."""
         perm = self.permutation(plan.epoch)
         out = []
         for step in range(plan.first_step, plan.first_step + plan.num_steps):
             indices = worker_indices(perm, plan.global_batch, step, plan.shares, rank)
             micro = plan.micro_batches[rank] if plan.micro_batches else max(1, len(indices))
-            chunks = [indices[lo : lo + micro] for lo in range(0, len(indices), micro)]
+            if lockstep:
+                passes = max(_passes(perm, plan, step, r) for r in range(len(plan.shares)))
+                chunks = list(np.array_split(indices, passes))
+            else:
+                chunks = [indices[lo : lo + micro] for lo in range(0, len(indices), micro)]
             out.append((step, step_size(len(perm), plan.global_batch, step), chunks))
         return out
 
@@ -75,6 +81,13 @@ class WorkerData:
         self.train.close()
         if self.eval is not None:
             self.eval.close()
+
+
+def _passes(perm: np.ndarray, plan: RoundPlan, step: int, rank: int) -> int:
+    """How many micro-batches rank `rank` needs for its samples of `step` (at least one pass)."""
+    n = len(worker_indices(perm, plan.global_batch, step, plan.shares, rank))
+    micro = plan.micro_batches[rank] if plan.micro_batches else max(1, n)
+    return max(1, -(-n // micro))
 
 
 def paced_segments(steps: list[StepChunks], inner: int, flush_after: list[bool]) -> list[StepSegments]:

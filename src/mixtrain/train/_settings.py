@@ -24,6 +24,7 @@ HONOURED = frozenset(
         "address",
         "network_interface",
         "threads_per_worker",
+        "shard_optimizer",  # deprecated: becomes shard="optimizer", refused under that name
         "keep_workers",
         # the loop's group and prepared loaders
         "backend",
@@ -44,10 +45,12 @@ REFUSED: dict[str, tuple[Callable[[Any], bool], str]] = {
         lambda v: v is None,
         "the loop sizes its own batches: lower the loader's batch_size, or accumulate with model.no_sync()",
     ),
-    "shard_optimizer": (
-        lambda v: v is False,
-        "the loop steps its own optimizer on every worker; shard_optimizer is for mixtrain.Trainer",
+    "shard": (
+        lambda v: v == "none",
+        "the loop steps its own optimizer on every worker; sliced state (shard=) is for mixtrain.Trainer in this "
+        "version",
     ),
+    "shard_slices": (lambda v: v is None, "slices are sized only where state is sliced, for mixtrain.Trainer"),
 }
 """ScalingConfig field -> (whether a value is one the loop honours, why another is not)."""
 
