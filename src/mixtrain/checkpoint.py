@@ -29,6 +29,8 @@ from mixtrain._checkpoint_folders import (
 from mixtrain._checkpoint_folders import _manifest_digest as _manifest_digest
 from mixtrain._files import atomic_write
 from mixtrain.errors import InputValueError
+from mixtrain.frozen_base import MANIFEST_KEY as FROZEN_BASE
+from mixtrain.frozen_base import FrozenBase, trim
 
 
 def _torch_save(obj: Any, f: Any) -> None:
@@ -278,12 +280,19 @@ class CheckpointStore(FolderStore):
     rest loads with weights_only=True, so a file carrying pickled code is refused. Loading falls back to the
     previous checkpoint when the newest fails a check."""
 
-    def __init__(self, run_dir: str | Path, keep: int = 3) -> None:
+    def __init__(self, run_dir: str | Path, keep: int = 3, base: FrozenBase | None = None) -> None:
         super().__init__(run_dir, keep, TASK)
+        self.base = base
+        """The model's frozen parameters (a LoRA base): left out of each checkpoint, their fingerprint kept in its
+        manifest (frozen_base); None: every parameter trains, the whole model is saved."""
 
     def save(self, state: dict[str, Any], meta: dict[str, Any]) -> Path:
-        """Write `state` (tensors and plain values only) and `meta` (JSON) as checkpoint `meta['global_step']`."""
+        """Write `state` (tensors and plain values only) and `meta` (JSON) as checkpoint `meta['global_step']`;
+        a model with a frozen base (`self.base`) without it."""
         files: dict[str, Callable[[Any], None]] = {}
+        if self.base is not None and isinstance(state.get("model"), dict):
+            state = {**state, "model": trim(state["model"], self.base)}
+            meta = {**meta, FROZEN_BASE: self.base.manifest()}
         if isinstance(state.get("model"), dict):  # the weights without pickle; the rest keeps torch.save
             weights, other = _split(state["model"])
             data = _safetensors_bytes(weights)

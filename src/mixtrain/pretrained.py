@@ -35,14 +35,25 @@ CONFIG_KEY = "hf_model"
 
 
 def spec_of(model: torch.nn.Module) -> HFModelSpec | None:
-    """On a worker: the class and config of a Hugging Face model, or None for any other model. transformers is
-    never imported for this: a model of it means it is imported already."""
+    """On a worker: the class and config of a Hugging Face model (of the base and its adapter's config, for a `peft`
+    model around one), or None for any other model. transformers and peft are never imported for this: a model
+    of theirs means they are imported already."""
+    peft = sys.modules.get("peft")
+    peft_config = None
+    if peft is not None and isinstance(model, peft.PeftModel):
+        peft_config = _json_clean(model.peft_config[model.active_adapter].to_dict())
+        model = model.get_base_model()
     modeling = sys.modules.get("transformers.modeling_utils")
     if modeling is None or not isinstance(model, modeling.PreTrainedModel):
         return None
     cls = type(model)
     config = json.loads(model.config.to_json_string(use_diff=False))  # JSON-clean (dtypes as names)
-    return HFModelSpec(model_class=f"{cls.__module__}:{cls.__qualname__}", config=config)
+    return HFModelSpec(model_class=f"{cls.__module__}:{cls.__qualname__}", config=config, peft_config=peft_config)
+
+
+def _json_clean(value: Any) -> Any:
+    """A peft config's dict as JSON values: its sets (target_modules) become sorted lists, enums their names."""
+    return json.loads(json.dumps(value, default=lambda v: sorted(v) if isinstance(v, set | frozenset) else str(v)))
 
 
 def save_pretrained(
@@ -54,7 +65,8 @@ def save_pretrained(
     read from a file names only an imported module or one of transformers', so a run folder cannot make this
     process import code of its choosing."""
     require("transformers", "transformers", "hf", "writing a Hugging Face model folder")
-    model = _rebuild(state_dict, spec, import_module)
+    build = _rebuild if spec.peft_config is None else _adapters
+    model = build(state_dict, spec, import_module)
     out = Path(out_dir)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(f".tmp-{out.name}-{secrets.token_hex(4)}")
@@ -102,7 +114,8 @@ def save_final_hf_model(
         say(f"could not write the Hugging Face folder {run_dir / name}: {exc} (the weights are in the run folder: "
             "`mixtrain export RUN_DIR`, or `mixtrain export CHECKPOINT --out DIR`, tries again)")  # fmt: skip
         return None
-    say(f"done: Hugging Face model in {path} (AutoModel.from_pretrained reads it)")
+    loads = "peft.PeftModel.from_pretrained(base, folder)" if spec.peft_config else "AutoModel.from_pretrained"
+    say(f"done: Hugging Face {'adapter' if spec.peft_config else 'model'} in {path} ({loads} reads it)")
     return path
 
 
@@ -111,12 +124,19 @@ def export_pretrained(source: str | Path, out_dir: str | Path | None = None) -> 
     RUN_DIR/checkpoints) as a Hugging Face model folder; returns the folder. The model's class and config come
     from the run's config.json. `out_dir` defaults to RUN_DIR/hf_model for a run folder and to
     RUN_DIR/hf_<checkpoint name> for a checkpoint."""
-    from mixtrain.checkpoint import MANIFEST, CheckpointStore, load_weights
+    from mixtrain.checkpoint import FROZEN_BASE, MANIFEST, CheckpointStore, load_weights
 
     path = Path(source)
     if (path / MANIFEST).is_file():  # a checkpoint: RUN_DIR/checkpoints/step-N
         run_dir, default = path.parent.parent, path.parent.parent / f"hf_{path.name}"
-        state_dict = CheckpointStore.read(path)[0]["model"]  # verified against its manifest
+        state, manifest = CheckpointStore.read(path)  # verified against its manifest
+        state_dict = state["model"]
+        if FROZEN_BASE in manifest and read_spec(run_dir).peft_config is None:
+            raise InputValueError(
+                f"export: the checkpoint {path} holds only the trainable parameters (its frozen base was left out), "
+                f"and the model is no peft adapter; export the run folder {run_dir} (its model.safetensors holds "
+                "the whole model) instead"
+            )
     elif (path / "model.safetensors").is_file() or (path / "model.pt").is_file():
         run_dir, default = path, path / HF_MODEL
         state_dict = load_weights(path)
@@ -159,7 +179,12 @@ def read_spec(run_dir: Path) -> HFModelSpec:
             f"has no {CONFIG_KEY!r} entry), so there is no class and config to rebuild it from; load its weights with "
             "mixtrain.load_weights into your own model instead"
         )
-    return HFModelSpec(model_class=entry["model_class"], config=entry["config"])
+    peft_config = entry.get("peft_config")
+    return HFModelSpec(
+        model_class=entry["model_class"],
+        config=entry["config"],
+        peft_config=peft_config if isinstance(peft_config, dict) else None,
+    )
 
 
 def _rebuild(state_dict: dict[str, Any], spec: HFModelSpec, import_module: bool) -> Any:
@@ -191,6 +216,29 @@ def _rebuild(state_dict: dict[str, Any], spec: HFModelSpec, import_module: bool)
         raise InputValueError(
             f"the weights do not fit {spec.model_class} built from its config: {problems or ''} "
             f"{info.get('error_msgs') or ''} {('changed on loading: ' + str(changed[:5])) if changed else ''}".strip()
+        )
+    return model
+
+
+def _adapters(state_dict: dict[str, Any], spec: HFModelSpec, import_module: bool) -> Any:
+    """The `peft` model of `spec` holding the trained adapters of `state_dict` (a checkpoint's, without the base,
+    or the whole final state), for its own save_pretrained, which writes only the adapters and their config. The
+    base is built on the meta device: no memory for it, no weights downloaded, none needed to save adapters."""
+    require("peft", "peft", "lora", "writing a LoRA adapter folder")
+    import peft
+
+    cls: Any = _model_class(spec.model_class, import_module)
+    tensors = {k: v for k, v in state_dict.items() if isinstance(v, torch.Tensor)}
+    with _quiet_transformers(), torch.device("meta"):
+        base = cls(cls.config_class.from_dict(spec.config))
+        model: Any = peft.get_peft_model(base, peft.get_peft_config(dict(spec.peft_config or {})))
+    wanted = {n for n, p in model.named_parameters() if p.requires_grad}
+    lacking = sorted(wanted - set(tensors))
+    result = model.load_state_dict({k: v for k, v in tensors.items() if k in wanted}, strict=False, assign=True)
+    if lacking or result.unexpected_keys:
+        raise InputValueError(
+            f"the weights do not hold the adapters of {spec.model_class} with this peft config: lacking "
+            f"{lacking[:5]}, unexpected {list(result.unexpected_keys)[:5]}"
         )
     return model
 

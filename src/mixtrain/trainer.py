@@ -13,6 +13,7 @@ from typing import Any, cast
 import numpy as np
 import ray
 
+from mixtrain import frozen_base
 from mixtrain._files import RunFolder
 from mixtrain.callbacks import Callback, EarlyStopping, RunEnded, RunStarted, is_run_id
 from mixtrain.checkpoint import MANIFEST, CheckpointMeta, CheckpointStore, save_final_weights
@@ -170,7 +171,7 @@ class Trainer:
                 Policies.for_run(settings, group.tunables),
                 log=log,
                 view=view,
-                checkpoints=CheckpointStore(start.run_dir, self.run.keep_checkpoints),
+                checkpoints=CheckpointStore(start.run_dir, self.run.keep_checkpoints, base=up.frozen),
                 stop=stop,
                 hooks=hooks,
             )
@@ -338,6 +339,7 @@ class Trainer:
         re-forms, so the strategy starts from the loaded state (the parameter servers load it, local SGD
         takes it as its common point). Returns where training goes on and the driver's own saved state."""
         state, manifest, path = resumed
+        frozen_base.check_resume(manifest, up.frozen, path)  # a checkpoint without its base: the same base now
         rng = state.pop("rng", None)
         ranks = state.pop("ranks", None)  # what each rank held of its own (local SGD's inner optimizers)
         driver_state = state.pop("driver", None)  # the callbacks' and the best checkpoint's: the driver's

@@ -7,6 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from tests.doc_pages import block_tagged
 
 
@@ -83,3 +85,12 @@ def test_the_loggers_script_writes_all_three_stores(tmp_path, monkeypatch, capsy
     assert [s for s, _ in mlflow_steps(client, run, "held_out/accuracy")] == [23, 46]
     assert wandb_run(run_dir)["exit_code"] == 0
     assert "train/lr/group0" in tensorboard_scalars(run_dir / "tensorboard")
+
+
+def test_the_lora_recipe_checkpoints_adapters_and_writes_the_adapter_folder_as_written(tmp_path):
+    pytest.importorskip("peft")
+    stdout = _run_block("lora", tmp_path)
+    held = int(re.search(r"checkpoint bytes (\d+)", stdout).group(1))
+    adapters = 2 * (16 * 128 + 16 * 384) * 4  # lora_A and lora_B of c_attn in 2 layers, fp32
+    assert held <= 1.1 * 3 * adapters + 16_000, stdout  # + AdamW's two moments, two workers' random streams
+    assert "adapter_config.json" in stdout and "adapter_model.safetensors" in stdout, stdout

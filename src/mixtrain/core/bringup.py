@@ -26,6 +26,7 @@ from mixtrain.core.messages import BuildReport, HFModelSpec, LeftOut, ProbeResul
 from mixtrain.core.worker_group import WorkerGroup
 from mixtrain.data.sampling import Arrays, steps_per_epoch
 from mixtrain.data.sources import Loader
+from mixtrain.frozen_base import FrozenBase
 from mixtrain.policies.advice import choose, suggest
 from mixtrain.policies.decisions import Decision, LeaveOut, first_plan
 from mixtrain.policies.planner import Plan, largest_remainder, resolve_shares
@@ -82,6 +83,11 @@ class Bringup:
     @property
     def strategy(self) -> StrategyConfig:
         return self.ops.strategy
+
+    @property
+    def frozen(self) -> FrozenBase | None:
+        """The model's frozen parameters (rank 0's report), when it has some: checkpoints leave them out."""
+        return self.ops.reference.frozen if self.ops.reference is not None else None
 
     @property
     def hf_model(self) -> HFModelSpec | None:

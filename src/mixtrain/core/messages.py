@@ -5,9 +5,12 @@ fields take keywords; `as_dict()` is the form metrics.jsonl and Result keep."""
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from mixtrain.devices import DeviceInfo
+
+if TYPE_CHECKING:
+    from mixtrain.frozen_base import FrozenBase
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -92,6 +95,9 @@ class HFModelSpec:
     "transformers.models.gpt2.modeling_gpt2:GPT2LMHeadModel"."""
     config: dict[str, Any]
     """Its config, as `model.config.to_json_string()` writes it."""
+    peft_config: dict[str, Any] | None = None
+    """For a `peft` model (a LoRA adapter around the model of `model_class`): its adapter's config, as JSON; the
+    run's hf_model folder is then the adapter folder that `peft.PeftModel.from_pretrained(base, folder)` loads."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -117,6 +123,8 @@ class BuildReport:
     hf_model: HFModelSpec | None = None
     """The model is a transformers.PreTrainedModel: its class and config (the final weights get a save_pretrained
     folder too)."""
+    frozen: FrozenBase | None = None
+    """The model's frozen parameters (a LoRA base), when it has some: checkpoints leave them out (frozen_base)."""
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -12,7 +12,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from mixtrain import compat, devices, pretrained
+from mixtrain import compat, devices, frozen_base, pretrained
 from mixtrain.comm import process_group, registry, state_transfer
 from mixtrain.comm.state_transfer import pack, unpack
 from mixtrain.comm.strategy import JoinContext, SyncStrategy
@@ -163,6 +163,7 @@ class TrainWorker(WorkerProcess):
             nccl=torch.distributed.is_nccl_available(),
             max_grad_norm=self.task.max_grad_norm,
             hf_model=pretrained.spec_of(model),
+            frozen=frozen_base.describe(model),
         )
 
     def check_numerics(self, tolerance: float | None = None, count: int = 8) -> NumericsResult:
@@ -533,7 +534,7 @@ class TrainWorker(WorkerProcess):
         t = self.task
         if self._strategy is not None and self.strategy.slices_weights:
             self.strategy.close()  # every weight whole again, to be filled from `state` (sliced at the next join)
-        t.model.load_state_dict(unpack(state["model"]))  # copies into the parameters
+        frozen_base.load_model_state(t.model, unpack(state["model"]))  # copies in; a checkpoint may lack the base
         if t.scheduler is not None and state.get("scheduler") is not None:
             t.scheduler.load_state_dict(unpack(state["scheduler"], copy=True))
         self._loaded = {

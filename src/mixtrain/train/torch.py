@@ -13,7 +13,14 @@ if TYPE_CHECKING:
     from mixtrain.train._prepare import PreparedLoader, PreparedModel
     from mixtrain.train._trainer import TorchTrainer
 
-__all__ = ["TorchTrainer", "get_device", "prepare_data_loader", "prepare_model"]
+__all__ = [
+    "TorchTrainer",
+    "get_device",
+    "load_trainable_state_dict",
+    "prepare_data_loader",
+    "prepare_model",
+    "trainable_state_dict",
+]
 
 
 def prepare_model(model: torch.nn.Module, **_ignored: Any) -> PreparedModel:
@@ -36,6 +43,24 @@ def prepare_data_loader(data_loader: DataLoader, move_to_device: bool = True, **
     from mixtrain.train._prepare import PreparedLoader
 
     return PreparedLoader(data_loader, _session.current("prepare_data_loader"), move_to_device)
+
+
+def trainable_state_dict(model: torch.nn.Module) -> dict[str, Any]:
+    """What a loop checkpoints of a model with a frozen base (a `peft` LoRA model): `model.state_dict()` without
+    the frozen parameters, with a fingerprint of them (their names, shapes, dtypes and bytes). Save it as any state
+    dict (`torch.save`); every parameter trains: the whole state_dict. Give it `model.module` (the prepared model's
+    own model), as with DDP."""
+    from mixtrain.frozen_base import trainable_state_dict as trainable
+
+    return trainable(model)
+
+
+def load_trainable_state_dict(model: torch.nn.Module, state: dict[str, Any]) -> None:
+    """Load what trainable_state_dict saved into `model`, built with its base as at the start; a model built on
+    another base (its fingerprint differs) is refused in one line naming the first tensor that differs."""
+    from mixtrain.frozen_base import load_trainable_state_dict as load
+
+    load(model, state)
 
 
 def __getattr__(name: str) -> Any:
