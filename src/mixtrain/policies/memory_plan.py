@@ -239,7 +239,9 @@ def largest_micro_batch(shape: ModelShape, level: str, offload: bool, fraction: 
     return cap if per_sample <= 0 else min(cap, int(room // per_sample))
 
 
-def largest_blocks(shape: ModelShape, level: str, offload: bool, devices: Sequence[Device], fractions: Sequence[float]):
+def largest_blocks(
+    shape: ModelShape, level: str, offload: bool, devices: Sequence[Device], fractions: Sequence[float]
+) -> int | None:
     """The largest number of blocks of `shape` that fits every device at micro-batch 1; None without blocks."""
     if not shape.num_blocks:
         return None
