@@ -104,6 +104,14 @@ def test_a_named_block_is_used_and_a_wrong_name_lists_the_classes():
     with pytest.raises(InputValueError, match=r"block='Block'.*Linear, ReLU"):
         find_block(model, "Block")
     assert find_block(nn.Sequential(nn.Linear(2, 2))) is None  # nothing repeats
+    # two alike blocks win over two unlike embeddings that hold more (GPT-2 with a large vocabulary, 2 layers)
+    wide = nn.Sequential(
+        nn.Embedding(5000, 16),
+        nn.Embedding(8, 16),
+        nn.TransformerEncoderLayer(16, 2, 32),
+        nn.TransformerEncoderLayer(16, 2, 32),
+    )
+    assert find_block(wide) is nn.TransformerEncoderLayer
 
 
 def test_devices_parse_with_memory_for_every_kind_and_errors_name_the_flag_value_and_fix():
