@@ -574,3 +574,28 @@ def test_a_run_that_fails_leaves_nothing_running(tmp_path, job, says):
     _, err = proc.communicate(timeout=300)
     assert proc.returncode == 1 and says in err, err[-3000:]
     assert _processes_left(proc.pid, within=5.0) == []
+
+
+def test_plan_with_devices_prints_the_what_if_table_without_ray():
+    proc = run_cli("plan", "chars", "--devices", "cuda:12GB,mps:16GB,cpu:1.25GB", "--link", "1gbit", timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    out = proc.stdout
+    assert "chars: measured on this CPU (0.4M parameters, 2 x TransformerEncoderLayer); no workers started" in out
+    assert "link 1 Gbit/s, global batch 64; parts in MB" in out
+    for label in ("none", "optimizer", "gradients", "full", "full, optimizer on host", "cpu:1.25GB alone"):
+        assert re.search(rf"^{re.escape(label)} +yes ", out, re.M), out
+    assert re.search(r"^  cpu:1\.25GB .* \d+/1280 +64$", out, re.M)  # the CPU's figure caps it: 1.25 GB = 1280 MB
+    assert re.search(r"^pick: cuda:12GB alone: none on all devices .* over 1 Gbit/s moves 2 x ", out, re.M), out
+    assert "Ray" not in proc.stderr and "raylet" not in out + proc.stderr
+    bad = run_cli("plan", "chars", "--devices", "cuda:12XB")
+    assert bad.returncode == 2 and "--devices 'cuda:12XB'" in bad.stderr and "e.g. 12GB" in bad.stderr
+    alone = run_cli("plan", "chars", "--link", "1gbit")
+    assert alone.returncode == 2 and "--link and --blocks go with --devices" in alone.stderr
+
+
+def test_plan_with_devices_starts_no_ray_in_process(capsys):
+    from mixtrain.cli.main import main
+
+    assert main(["plan", "chars", "--devices", "cuda:12GB", "--blocks", "4"]) == 0
+    assert "predicted with 4 blocks" in capsys.readouterr().out
+    assert "ray" not in sys.modules or not sys.modules["ray"].is_initialized()

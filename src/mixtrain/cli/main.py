@@ -11,6 +11,7 @@ Command lines:
     mixtrain train --resume runs/a --epochs 20             # continue a stopped run
     mixtrain train digits --strategy local-sgd --local-steps 16 --overlap --compress int8   # a slow link
     mixtrain plan digits --workers cuda:1,mps:1            # measure and show the split, no training
+    mixtrain plan chars --devices cuda:12GB,mps:16GB --link 1gbit   # what fits where, no workers
     mixtrain report runs/a                                 # plots and a summary of a run
     mixtrain devices
     mixtrain env                                           # everything a bug report needs
@@ -282,6 +283,19 @@ def build_parser() -> argparse.ArgumentParser:
         "and why), and stop.",
     )
     _job_flags(plan)
+    plan.add_argument(
+        "--devices",
+        metavar="KIND:MEMORY,...",
+        help="instead of measuring the workers: the devices to plan for, present or not, e.g. cuda:12GB,mps:16GB "
+        "or cpu:1.25GB (KIND:MEMORY@SAMPLES_PER_S adds a speed); prints what each would hold per slicing level, "
+        "what fits, and the fastest choice, without starting Ray (docs/memory-and-big-models.md)",
+    )
+    plan.add_argument(
+        "--link", metavar="SPEED", help="with --devices: the link between them (default 1gbit; 10gbit, 100mbit)"
+    )
+    plan.add_argument(
+        "--blocks", type=_positive_int, help="with --devices: predict the same model shape with this many blocks"
+    )
     from mixtrain.cli import run as run_command
 
     run_command.add_parser(sub, _worker_flags)
@@ -771,6 +785,12 @@ def cmd_train(args: argparse.Namespace, raw: list[str]) -> int:
 def cmd_plan(args: argparse.Namespace) -> int:
     from mixtrain.observe.progress import plan_table
 
+    if args.devices is not None:
+        from mixtrain.cli.what_if import cmd_what_if
+
+        return cmd_what_if(args, *_task(args))
+    if args.link is not None or args.blocks is not None:
+        raise InputValueError("--link and --blocks go with --devices (the what-if plan); give --devices too")
     _, trainer = _trainer(args)
     up = trainer.plan()
     print(f"{_task(args)[0]}: global batch {trainer.global_batch}, {up.backend}")
