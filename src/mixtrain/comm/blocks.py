@@ -1,8 +1,7 @@
 """A model's blocks: the repeated layer class whose parameters are gathered one block at a time (shard="full").
 
 FSDP's auto-wrap by module class wraps each instance of a named class (GPT-2's `GPT2Block`); when none is
-named, the class that repeats most heavily is taken: the class with at least two instances whose instances hold
-the most parameters between them, a module of modules before a leaf (a transformer's layer before its Linear).
+named, the class that repeats most heavily is taken (block_class: one rule for the engine and the what-if plan).
 Parameters in no block (embeddings, the final norm, a head tied to the embedding) form the root, gathered for
 the whole step.
 """
@@ -13,40 +12,50 @@ from collections import defaultdict
 from collections.abc import Sequence
 
 import torch
+from torch import nn
 
 from mixtrain.errors import InputValueError
 
-
-def _own_params(module: torch.nn.Module) -> int:
-    return sum(p.numel() for p in module.parameters())
+CONTAINERS = (nn.ModuleList, nn.ModuleDict)
+"""Never a block: they only hold other modules."""
 
 
 def find_blocks(model: torch.nn.Module, names: Sequence[str] = ()) -> list[torch.nn.Module]:
-    """The model's blocks, outermost instances only, in module order. `names`: class names to use (e.g.
-    ("GPT2Block",)); none: the repeated class holding the most parameters, or no blocks at all."""
-    by_class: dict[str, list[torch.nn.Module]] = defaultdict(list)
+    """The model's blocks, outermost instances only, in module order: the instances of the classes `names`
+    (e.g. ("GPT2Block",)), or of `block_class(model)`; none where nothing repeats."""
+    classes = [block_class(model, n) for n in names] if names else [block_class(model)]
+    chosen = tuple(c for c in classes if c is not None)
+    if not chosen:
+        return []
+    found = [m for m in model.modules() if m is not model and isinstance(m, chosen)]
+    inner = {id(sub) for m in found for sub in m.modules() if sub is not m}
+    return [m for m in found if id(m) not in inner]  # a block inside another block belongs to the outer one
+
+
+def block_class(model: nn.Module, name: str | None = None) -> type[nn.Module] | None:
+    """The repeated layer class: `name` when given (a class name in the model), else the class with at least two
+    instances whose instances hold the most parameters together (FSDP's ModuleWrapPolicy, found by itself),
+    classes whose instances are all the same size first (a repeated layer: not GPT-2's two unlike Embeddings, which
+    outweigh two blocks of a 2-layer model); on a tie the class with fewer instances (the outer one). None when
+    nothing repeats."""
+    classes: dict[type[nn.Module], list[nn.Module]] = {}
     for module in model.modules():
-        if module is not model:
-            by_class[type(module).__name__].append(module)
-    if names:
-        missing = [n for n in names if n not in by_class]
-        if missing:
-            raise InputValueError(
-                f"shard blocks {list(names)}: the model has no module of class {', '.join(missing)}; its classes "
-                f"are {', '.join(sorted(by_class))}"
-            )
-        chosen = [m for n in names for m in by_class[n]]
-    else:
-        repeated = {n: ms for n, ms in by_class.items() if len(ms) >= 2 and any(_own_params(m) for m in ms)}
-        layers = {n: ms for n, ms in repeated.items() if any(True for _ in ms[0].children())}
-        repeated = layers or repeated  # a layer (a module of modules) before a bare Linear that repeats more
-        if not repeated:
-            return []
-        best = max(repeated, key=lambda n: sum(_own_params(m) for m in repeated[n]))
-        chosen = repeated[best]
-    inner = {id(sub) for m in chosen for sub in m.modules() if sub is not m}
-    ordered = [m for m in model.modules() if any(m is c for c in chosen)]
-    return [m for m in ordered if id(m) not in inner]  # a block inside another block belongs to the outer one
+        if module is not model and not isinstance(module, CONTAINERS):
+            classes.setdefault(type(module), []).append(module)
+    if name is not None:
+        found = [c for c in classes if c.__name__ == name]
+        if not found:
+            kinds = ", ".join(sorted({c.__name__ for c in classes}))
+            raise InputValueError(f"block={name!r}: the model has no module class of that name; its classes: {kinds}")
+        return found[0]
+    best: tuple[bool, int, int, type[nn.Module]] | None = None
+    for cls, instances in classes.items():
+        size = sum(p.numel() * p.element_size() for p in {id(p): p for m in instances for p in m.parameters()}.values())
+        alike = len({sum(p.numel() for p in m.parameters()) for m in instances}) == 1
+        key = (alike, size, -len(instances), cls)
+        if len(instances) >= 2 and size > 0 and (best is None or key[:3] > best[:3]):
+            best = key
+    return best[3] if best else None
 
 
 def block_of_each_parameter(model: torch.nn.Module, blocks: Sequence[torch.nn.Module]) -> dict[int, int]:

@@ -21,10 +21,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from mixtrain.comm.blocks import block_class as find_block
 from mixtrain.errors import InputValueError
-
-CONTAINERS = (nn.ModuleList, nn.ModuleDict)
-"""Never a block: they only hold other modules."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -94,32 +92,6 @@ class ModelShape:
     def describe(self) -> str:
         blocks = f"{self.num_blocks} x {self.block_name}" if self.block_name else "no repeated block"
         return f"{self.num_parameters / 1e6:,.1f}M parameters, {blocks}"
-
-
-def find_block(model: nn.Module, name: str | None = None) -> type[nn.Module] | None:
-    """The repeated layer class: `name` when given (a class name in the model), else the class with at least two
-    instances whose instances hold the most parameters together (FSDP's ModuleWrapPolicy, found by itself),
-    classes whose instances are all the same size first (a repeated layer: not GPT-2's two unlike Embeddings, which
-    outweigh two blocks of a 2-layer model); on a tie the class with fewer instances (the outer one). None when
-    nothing repeats."""
-    classes: dict[type[nn.Module], list[nn.Module]] = {}
-    for module in model.modules():
-        if module is not model and not isinstance(module, CONTAINERS):
-            classes.setdefault(type(module), []).append(module)
-    if name is not None:
-        found = [c for c in classes if c.__name__ == name]
-        if not found:
-            kinds = ", ".join(sorted({c.__name__ for c in classes}))
-            raise InputValueError(f"block={name!r}: the model has no module class of that name; its classes: {kinds}")
-        return found[0]
-    best: tuple[bool, int, int, type[nn.Module]] | None = None
-    for cls, instances in classes.items():
-        size = _bytes({id(p): p for m in instances for p in m.parameters()}.values())
-        alike = len({sum(p.numel() for p in m.parameters()) for m in instances}) == 1
-        key = (alike, size, -len(instances), cls)
-        if len(instances) >= 2 and size > 0 and (best is None or key[:3] > best[:3]):
-            best = key
-    return best[3] if best else None
 
 
 def measure_shape(
