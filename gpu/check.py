@@ -392,6 +392,13 @@ STEPS = [
         180,
     ),
     Step(
+        "sliced-cuda-cpu",
+        'shard="full" and "gradients" (state sliced 3:1:2 by memory) over CUDA + 2 CPU workers equal one process',
+        lambda c: c.api_step("sliced", "sliced-cuda-cpu", "--devices", "cuda"),
+        True,
+        180,
+    ),
+    Step(
         "loop-cuda-cpu",
         "your own loop (mixtrain.train: AdamW, a schedule, clipping) over CUDA + 2 CPU workers equals one process",
         lambda c: c.api_step("loop", "loop-cuda-cpu", "--devices", "cuda"),

@@ -1,6 +1,6 @@
 """The check's steps that need the Python API; `gpu/check.py` runs each as its own process:
 
-    python -m gpu.steps env|exactness|overhead|nccl|lost-worker [--devices cpu|cuda] --out RESULT.json
+    python -m gpu.steps env|exactness|sliced|loop|overhead|nccl|lost-worker [--devices cpu|cuda] --out RESULT.json
 
 Only mixtrain's public API (`from mixtrain import ...`), its built-in examples and the tests' task
 factories (tests/models.py) are used, so this keeps working while mixtrain's modules move. Each step
@@ -85,7 +85,12 @@ def env() -> dict[str, Any]:
 
 
 def _exact_run(
-    groups: list, shares: list[int] | Literal["auto", "equal"], opt: str, run_dir: Path, backend: Backend = "auto"
+    groups: list,
+    shares: list[int] | Literal["auto", "equal"],
+    opt: str,
+    run_dir: Path,
+    backend: Backend = "auto",
+    shard: Any = "none",
 ) -> tuple[dict, list[dict]]:
     from mixtrain import RunConfig, ScalingConfig, Trainer
     from tests.models import data, factory
@@ -95,7 +100,13 @@ def _exact_run(
         factory("mlp", opt),
         (x, y),
         global_batch=EXACT_SAMPLES,
-        scaling=ScalingConfig(groups=groups, shares=shares, backend=backend),
+        scaling=ScalingConfig(
+            groups=groups,
+            shares=shares,
+            backend=backend,
+            shard=shard,
+            shard_slices=None if shard == "none" else [3, 1, 2][: sum(g.num_workers for g in groups)],
+        ),
         run=RunConfig(run_dir=str(run_dir), seed=7, progress=False, tensorboard=False),
     )
     result = trainer.fit(epochs=EXACT_STEPS)
@@ -141,6 +152,34 @@ def exactness(devices: str, work: Path) -> dict[str, Any]:
         where = ", ".join(f"{w.get('device')}:{s}" for w, s in zip(sorted(workers, key=lambda w: w["rank"]), shares))
         detail.append(f"mlp + {opt}: shares {where}, {EXACT_STEPS} steps: max relative difference {err:.2e}")
     detail.append(f"global batch = the whole data set ({EXACT_SAMPLES} samples); fp32; tolerance {tol:g} per tensor")
+    ok = worst <= tol
+    return {
+        "result": "pass" if ok else "fail",
+        "figure": f"max relative difference {worst:.1e} (tolerance {tol:g})",
+        "detail": detail,
+        "data": {"max_rel_diff": worst, "tolerance": tol},
+    }
+
+
+def sliced_exactness(devices: str, work: Path) -> dict[str, Any]:
+    """shard="full" and "gradients" (weights and gradients sliced 3:1:2 by memory) over unequal shares equal one
+    process on the CPU, for SGD with momentum and AdamW."""
+    from mixtrain import DeviceGroup
+
+    if devices == "cuda":
+        groups = [DeviceGroup(device="cuda", num_workers=1), DeviceGroup(device="cpu", num_workers=2)]
+        shares = [300, 200, 140]
+    else:
+        groups = [DeviceGroup(device="cpu", num_workers=3)]
+        shares = [300, 200, 140]
+    tol = EXACT_TOL[devices]
+    detail, worst = [], 0.0
+    for shard, opt in (("full", "adamw"), ("gradients", "sgd")):
+        got, workers = _exact_run(groups, shares, opt, work / f"sliced-{devices}-{shard}", shard=shard)
+        err = _max_rel_diff(got, _reference(opt))
+        worst = max(worst, err)
+        held = [w.get("device") for w in sorted(workers, key=lambda w: w["rank"])]
+        detail.append(f"shard={shard} + mlp + {opt} on {held}, slices 3:1:2: max relative difference {err:.2e}")
     ok = worst <= tol
     return {
         "result": "pass" if ok else "fail",
@@ -501,7 +540,7 @@ def _gpu_lost_runs() -> list[tuple[str, list, list[int], int, str]]:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="gpu.steps")
-    ap.add_argument("step", choices=["env", "exactness", "loop", "overhead", "nccl", "lost-worker"])
+    ap.add_argument("step", choices=["env", "exactness", "sliced", "loop", "overhead", "nccl", "lost-worker"])
     ap.add_argument("--devices", choices=["cpu", "cuda"], default="cpu")
     ap.add_argument("--epochs", type=int, default=OVERHEAD_EPOCHS, help="overhead: epochs (the first untimed)")
     ap.add_argument("--work", type=Path, default=Path("."))
@@ -512,6 +551,8 @@ def main(argv: list[str] | None = None) -> int:
             out = env()
         elif args.step == "exactness":
             out = exactness(args.devices, args.work)
+        elif args.step == "sliced":
+            out = sliced_exactness(args.devices, args.work)
         elif args.step == "loop":
             out = loop_exactness(args.devices, args.work / f"loop-{args.devices}")
         elif args.step == "overhead":
