@@ -189,6 +189,10 @@ class ScalingConfig:
     its backward and freed after). The same math as one process at every level. Needs strategy "allreduce"."""
     shard_slices: Sequence[float] | None = None
     """Relative slice sizes, one per worker (e.g. [3, 1, 2]); None: each device's free memory."""
+    offload: Literal["none", "optimizer"] = "none"
+    """"optimizer": each worker's slice of the optimizer state, with an fp32 master copy of its weights, lives in
+    host memory and is stepped there, so a GPU holds weights, gradients and activations only (ZeRO-Offload).
+    Needs shard="optimizer", "gradients" or "full" (one worker with shard="optimizer" slices nothing)."""
     shard_optimizer: bool | Sequence[float] = False
     """DEPRECATED: use shard="optimizer" (True), with shard_slices=[...] for a list."""
     placement_strategy: PlacementStrategy = "PACK"
@@ -240,6 +244,7 @@ class ScalingConfig:
     def _take_shard_optimizer(self) -> None:
         """The deprecated shard_optimizer=True / [sizes] becomes shard="optimizer" (with shard_slices)."""
         check.choice("ScalingConfig.shard", self.shard, SHARDS)
+        check.choice("ScalingConfig.offload", self.offload, ("none", "optimizer"))
         old = self.shard_optimizer
         if old is False:
             return
@@ -571,6 +576,11 @@ class StrategyConfig:
 
 def check_together(scaling: ScalingConfig, strategy: StrategyConfig) -> None:
     """What the configs ask of each other (each checks itself on construction)."""
+    if scaling.offload != "none" and scaling.shard == "none":
+        raise InputValueError(
+            f"ScalingConfig.offload={scaling.offload!r} with shard='none': the offloaded optimizer is a slice's; "
+            "give shard='optimizer' (on one worker it slices nothing), 'gradients' or 'full'"
+        )
     if scaling.shard != "none" and strategy.name != "allreduce":
         raise InputValueError(
             f"ScalingConfig.shard={scaling.shard!r} with strategy={strategy.name!r}: sliced state needs "

@@ -86,12 +86,18 @@ def _even_chunks(rank: int) -> list[torch.Tensor]:
     return list(torch.arange(lo, lo + SHARES[rank]).tensor_split(max(counts)))
 
 
-def _sliced(rank, world, level, opt, checkpointing):
+def _sliced(rank, world, level, opt, checkpointing, offload):
     torch.set_num_threads(1)
     task = _task(opt, checkpointing)
     strategy = SlicedStrategy(StrategyConfig(), level)
     ctx = JoinContext(
-        bucket_bytes=1 << 20, loss_scaling=False, rank=rank, world_size=world, timeout_s=20.0, shard_weights=SLICES
+        bucket_bytes=1 << 20,
+        loss_scaling=False,
+        rank=rank,
+        world_size=world,
+        timeout_s=20.0,
+        shard_weights=SLICES,
+        offload=offload,
     )
     strategy.setup(task, ctx)
     total = sum(SHARES)
@@ -118,6 +124,7 @@ def _sliced(rank, world, level, opt, checkpointing):
         "part": {k: v.clone() for k, v in part.items()},
         "optimizer": strategy.optimizer_state(task)["state"],
         "held": held[-1],
+        "masters": len(strategy.shard.master) if strategy.shard is not None else 0,
         "losses": losses,
     }
 
@@ -140,11 +147,16 @@ def _reference(opt: str) -> tuple[dict[str, torch.Tensor], list[float]]:
 
 
 @pytest.mark.parametrize(
-    "level,opt,checkpointing",
-    [("full", "sgd", False), ("full", "adamw", True), ("gradients", "adamw", False), ("gradients", "sgd", True)],
+    "level,opt,checkpointing,offload",
+    [
+        ("full", "sgd", False, False),
+        ("full", "adamw", True, True),  # the optimizer's slice stepped from a host copy (offload="optimizer")
+        ("gradients", "adamw", False, False),
+        ("gradients", "sgd", True, True),
+    ],
 )
-def test_sliced_training_equals_one_process_and_each_rank_holds_its_slice(level, opt, checkpointing):
-    out = run_ranks(_sliced, 3, level, opt, checkpointing, timeout_s=30.0)
+def test_sliced_training_equals_one_process_and_each_rank_holds_its_slice(level, opt, checkpointing, offload):
+    out = run_ranks(_sliced, 3, level, opt, checkpointing, offload, timeout_s=30.0)
     assert all(status == "ok" for status, _ in out.values()), out
     want, want_losses = _reference(opt)
     results = [out[r][1] for r in range(3)]
@@ -159,6 +171,12 @@ def test_sliced_training_equals_one_process_and_each_rank_holds_its_slice(level,
     whole = sum(p.numel() * p.element_size() for p in _task(opt, False).model.parameters())
     optimizer_keys = sorted(k for res in results for k in res["optimizer"])
     assert optimizer_keys == sorted(set(optimizer_keys)), "each optimizer entry on exactly one rank"
+    if offload:  # each rank's master copies are exactly its owned parameters
+        assert sum(res["masters"] for res in results) == len(
+            [p for p in _task(opt, False).model.parameters() if p.requires_grad]
+        )
+    else:
+        assert all(res["masters"] == 0 for res in results)
     if level == "full":
         parts = [set(res["part"]) for res in results]
         assert not parts[0] & parts[1] and not parts[1] & parts[2] and not parts[0] & parts[2]

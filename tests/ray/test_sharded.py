@@ -18,6 +18,7 @@ pytestmark = pytest.mark.usefixtures("ray_session")
 def fit(task, run_dir, *, workers=3, shard="optimizer", slices=None, shares="auto", epochs=1, resume=None, **kw):
     x, y = data("mlp", NUM_SAMPLES)
     micro = kw.pop("max_micro_batch", None)
+    offload = kw.pop("offload", "none")
     trainer = Trainer(
         task,
         (x, y),
@@ -31,6 +32,7 @@ def fit(task, run_dir, *, workers=3, shard="optimizer", slices=None, shares="aut
             shard_slices=slices,
             leave_out_slow=False,
             max_micro_batch=micro,
+            offload=offload,
         ),
         run=RunConfig(run_dir=str(run_dir), seed=SEED, steps_per_round=2, progress=False, **kw),
     )
@@ -93,8 +95,10 @@ def test_full_slicing_trains_exactly_like_one_adamw_and_each_worker_holds_a_slic
     assert result.metrics["samples"] == 50 and result.metrics["loss"] == pytest.approx(want, rel=1e-5)
 
 
-def test_gradients_slicing_trains_exactly_like_one_sgd(tmp_path):
-    result, (x, y) = fit(factory("mlp", "sgd"), tmp_path / "run", shard="gradients", shares=[40, 24], workers=2)
+def test_gradients_slicing_with_the_optimizer_on_the_host_trains_exactly_like_one_sgd(tmp_path):
+    result, (x, y) = fit(
+        factory("mlp", "sgd"), tmp_path / "run", shard="gradients", shares=[40, 24], workers=2, offload="optimizer"
+    )
     assert_same_weights(result.state_dict, reference("mlp", "sgd", x, y))
 
 

@@ -19,6 +19,7 @@ SET = {  # a value other than the default for each refused field
     "max_micro_batch": [4, 4],
     "shard": "full",
     "shard_slices": [1, 2],
+    "offload": "optimizer",
 }
 
 

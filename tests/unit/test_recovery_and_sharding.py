@@ -88,3 +88,11 @@ def test_a_round_cut_short_is_recorded_with_the_steps_that_stand():
     assert record.partial and record.num_steps == 2 and record.samples == 48
     assert record.loss == pytest.approx(0.95) and record.last_loss == 0.9
     assert len(record.workers) == 2 and record.workers[1].wait_s == pytest.approx(0.0)
+
+
+def test_offload_without_sliced_state_is_refused_with_the_fix():
+    from mixtrain.config import StrategyConfig, check_together
+
+    with pytest.raises(ValueError, match=r"offload='optimizer' with shard='none'.*give shard='optimizer'"):
+        check_together(ScalingConfig(num_workers=2, offload="optimizer"), StrategyConfig())
+    check_together(ScalingConfig(num_workers=1, shard="optimizer", offload="optimizer"), StrategyConfig())

@@ -360,6 +360,13 @@ def _job_flags(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--shard-optimizer", action="store_true", help="the same as --shard optimizer (deprecated)")
     p.add_argument(
+        "--offload",
+        choices=["none", "optimizer"],
+        default="none",
+        help="optimizer: each worker's slice of the optimizer state (and an fp32 copy of its weights) in host memory, "
+        "stepped there, so a GPU holds weights, gradients and activations only (needs --shard)",
+    )
+    p.add_argument(
         "--keep-all-devices",
         action="store_true",
         help="never leave a worker out, even when the job is predicted faster without it",
@@ -572,6 +579,7 @@ def _trainer(
         "max_micro_batch": micro,
         "leave_out_slow": not args.keep_all_devices,
         "shard": args.shard or ("optimizer" if args.shard_optimizer else "none"),
+        "offload": args.offload,
         "address": args.address,
         "network_interface": args.interface,
     }

@@ -106,7 +106,7 @@ class SlicedStrategy(SyncStrategy):
         weights = ctx.shard_weights or (1.0,) * ctx.world_size
         runs = split_runs([p.numel() for p in ordered], weights)
         self.owner = {id(p): r for r, (lo, hi) in enumerate(runs) for p in ordered[lo:hi]}
-        self.shard = ShardedOptimizer(task.optimizer, runs, ctx.rank)
+        self.shard = ShardedOptimizer(task.optimizer, runs, ctx.rank, offload=ctx.offload)
         task.optimizer.state.clear()  # the user's optimizer only carries hyperparameters from now on
         if self._pending_optimizer is not None:
             self.shard.load_full(self._pending_optimizer)

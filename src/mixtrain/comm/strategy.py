@@ -82,6 +82,8 @@ class JoinContext:
     """The parameter-server actors (ps, ps-async)."""
     shard_weights: tuple[float, ...] | None = None
     """Per rank, the relative size of its slice of the optimizer state (None: every rank holds all of it)."""
+    offload: bool = False
+    """The optimizer's slice and an fp32 master copy of its weights live in host memory (ScalingConfig.offload)."""
     fresh_state: bool = True
     """The workers hold state the parameter servers do not have yet (the first formation, a resume):
     rank 0 loads the servers from it. False: the servers' state is the truth and the workers take it."""
@@ -274,7 +276,9 @@ class AllReduceStrategy(SyncStrategy):
         self.shard: ShardedOptimizer | None = None
         if ctx.shard_weights is not None:
             sizes = [p.numel() for g in task.optimizer.param_groups for p in g["params"]]
-            self.shard = ShardedOptimizer(task.optimizer, split_runs(sizes, ctx.shard_weights), ctx.rank)
+            self.shard = ShardedOptimizer(
+                task.optimizer, split_runs(sizes, ctx.shard_weights), ctx.rank, offload=ctx.offload
+            )
             task.optimizer.state.clear()  # the user's optimizer only carries hyperparameters from now on
             if self._pending_optimizer is not None:
                 self.shard.load_full(self._pending_optimizer)

@@ -62,17 +62,31 @@ def _constructor_defaults(optimizer: torch.optim.Optimizer) -> dict[str, Any]:
 
 
 class ShardedOptimizer:
-    """This rank's slice of the optimizer: a private instance of the user's optimizer class over its run."""
+    """This rank's slice of the optimizer: a private instance of the user's optimizer class over its run.
 
-    def __init__(self, optimizer: torch.optim.Optimizer, runs: list[tuple[int, int]], rank: int) -> None:
+    `offload`: the slice's optimizer state, and an fp32 master copy of its weights, live in host memory and the
+    step runs there (the gradients go to the host, the updated weights come back): a GPU then holds weights,
+    gradients and activations only. The math is the same: the master copy starts equal to the weights and every
+    update of them goes through it."""
+
+    def __init__(
+        self, optimizer: torch.optim.Optimizer, runs: list[tuple[int, int]], rank: int, offload: bool = False
+    ) -> None:
         self.user = optimizer
         self.params: list[torch.nn.Parameter] = [p for g in optimizer.param_groups for p in g["params"]]
         self.runs = runs
         self.rank = rank
         lo, hi = runs[rank]
         mine = {id(p) for p in self.params[lo:hi]}
+        self.master: dict[int, torch.nn.Parameter] = {}
+        if offload:
+            for p in self.params[lo:hi]:
+                self.master[id(p)] = torch.nn.Parameter(p.detach().to("cpu", torch.float32, copy=True))
         groups = [
-            {**{k: v for k, v in g.items() if k != "params"}, "params": [p for p in g["params"] if id(p) in mine]}
+            {
+                **{k: v for k, v in g.items() if k != "params"},
+                "params": [self.master.get(id(p), p) for p in g["params"] if id(p) in mine],
+            }
             for g in optimizer.param_groups
         ]
         self.local = type(optimizer)(groups, **_constructor_defaults(optimizer))  # same class, only this run
@@ -86,12 +100,26 @@ class ShardedOptimizer:
                 if key != "params":
                     mine[key] = value
         if len(self.owned):
-            self.local.step()
+            self._step_local()
         if not broadcast:
             return
         for owner, (lo, hi) in enumerate(self.runs):
             if hi > lo:  # in pieces of at most 16 MB, a large weight in place: no copy of the run
                 replicas.broadcast_tensors(self.params[lo:hi], src=owner)
+
+    def _step_local(self) -> None:
+        """Step the slice (on the host, from its master copy, when offloaded)."""
+        if not self.master:
+            self.local.step()
+            return
+        owned = self.params[self.owned.start : self.owned.stop]
+        for p in owned:
+            self.master[id(p)].grad = None if p.grad is None else p.grad.detach().to("cpu", torch.float32)
+        self.local.step()
+        with torch.no_grad():
+            for p in owned:
+                p.data.copy_(self.master[id(p)].detach())  # (to the device, in the weights' dtype)
+                self.master[id(p)].grad = None
 
     def state_part(self) -> dict[int, dict[str, Any]]:
         """This rank's optimizer state keyed by the user's optimizer parameter numbers."""

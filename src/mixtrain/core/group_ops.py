@@ -108,6 +108,7 @@ class GroupOps:
             fresh_state=self._fresh_state,
             shard_optimizer=self._shard_weights(),
             shard_level=self.group.scaling.shard,
+            offload=self.group.scaling.offload == "optimizer",
             store_pages_bytes=t.store_pages_bytes,
         )
         self._fresh_state = False

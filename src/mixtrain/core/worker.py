@@ -292,6 +292,7 @@ class TrainWorker(WorkerProcess):
             servers=tuple(request.servers),
             fresh_state=request.fresh_state,
             shard_weights=self._shard_weights(request.shard_optimizer),
+            offload=request.offload,
             store_pages_bytes=request.store_pages_bytes,
         )
         self.strategy.setup(self.task, ctx)

@@ -50,6 +50,7 @@ REFUSED: dict[str, tuple[Callable[[Any], bool], str]] = {
         "the loop steps its own optimizer on every worker; sliced state (shard=) is for mixtrain.Trainer in this "
         "version",
     ),
+    "offload": (lambda v: v == "none", "the loop steps its own optimizer where its weights are"),
     "shard_slices": (lambda v: v is None, "slices are sized only where state is sliced, for mixtrain.Trainer"),
 }
 """ScalingConfig field -> (whether a value is one the loop honours, why another is not)."""
