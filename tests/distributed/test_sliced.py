@@ -124,6 +124,7 @@ def _sliced(rank, world, level, opt, checkpointing, offload):
         "part": {k: v.clone() for k, v in part.items()},
         "optimizer": strategy.optimizer_state(task)["state"],
         "held": held[-1],
+        "prefetched": strategy.prefetched,
         "masters": len(strategy.shard.master) if strategy.shard is not None else 0,
         "losses": losses,
     }
@@ -182,6 +183,9 @@ def test_sliced_training_equals_one_process_and_each_rank_holds_its_slice(level,
         assert not parts[0] & parts[1] and not parts[1] & parts[2] and not parts[0] & parts[2]
         assert all(res["held"] < whole for res in results), [res["held"] for res in results]
         assert all(res["foreign"] for res in results)
+        # blocks 2 and 3 of each forward were gathered while the one before computed (after the first forward)
+        passes = (STEPS - 1) * max(-(-s // m) for s, m in zip(SHARES, MICRO))
+        assert all(res["prefetched"] >= 2 * passes for res in results), [res["prefetched"] for res in results]
     else:
         assert all(res["held"] == whole for res in results)
         assert all(not res["foreign"] for res in results)

@@ -94,6 +94,12 @@ class SlicedStrategy(SyncStrategy):
         self._comm_s = 0.0
         self._sent = 0
         self._model: torch.nn.Module | None = None
+        self._order: list[Unit] = []
+        """The blocks in the order the first forward ran them (then: which block to prefetch next)."""
+        self._recorded = False
+        self.prefetched = 0
+        """Blocks whose gather was started ahead of their forward (for tests and profiles)."""
+        self._pending: dict[int, list[tuple[Any, torch.Tensor, int, list[torch.nn.Parameter]]]] = {}
 
     # ---- forming -------------------------------------------------------------------------------
     def setup(self, task: Task, ctx: JoinContext) -> None:
@@ -149,12 +155,16 @@ class SlicedStrategy(SyncStrategy):
                 self._hooks.append(p.register_post_accumulate_grad_hook(self._grad_ready(unit)))
 
     def _after_model_forward(self, root: Unit) -> None:
+        self._recorded = True
         if not torch.is_grad_enabled():  # no backward follows (evaluation): the root's weights go now
             self._release(root)
 
     def _before_forward(self, unit: Unit) -> Any:
         def hook(*_: Any) -> None:
+            if not self._recorded and unit not in self._order:
+                self._order.append(unit)
             self._gather(unit)
+            self._prefetch_after(unit)
 
         return hook
 
@@ -197,29 +207,56 @@ class SlicedStrategy(SyncStrategy):
             self._comm_s += time.perf_counter() - t0
 
     def _gather(self, unit: Unit) -> None:
-        """Every owner's weights of `unit` to every rank (full only: otherwise every rank holds them)."""
+        """Every owner's weights of `unit` to every rank (full only: otherwise every rank holds them); from its
+        prefetch when one is in flight."""
         if unit.gathered:
             return
         unit.gathered = True
         with self._timed():
-            for owner, dtype, params in unit.groups:
-                if owner != self.rank:
-                    for p in params:
-                        p.data.untyped_storage().resize_(_storage_bytes(p))
-                if len(params) == 1 and params[0].device.type == "cpu":
-                    dist.broadcast(params[0].data, src=owner)  # in place: no copy
+            pieces = self._pending.pop(id(unit), None) or self._broadcasts(unit, async_op=False)
+            for work, flat, owner, params in pieces:
+                if work is not None:
+                    work.wait()
+                if owner == self.rank:
                     continue
-                flat = (
-                    replicas.flat_on_host(params, dtype)
-                    if owner == self.rank
-                    else torch.empty(sum(p.numel() for p in params), dtype=dtype)
-                )
-                dist.broadcast(flat, src=owner)
-                if owner != self.rank:  # through .data: autograd's saved weights must not look modified
-                    offset = 0
-                    for p in params:
-                        p.data.copy_(flat[offset : offset + p.numel()].view_as(p))
-                        offset += p.numel()
+                offset = 0
+                for p in params:  # through .data: autograd's saved weights must not look modified
+                    p.data.untyped_storage().resize_(_storage_bytes(p))
+                    p.data.copy_(flat[offset : offset + p.numel()].view_as(p))
+                    offset += p.numel()
+
+    def _broadcasts(self, unit: Unit, async_op: bool) -> list[tuple[Any, torch.Tensor, int, list[torch.nn.Parameter]]]:
+        """One broadcast per owner and dtype of `unit`'s weights into host buffers: (work or None, buffer, owner,
+        parameters)."""
+        out = []
+        for owner, dtype, params in unit.groups:
+            flat = (
+                replicas.flat_on_host(params, dtype)
+                if owner == self.rank
+                else torch.empty(sum(p.numel() for p in params), dtype=dtype)
+            )
+            work = dist.broadcast(flat, src=owner, async_op=async_op)
+            out.append((work if async_op else None, flat, owner, params))
+        return out
+
+    def _prefetch_after(self, unit: Unit) -> None:
+        """Start gathering the block that ran after `unit` in the first forward, so that its broadcasts overlap
+        `unit`'s compute (every rank has recorded the same order and prefetches alike)."""
+        order = self._order
+        if self.level != "full" or unit not in order or order.index(unit) + 1 >= len(order):
+            return
+        after = order[order.index(unit) + 1]
+        if not after.gathered and id(after) not in self._pending:
+            with self._timed():
+                self._pending[id(after)] = self._broadcasts(after, async_op=True)
+                self.prefetched += 1
+
+    def _drop_prefetched(self) -> None:
+        """Wait for prefetches nobody used (the weights they carry change at the step) and drop them."""
+        for pieces in self._pending.values():
+            for work, *_ in pieces:
+                work.wait()
+        self._pending.clear()
 
     def _release(self, unit: Unit) -> None:
         """Free the weights of `unit` this rank does not own (full only)."""
@@ -265,6 +302,7 @@ class SlicedStrategy(SyncStrategy):
 
     def step(self, task: Task, local_stats: torch.Tensor, weight: float) -> StepOutcome:
         assert self.shard is not None
+        self._drop_prefetched()
         for unit in self.units[1:]:  # a block some parameter of which this pass did not reach
             if unit.backward:
                 self._reduce(unit)
@@ -385,6 +423,7 @@ class SlicedStrategy(SyncStrategy):
 
     def close(self) -> None:
         """Hooks off, and every weight whole again (its values come from the state loaded next)."""
+        self._drop_prefetched()
         for handle in self._hooks:
             handle.remove()
         self._hooks = []
