@@ -71,6 +71,8 @@ class SlicedLoop:
             shard_weights=slices,
         )
         self.strategy.setup_loop(module, ctx)
+        if level == "full":  # torch would write into freed memory (a crash, not an error)
+            module.register_load_state_dict_pre_hook(_refuse_load)
         self.params = {id(p) for unit in self.strategy.units for p in unit.params}
         self.owned: list[torch.nn.Parameter] = []
         self._queued = False
@@ -184,6 +186,14 @@ def _call(ref: weakref.ref[SlicedLoop], name: str, optimizer: torch.optim.Optimi
     loop = ref()
     if loop is not None:
         getattr(loop, name)(optimizer)
+
+
+def _refuse_load(*_: Any) -> None:
+    raise InputValueError(
+        "load_state_dict on a model prepared with shard='full': each worker holds only its slice of the weights; "
+        "load the whole state into the model before prepare_model (model.load_state_dict(...); then "
+        "prepare_model(model, shard='full'))"
+    )
 
 
 def _remove(handles: list[Any]) -> None:
