@@ -343,3 +343,46 @@ def one_cycle_reference(config: dict[str, Any]) -> tuple[dict[str, torch.Tensor]
             lr = opt.param_groups[0]["lr"]
             _step(model, opt, sched, x[idx], y[idx], False)
     return model.state_dict(), lr
+
+
+# ---- state sliced by owner (prepare_model(shard=...)): AdamW, a schedule and the prepared model's clipping ------
+def sliced_loop(config: dict[str, Any]) -> None:
+    """AdamW with a cosine schedule and clipping on a model prepared with shard=config["shard"]; every worker gathers
+    the whole weights and optimizer state, as a checkpoint would, and rank 0 saves them with what each holds."""
+    x, y = config["data"]
+    model = prepare_model(net(), shard=config["shard"], slices=config.get("slices"))
+    loader = prepare_data_loader(DataLoader(TensorDataset(x, y), batch_size=config["batch"], shuffle=True))
+    opt, sched = _opt("adamw", model.parameters())
+    for epoch in range(config["epochs"]):
+        for xb, yb in loader:
+            loss = nn.functional.cross_entropy(model(xb), yb)
+            opt.zero_grad()
+            loss.backward()
+            model.clip_grad_norm_(0.5)
+            opt.step()
+            sched.step()
+        mixtrain.train.report({"epoch": epoch})
+    weights, state = model.full_state_dict(), model.full_optimizer_state_dict(opt)
+    held = {
+        "grads": sorted(n for n, p in model.module.named_parameters() if p.grad is not None),
+        "state": sorted(opt.state_dict()["state"]),
+        "bytes": sum(p.untyped_storage().nbytes() for p in model.module.parameters()),
+    }
+    rank = mixtrain.train.get_context().get_world_rank()
+    torch.save(held, Path(config["out"]) / f"held{rank}.pt")
+    if rank == 0:
+        torch.save({"model": weights, "opt": state}, Path(config["out"]) / "sliced.pt")
+
+
+def sliced_reference(config: dict[str, Any], workers: int) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """One process over the whole global batch: its weights and optimizer state_dict."""
+    x, y = config["data"]
+    model = net()
+    opt, sched = _opt("adamw", model.parameters())
+    big = config["batch"] * workers
+    for epoch in range(config["epochs"]):
+        perm = torch.from_numpy(epoch_permutation(SEED, epoch, len(y)))
+        for t in range(-(-len(y) // big)):
+            idx = perm[t * big : (t + 1) * big]
+            _step(model, opt, sched, x[idx], y[idx], True)
+    return model.state_dict(), opt.state_dict()

@@ -222,3 +222,24 @@ def test_a_resume_skips_a_loop_checkpoint_with_a_planted_pipe_within_seconds_and
     trainer(3).fit()
     assert (tmp_path / "restarted-from-1").exists()
     _close(torch.load(tmp_path / "weights.pt"), loops.reference({**config, "epochs": 3, "opt": "sgd"}, workers=2))
+
+
+@pytest.mark.parametrize("shard", ["full", "gradients"])
+def test_a_loop_with_sliced_state_trains_what_one_process_trains_and_gathers_the_whole_state(shard, tmp_path):
+    # 49 samples, global batch 12 split 9:3: the last step's one sample goes to rank 0 and rank 1 runs a pass on a
+    # batch of none (its gradient counts for nothing), so both run as many passes; slices 2:1 of the state (rank 0
+    # owns the first weight, rank 1 the rest)
+    config = {"data": loops.data(49), "batch": 6, "epochs": 2, "shard": shard, "slices": [2, 1]}
+    _fit(loops.sliced_loop, config, tmp_path, workers=2, shares=(9, 3))
+    got = torch.load(tmp_path / "sliced.pt")
+    want_model, want_opt = loops.sliced_reference(config, workers=2)
+    _close(got["model"], want_model)
+    assert got["opt"]["param_groups"] == want_opt["param_groups"]
+    assert sorted(got["opt"]["state"]) == sorted(want_opt["state"])
+    for i, entry in want_opt["state"].items():
+        _close(got["opt"]["state"][i], entry)
+    held = [torch.load(tmp_path / f"held{r}.pt") for r in range(2)]
+    assert not set(held[0]["grads"]) & set(held[1]["grads"]) and held[0]["grads"] and held[1]["grads"]
+    assert sorted(held[0]["state"] + held[1]["state"]) == sorted(want_opt["state"])  # each entry on one worker
+    whole = sum(p.numel() * p.element_size() for p in loops.net().parameters())
+    assert all((h["bytes"] < whole) == (shard == "full") for h in held), [h["bytes"] for h in held]

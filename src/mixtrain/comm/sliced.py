@@ -437,6 +437,41 @@ class SlicedStrategy(SyncStrategy):
                 unit.gathered = True
         self._acc.clear()
 
+    # ---- a user's own loop (train/_sliced_loop.py): it builds and steps its optimizer itself, after this -------
+    def setup_loop(self, model: torch.nn.Module, ctx: JoinContext) -> None:
+        """setup() before the loop's optimizer exists: owners by the model's trainable parameters in order, through
+        a stand-in optimizer over them that never steps (the loop's own steps only what has a gradient: what this
+        rank owns, see finish_backward)."""
+        trainable = [p for p in model.parameters() if p.requires_grad]
+        stand_in = torch.optim.SGD(trainable, lr=0.0)
+        self.setup(Task(model=model, optimizer=stand_in, loss_fn=torch.nn.functional.mse_loss), ctx)
+
+    def finish_backward(self) -> list[torch.nn.Parameter]:
+        """A loop's backward has ended: what has not gone to its owner yet (the root's gradients, a block's that
+        this pass did not finish) goes now, and each owned parameter's .grad is the sum over ranks (with what its
+        .grad held before this backward: torch's accumulation); every other .grad is None. Returns the owned."""
+        for unit in self.units[1:]:
+            if unit.backward:
+                self._reduce(unit)
+        self._reduce(self.units[0])
+        owned = [p for unit in self.units for _, _, ps in unit.groups for p in ps if self.owner[id(p)] == self.rank]
+        for p in owned:
+            if id(p) in self._acc:
+                p.grad = self._acc.pop(id(p))
+        return owned
+
+    def global_grad_norm(self, owned: list[torch.nn.Parameter]) -> float:
+        """The 2-norm of the whole gradient: the owners' squared sums, summed (one all-reduce)."""
+        return float(self._sum_stats_and_squares(torch.zeros(0), owned)[-1]) ** 0.5
+
+    def broadcast_owned(self) -> None:
+        """gradients: every owner sends its updated weights to the others (the sliced optimizer's broadcast)."""
+        assert self.shard is not None
+        with self._timed():
+            for owner, (lo, hi) in enumerate(self.shard.runs):
+                if hi > lo:
+                    replicas.broadcast_tensors(self.shard.params[lo:hi], src=owner)
+
 
 def _entries(model: torch.nn.Module) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
     """state_dict key -> (the parameter or buffer itself, its state_dict value), without reading any weight."""

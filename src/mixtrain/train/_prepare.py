@@ -27,38 +27,72 @@ from mixtrain.data.sources import _Seeded, to_device
 from mixtrain.errors import InputTypeError, InputValueError
 from mixtrain.policies.planner import equal_shares, largest_remainder, make_plan, needs_rebalance
 from mixtrain.train._session import LoopSession
+from mixtrain.train._sliced_loop import SlicedLoop, check_shard
 from mixtrain.train._step_reads import DatasetReads, EpochCut, TensorReads
 
 
 class PreparedModel(torch.nn.Module):
     """The user's model on this worker's device, its gradients exchanged during backward (`.module` is the model)."""
 
-    def __init__(self, module: torch.nn.Module, session: LoopSession) -> None:
+    def __init__(self, module: torch.nn.Module, session: LoopSession, shard: str = "none", slices: Any = None) -> None:
         super().__init__()
+        weights = check_shard(shard, slices, session.context.world_size)
         self.module = module.to(session.context.device)
+        self.shard = shard
         self._session = session
         self._sync = True
         self._grads: LoopGrads | None = None
+        self._sliced: SlicedLoop | None = None
         self._buffers_sync: list[torch.Tensor] = []
         if session.context.world_size > 1:
             replicas.broadcast_state(self.module)  # every replica starts from rank 0's weights (as DDP)
+            self._buffers_sync = [b for b in self.module.buffers() if b.is_floating_point()]
+            if shard != "none":  # the Task path's engine (comm/sliced.py), stepped by the loop's own optimizer
+                self._sliced = SlicedLoop(self.module, session, shard, weights)  # type: ignore[arg-type]
+                session.grads.append(self._sliced)
+                return
             params = [p for p in self.module.parameters() if p.requires_grad]
             self._grads = LoopGrads(params, session.bucket_bytes, replicas.comm_device())
             self._grads.on_work = session.work_done
             session.grads.append(self._grads)
-            self._buffers_sync = [b for b in self.module.buffers() if b.is_floating_point()]
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        if self._grads is not None and torch.is_grad_enabled():
+        exchanged = self._grads is not None or self._sliced is not None
+        if exchanged and torch.is_grad_enabled():
             if self._sync and self._buffers_sync and self.training:
                 replicas.broadcast_tensors(self._buffers_sync, 0)  # BatchNorm statistics are rank 0's (as DDP)
-            self._grads.before_forward(self._session.weight, self._sync)
+            if self._grads is not None:
+                self._grads.before_forward(self._session.weight, self._sync)
+        if self._sliced is not None and torch.is_grad_enabled():
+            self._sliced.before_forward()
+            return self._sliced.weigh(self.module(*args, **kwargs))
         return self.module(*args, **kwargs)
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """Clip the whole gradient to `max_norm` (torch.nn.utils.clip_grad_norm_ on every parameter, as FSDP's
+        method of the same name); returns the norm before clipping. With shard=, torch's own function would see
+        only this worker's slice: call this one (the 2-norm of the whole gradient, one all-reduce)."""
+        if self._sliced is None:
+            return torch.nn.utils.clip_grad_norm_(self.module.parameters(), max_norm, norm_type)
+        if norm_type != 2.0:
+            raise InputValueError(f"clip_grad_norm_(norm_type={norm_type!r}) with shard=: only the 2-norm (2.0)")
+        return self._sliced.clip_grad_norm_(max_norm)
+
+    def full_state_dict(self) -> dict[str, Any]:
+        """`self.module.state_dict()`, whole (with shard="full", each owner's weights gathered): what a checkpoint
+        saves. Call it on every worker (it is a collective with shard="full")."""
+        return self.module.state_dict() if self._sliced is None else self._sliced.full_state_dict(self.module)
+
+    def full_optimizer_state_dict(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+        """`optimizer.state_dict()`, whole (with shard=, each worker's slice gathered): what a checkpoint saves.
+        Call it on every worker (it is a collective with shard=)."""
+        return optimizer.state_dict() if self._sliced is None else self._sliced.full_optimizer_state_dict(optimizer)
 
     @contextmanager
     def no_sync(self) -> Iterator[None]:
         """Backwards in this block only accumulate (each weighted by its batch's share); the next backward outside
-        it sums the lot over the workers, as DDP's no_sync()."""
+        it sums the lot over the workers, as DDP's no_sync(). With shard=, every backward still sends its
+        gradients to their owners (no worker holds the whole gradient to accumulate into): the sum is the same."""
         before, self._sync = self._sync, False
         try:
             yield

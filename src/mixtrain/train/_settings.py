@@ -47,11 +47,13 @@ REFUSED: dict[str, tuple[Callable[[Any], bool], str]] = {
     ),
     "shard": (
         lambda v: v == "none",
-        "the loop steps its own optimizer on every worker; sliced state (shard=) is for mixtrain.Trainer in this "
-        "version",
+        "a loop slices a model where it prepares it: prepare_model(model, shard='gradients' or 'full')",
     ),
-    "offload": (lambda v: v == "none", "the loop steps its own optimizer where its weights are"),
-    "shard_slices": (lambda v: v is None, "slices are sized only where state is sliced, for mixtrain.Trainer"),
+    "shard_slices": (
+        lambda v: v is None,
+        "a loop sizes the slices where it prepares a model: prepare_model(model, shard=..., slices=[3, 1, 2])",
+    ),
+    "offload": (lambda v: v == "none", "the loop steps its own optimizer where its weights are (Trainer offloads)"),
 }
 """ScalingConfig field -> (whether a value is one the loop honours, why another is not)."""
 

@@ -23,15 +23,23 @@ __all__ = [
 ]
 
 
-def prepare_model(model: torch.nn.Module, **_ignored: Any) -> PreparedModel:
+def prepare_model(
+    model: torch.nn.Module, *, shard: str = "none", slices: list[float] | None = None, **_ignored: Any
+) -> PreparedModel:
     """`model` on this worker's device, wrapped so that `loss.backward()` sums the gradients over the workers,
     each weighted by its share of the step's global batch: `.grad` afterwards is what one process training the
     whole batch would have, so the loop's own clipping and optimizers stay exact. `.module` is the model;
-    `no_sync()` accumulates without exchanging, as DDP's. (Ray Train's keyword options are accepted and ignored.)"""
+    `no_sync()` accumulates without exchanging, as DDP's. (Ray Train's keyword options are accepted and ignored.)
+
+    `shard="gradients"` or `"full"` slices the training state by owner, as ScalingConfig(shard=) does for a Task
+    (`slices`: each worker's relative share of it, equal by default). Build the optimizer after this, on what it
+    returns: after `backward()` only this worker's parameters have a `.grad` (the global one), so
+    `optimizer.step()` steps and keeps state for this worker's slice; clip with `model.clip_grad_norm_(max_norm)`
+    and save `model.full_state_dict()` and `model.full_optimizer_state_dict(optimizer)`, called on every worker."""
     from mixtrain.train import _session
     from mixtrain.train._prepare import PreparedModel
 
-    return PreparedModel(model, _session.current("prepare_model"))
+    return PreparedModel(model, _session.current("prepare_model"), shard, slices)
 
 
 def prepare_data_loader(data_loader: DataLoader, move_to_device: bool = True, **_ignored: Any) -> PreparedLoader:
