@@ -83,9 +83,15 @@ class DeviceGroup:
     """Only this node (its Ray node id); `auto` fills it in."""
     precision: Precision | None = None
     """This group's precision; None takes ScalingConfig.precision."""
+    memory: str | int | None = None
+    """Memory each of its workers may hold ("10GB", "1.25GB", "512MB", or bytes): sliced state
+    (ScalingConfig.shard) is sized by it instead of by the free memory measured on the device. Give it for
+    every group or none."""
 
     def __post_init__(self) -> None:
         check.choice("DeviceGroup.device", self.device, _DEVICE_KINDS)
+        if self.memory is not None:
+            self.memory_bytes()
         check.integer("DeviceGroup.num_workers", self.num_workers, 1)
         if self.precision is not None and self.precision not in PRECISIONS:
             raise InputValueError(
@@ -104,6 +110,20 @@ class DeviceGroup:
     @property
     def uses_gpu(self) -> bool:
         return self.device != "cpu"
+
+    def memory_bytes(self) -> int | None:
+        """`memory` in bytes (None: not given)."""
+        if self.memory is None:
+            return None
+        if isinstance(self.memory, int) and not isinstance(self.memory, bool):
+            if self.memory <= 0:
+                raise InputValueError(f"DeviceGroup.memory={self.memory!r}: give bytes > 0, or a size such as '10GB'")
+            return self.memory
+        if not isinstance(self.memory, str):
+            raise InputTypeError(f"DeviceGroup.memory={self.memory!r}: give a size such as '10GB' or '512MB', or bytes")
+        from mixtrain.policies.memory_plan import parse_bytes  # (no torch, no Ray)
+
+        return parse_bytes(self.memory, f"DeviceGroup.memory={self.memory!r}")
 
     def resources(self) -> dict[str, float]:
         """The Ray resources one worker of this group reserves."""
@@ -211,6 +231,8 @@ class ScalingConfig:
                 object.__setattr__(self, "groups", "auto")
             object.__setattr__(self, "num_workers", 1)  # with "auto": until the cluster's groups replace it
         self._check_groups()
+        if not self.is_auto and self.groups is not None:
+            self.memory_caps()  # all groups or none
         if self.keep_workers not in (None, True, False):
             raise InputValueError(f"ScalingConfig.keep_workers={self.keep_workers!r}: use True, False or None")
         for name, value, allowed in (
@@ -326,6 +348,21 @@ class ScalingConfig:
     @property
     def is_auto(self) -> bool:
         return self.groups == "auto"
+
+    def memory_caps(self) -> list[int] | None:
+        """Per starting rank, the memory its group gives (DeviceGroup.memory), or None where no group gives one."""
+        if self.is_auto or self.groups is None:
+            return None
+        groups = self.device_groups()
+        caps = [g.memory_bytes() for g in groups]
+        if all(c is None for c in caps):
+            return None
+        if any(c is None for c in caps):
+            raise InputValueError(
+                "DeviceGroup.memory is given for some groups only: give it for every group (slices are sized by "
+                "it), or for none (by each device's free memory)"
+            )
+        return [int(c) for g, c in zip(groups, caps) for _ in range(g.num_workers) if c is not None]
 
     def device_groups(self) -> list[DeviceGroup]:
         """The groups of a resolved config (not "auto")."""

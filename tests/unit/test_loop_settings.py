@@ -48,6 +48,9 @@ def test_a_groups_precision_and_a_slowdown_from_a_later_round_are_refused(monkey
     groups = [DeviceGroup(device="cpu", num_workers=1), DeviceGroup(device="cpu", precision="bf16")]
     with pytest.raises(InputValueError, match=r"DeviceGroup.precision='bf16'.*torch.autocast"):
         TorchTrainer(lambda: None, scaling_config=ScalingConfig(groups=groups))
+    capped = [DeviceGroup(device="cpu", memory="1GB"), DeviceGroup(device="cpu", memory="2GB")]
+    with pytest.raises(InputValueError, match=r"DeviceGroup.memory='1GB' with a training loop.*prepare_model"):
+        TorchTrainer(lambda: None, scaling_config=ScalingConfig(groups=capped))
     with pytest.raises(InputValueError, match=r"emulate_slowdown.*from round \{1: 3\}.*no rounds"):
         TorchTrainer(lambda: None, scaling_config=ScalingConfig(num_workers=2, emulate_slowdown={1: (3.0, 3)}))
     monkeypatch.setenv("MIXTRAIN_EMULATE_SLOWDOWN", "1:3@2")

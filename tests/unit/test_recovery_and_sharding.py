@@ -96,3 +96,24 @@ def test_offload_without_sliced_state_is_refused_with_the_fix():
     with pytest.raises(ValueError, match=r"offload='optimizer' with shard='none'.*give shard='optimizer'"):
         check_together(ScalingConfig(num_workers=2, offload="optimizer"), StrategyConfig())
     check_together(ScalingConfig(num_workers=1, shard="optimizer", offload="optimizer"), StrategyConfig())
+
+
+def test_each_groups_memory_sizes_the_slices_and_a_bad_or_partial_one_is_refused():
+    from types import SimpleNamespace
+
+    from mixtrain import DeviceGroup
+    from mixtrain.core.group_ops import GroupOps
+
+    groups = [DeviceGroup(device="cpu", num_workers=2, memory="1.5GB"), DeviceGroup(device="cpu", memory=2**30)]
+    scaling = ScalingConfig(groups=groups, shard="full")
+    assert scaling.memory_caps() == [int(1.5 * 2**30)] * 2 + [2**30]
+    members = [SimpleNamespace(spec=SimpleNamespace(rank=r)) for r in (2, 0)]  # rank 1 left out, the rest renumbered
+    ops = GroupOps.__new__(GroupOps)
+    ops.group = SimpleNamespace(scaling=scaling, members=members)
+    assert ops._shard_weights() == (float(2**30), float(1.5 * 2**30))
+    ops.group.scaling = ScalingConfig(groups=groups, shard="full", shard_slices=[1, 2, 3])  # the user's sizes first
+    assert ops._shard_weights() == (3.0, 1.0)
+    with pytest.raises(ValueError, match=r"DeviceGroup.memory='1.5XB'.*e\.g\. 12GB"):
+        DeviceGroup(memory="1.5XB")
+    with pytest.raises(ValueError, match="given for some groups only"):
+        ScalingConfig(groups=[DeviceGroup(memory="1GB"), DeviceGroup()])

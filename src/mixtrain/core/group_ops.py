@@ -120,9 +120,10 @@ class GroupOps:
         scaling = self.group.scaling
         if scaling.shard == "none":
             return None
-        if scaling.shard_slices is None:
+        sizes = scaling.shard_slices or scaling.memory_caps()  # the user's sizes, or each group's memory
+        if sizes is None:
             return ()
-        return tuple(float(scaling.shard_slices[m.spec.rank]) for m in self.members)
+        return tuple(float(sizes[m.spec.rank]) for m in self.members)
 
     def reform(self) -> None:
         """Everyone leaves and the same workers form the group again (the strategy restarts from the

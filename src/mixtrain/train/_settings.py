@@ -70,6 +70,11 @@ def check_loop_scaling(scaling: ScalingConfig) -> None:
     for group in scaling.groups if isinstance(scaling.groups, (list, tuple)) else ():
         if isinstance(group, DeviceGroup) and group.precision not in (None, "fp32"):
             raise InputValueError(f"DeviceGroup.precision={group.precision!r} with a training loop: {_AUTOCAST}")
+        if isinstance(group, DeviceGroup) and group.memory is not None:
+            raise InputValueError(
+                f"DeviceGroup.memory={group.memory!r} with a training loop: a loop sizes its slices where it prepares "
+                "the model: prepare_model(model, shard=..., slices=[...]); leave memory at None"
+            )
     late = {rank: start for rank, (_, start) in scaling.slowdown().items() if start > 0}
     if late:
         raise InputValueError(
