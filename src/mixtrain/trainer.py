@@ -286,7 +286,7 @@ class Trainer:
         view.log(plan_table(up.plan, up.workers, "plan", up.left_out))
         view.log(probe_memory_line(up.workers, up.probes))
         view.log(up.phases.line())
-        view.log(f"strategy: {up.strategy.describe()}; measured: {up.advice}")
+        view.log(up.strategy_line())
         for note in [*up.notes, *warnings]:
             view.log(note)
         if slowdown := self.scaling.slowdown():

@@ -803,7 +803,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     up = trainer.plan()
     print(f"{_task(args)[0]}: global batch {trainer.global_batch}, {up.backend}")
     print(plan_table(up.plan, up.workers, "plan", up.left_out))
-    print(f"strategy: {up.strategy.describe()}; measured: {up.advice}")
+    print(up.strategy_line())
     for note in up.notes:
         print(note)
     return 0

@@ -84,6 +84,13 @@ class Bringup:
     def strategy(self) -> StrategyConfig:
         return self.ops.strategy
 
+    def strategy_line(self) -> str:
+        """The strategy, and how much state is sliced (and offloaded), for the start-of-run lines."""
+        scaling = self.ops.group.scaling
+        sliced = f", state sliced by memory: {scaling.shard}" if scaling.shard != "none" else ""
+        offload = ", optimizer on the host" if scaling.offload != "none" else ""
+        return f"strategy: {self.strategy.describe()}{sliced}{offload}; measured: {self.advice}"
+
     @property
     def frozen(self) -> FrozenBase | None:
         """The model's frozen parameters (rank 0's report), when it has some: checkpoints leave them out."""
