@@ -70,6 +70,8 @@ def make_model(cfg: dict) -> torch.nn.Module:
         n_embd=cfg["n_embd"],
         n_layer=cfg["n_layer"],
         n_head=cfg["n_head"],
+        bos_token_id=0,  # GPT-2's 50256 is outside the smaller vocabulary (transformers warns); unused here
+        eos_token_id=0,
         resid_pdrop=0.0,
         embd_pdrop=0.0,
         attn_pdrop=0.0,
