@@ -152,9 +152,13 @@ def exactness(devices: str, work: Path) -> dict[str, Any]:
         where = ", ".join(f"{w.get('device')}:{s}" for w, s in zip(sorted(workers, key=lambda w: w["rank"]), shares))
         detail.append(f"mlp + {opt}: shares {where}, {EXACT_STEPS} steps: max relative difference {err:.2e}")
     detail.append(f"global batch = the whole data set ({EXACT_SAMPLES} samples); fp32; tolerance {tol:g} per tensor")
-    ok = worst <= tol
+    return _difference_verdict(worst, tol, detail)
+
+
+def _difference_verdict(worst: float, tol: float, detail: list[str]) -> dict[str, Any]:
+    """An exactness step's result: pass when the largest relative difference from one process is within `tol`."""
     return {
-        "result": "pass" if ok else "fail",
+        "result": "pass" if worst <= tol else "fail",
         "figure": f"max relative difference {worst:.1e} (tolerance {tol:g})",
         "detail": detail,
         "data": {"max_rel_diff": worst, "tolerance": tol},
@@ -166,12 +170,10 @@ def sliced_exactness(devices: str, work: Path) -> dict[str, Any]:
     process on the CPU, for SGD with momentum and AdamW."""
     from mixtrain import DeviceGroup
 
+    shares = [300, 200, 140]
+    groups = [DeviceGroup(device="cpu", num_workers=3)]
     if devices == "cuda":
         groups = [DeviceGroup(device="cuda", num_workers=1), DeviceGroup(device="cpu", num_workers=2)]
-        shares = [300, 200, 140]
-    else:
-        groups = [DeviceGroup(device="cpu", num_workers=3)]
-        shares = [300, 200, 140]
     tol = EXACT_TOL[devices]
     detail, worst = [], 0.0
     for shard, opt in (("full", "adamw"), ("gradients", "sgd")):
@@ -180,13 +182,7 @@ def sliced_exactness(devices: str, work: Path) -> dict[str, Any]:
         worst = max(worst, err)
         held = [w.get("device") for w in sorted(workers, key=lambda w: w["rank"])]
         detail.append(f"shard={shard} + mlp + {opt} on {held}, slices 3:1:2: max relative difference {err:.2e}")
-    ok = worst <= tol
-    return {
-        "result": "pass" if ok else "fail",
-        "figure": f"max relative difference {worst:.1e} (tolerance {tol:g})",
-        "detail": detail,
-        "data": {"max_rel_diff": worst, "tolerance": tol},
-    }
+    return _difference_verdict(worst, tol, detail)
 
 
 def loop_exactness(devices: str, work: Path) -> dict[str, Any]:
@@ -212,13 +208,8 @@ def loop_exactness(devices: str, work: Path) -> dict[str, Any]:
     ).fit()
     got = {k: v.cpu() for k, v in torch.load(work / "weights.pt", map_location="cpu").items()}
     err = _max_rel_diff(got, loops.reference(config, workers=len(shares)))
-    tol = EXACT_TOL[devices]
-    return {
-        "result": "pass" if err <= tol else "fail",
-        "figure": f"max relative difference {err:.1e} (tolerance {tol:g})",
-        "detail": [f"loop over {devices} with shares {shares}: AdamW, cosine schedule, clip_grad_norm_, 2 epochs"],
-        "data": {"max_rel_diff": err, "tolerance": tol},
-    }
+    detail = [f"loop over {devices} with shares {shares}: AdamW, cosine schedule, clip_grad_norm_, 2 epochs"]
+    return _difference_verdict(err, EXACT_TOL[devices], detail)
 
 
 def _update(mode: str, task: Any, loss: torch.Tensor, gate: Any) -> None:
