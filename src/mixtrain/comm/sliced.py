@@ -93,7 +93,8 @@ class SlicedStrategy(SyncStrategy):
         self._acc: dict[int, torch.Tensor] = {}
         self._comm_s = 0.0
         self._sent = 0
-        self._model: torch.nn.Module | None = None
+        self.owned: list[torch.nn.Parameter] = []
+        """This rank's trainable parameters (it alone steps them, and at "full" alone keeps them)."""
         self._order: list[Unit] = []
         """The blocks in the order the first forward ran them (then: which block to prefetch next)."""
         self._recorded = False
@@ -104,8 +105,7 @@ class SlicedStrategy(SyncStrategy):
     # ---- forming -------------------------------------------------------------------------------
     def setup(self, task: Task, ctx: JoinContext) -> None:
         model = task.model
-        self._model = model
-        self.rank, self.world = ctx.rank, ctx.world_size
+        self.rank = ctx.rank
         self.loss_scale = LossScale(enabled=ctx.loss_scaling)
         replicas.broadcast_state(model)  # every replica whole and equal before it is sliced
         ordered = [p for g in task.optimizer.param_groups for p in g["params"]]
@@ -117,19 +117,20 @@ class SlicedStrategy(SyncStrategy):
         if self._pending_optimizer is not None:
             self.shard.load_full(self._pending_optimizer)
         self._pending_optimizer = None
-        names = {id(p): n for n, p in model.named_parameters()}
         if self.level == "full":
+            names = {id(p): n for n, p in model.named_parameters()}
             for p in ordered:
                 _check_sliceable(names.get(id(p), "?"), p)
-        self.units = self._units(model, task, ordered)
+        self.owned = [p for p in ordered if self.owner[id(p)] == ctx.rank]
+        self.units = self._units(model, ordered)
         self._register(model)
         for unit in self.units:
             self._release(unit)
 
-    def _units(self, model: torch.nn.Module, task: Task, ordered: list[torch.nn.Parameter]) -> list[Unit]:
+    def _units(self, model: torch.nn.Module, ordered: list[torch.nn.Parameter]) -> list[Unit]:
         """The root first, then each block, with the trainable parameters each holds (a parameter shared by
         two blocks, or by a block and the root, belongs to the root)."""
-        blocks = find_blocks(model, getattr(task, "shard_blocks", ()) or ())
+        blocks = find_blocks(model)
         block_of = block_of_each_parameter(model, blocks)
         units = [Unit(None, [p for p in ordered if id(p) not in block_of])]
         for i, block in enumerate(blocks):
@@ -303,13 +304,7 @@ class SlicedStrategy(SyncStrategy):
     def step(self, task: Task, local_stats: torch.Tensor, weight: float) -> StepOutcome:
         assert self.shard is not None
         self._drop_prefetched()
-        for unit in self.units[1:]:  # a block some parameter of which this pass did not reach
-            if unit.backward:
-                self._reduce(unit)
-        self._reduce(self.units[0])  # the root: gradients summed over the step's passes, then to the owners
-        owned = [p for unit in self.units for _, _, ps in unit.groups for p in ps if self.owner[id(p)] == self.rank]
-        for p in owned:
-            p.grad = self._acc.pop(id(p), None)
+        owned = self._gradients_to_owners()
         summed = self._sum_stats_and_squares(local_stats, owned)
         total_stats = summed[:-1].to(torch.float32)
         used = self.loss_scale.scale
@@ -320,8 +315,19 @@ class SlicedStrategy(SyncStrategy):
             p.grad = None
         comm_s, self._comm_s = self._comm_s, 0.0
         sent, self._sent = self._sent, 0
-        self._release(self.units[0])
         return StepOutcome(done=[StepResult(applied, total_stats)], comm_s=comm_s, sent_bytes=sent, grad_norm=norm)
+
+    def _gradients_to_owners(self) -> list[torch.nn.Parameter]:
+        """The passes are over: what has not gone to its owner yet (the root's gradients, summed over the passes;
+        a block some parameter of which no pass reached) goes now, and (the root's weights freed) each owned
+        parameter's .grad becomes the sum over ranks; every other .grad is None. Returns the owned parameters."""
+        for unit in self.units[1:]:
+            if unit.backward:
+                self._reduce(unit)
+        self._reduce(self.units[0])
+        for p in self.owned:
+            p.grad = self._acc.pop(id(p), None)
+        return self.owned
 
     def _apply(self, task: Task, owned: list[torch.nn.Parameter], norm: float, used: float) -> torch.Tensor | None:
         """Unscale and clip the owned gradients (by the global `norm`), step them; the norm when the task clips."""
@@ -447,18 +453,9 @@ class SlicedStrategy(SyncStrategy):
         self.setup(Task(model=model, optimizer=stand_in, loss_fn=torch.nn.functional.mse_loss), ctx)
 
     def finish_backward(self) -> list[torch.nn.Parameter]:
-        """A loop's backward has ended: what has not gone to its owner yet (the root's gradients, a block's that
-        this pass did not finish) goes now, and each owned parameter's .grad is the sum over ranks (with what its
-        .grad held before this backward: torch's accumulation); every other .grad is None. Returns the owned."""
-        for unit in self.units[1:]:
-            if unit.backward:
-                self._reduce(unit)
-        self._reduce(self.units[0])
-        owned = [p for unit in self.units for _, _, ps in unit.groups for p in ps if self.owner[id(p)] == self.rank]
-        for p in owned:
-            if id(p) in self._acc:
-                p.grad = self._acc.pop(id(p))
-        return owned
+        """A loop's backward has ended: the step's _gradients_to_owners (an owned .grad held before this backward
+        rode along in the reduce: torch's accumulation). Returns the owned parameters."""
+        return self._gradients_to_owners()
 
     def global_grad_norm(self, owned: list[torch.nn.Parameter]) -> float:
         """The 2-norm of the whole gradient: the owners' squared sums, summed (one all-reduce)."""
@@ -468,9 +465,7 @@ class SlicedStrategy(SyncStrategy):
         """gradients: every owner sends its updated weights to the others (the sliced optimizer's broadcast)."""
         assert self.shard is not None
         with self._timed():
-            for owner, (lo, hi) in enumerate(self.shard.runs):
-                if hi > lo:
-                    replicas.broadcast_tensors(self.shard.params[lo:hi], src=owner)
+            self.shard.broadcast()
 
 
 def _entries(model: torch.nn.Module) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:

@@ -101,8 +101,11 @@ class ShardedOptimizer:
                     mine[key] = value
         if len(self.owned):
             self._step_local()
-        if not broadcast:
-            return
+        if broadcast:
+            self.broadcast()
+
+    def broadcast(self) -> None:
+        """Every owner's run to every rank (one collective per owner)."""
         for owner, (lo, hi) in enumerate(self.runs):
             if hi > lo:  # in pieces of at most 16 MB, a large weight in place: no copy of the run
                 replicas.broadcast_tensors(self.params[lo:hi], src=owner)
