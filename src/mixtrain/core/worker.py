@@ -412,27 +412,36 @@ class TrainWorker(WorkerProcess):
         """The round's steps, each as segments of micro-batches: one per step (an update per global step), or
         cut where this worker's inner batch of `inner` samples fills (local SGD at per-device pace)."""
         steps = self.data.round_chunks(plan, self.rank, lockstep=self.strategy.lockstep)
-        if self.strategy.lockstep and self._filler is None:
-            self._filler = self._sample()
+        if self.strategy.lockstep:
+            self._idle_sample()  # read now, outside the timed passes
         if inner is None:
             return [(step, total, [(chunks, 0.0)]) for step, total, chunks in steps]
         flush = self.strategy.exchanges_after(len(steps))
         flush[-1] = True  # a round ends with an exchange
         return paced_segments(steps, inner, flush)
 
-    def _sample(self) -> Any:
-        """One training sample on the device (the data's first)."""
-        sample = self.data.train.first(1).batch(1)
-        self.data.train.forget_first()
-        return to_device(sample, self.device)
+    def _idle_sample(self) -> Any:
+        """One training sample on the device (the data's first), read once, for idle passes."""
+        if self._filler is None:
+            sample = self.data.train.first(1).batch(1)
+            self.data.train.forget_first()
+            self._filler = to_device(sample, self.device)
+        return self._filler
 
     def _state_bytes(self) -> dict[str, int]:
         """What this replica holds, by part: weights (and buffers), gradients, optimizer state, strategy state."""
         model = self.task.model
         tensors = [*model.parameters(), *model.buffers()]
-        held = (lambda t: t.untyped_storage().nbytes()) if self.strategy.slices_weights else None
+
+        def whole(t: torch.Tensor) -> int:
+            return t.numel() * t.element_size()
+
+        def held(t: torch.Tensor) -> int:  # sliced weights: what the storage holds now (0 for another's)
+            return t.untyped_storage().nbytes()
+
+        size = held if self.strategy.slices_weights else whole
         return {
-            "weights": sum(held(t) if held else t.numel() * t.element_size() for t in tensors),
+            "weights": sum(size(t) for t in tensors),
             "grads": sum(p.grad.numel() * p.grad.element_size() for p in model.parameters() if p.grad is not None),
             **self.strategy.state_bytes(self.task),
         }
@@ -474,10 +483,8 @@ class TrainWorker(WorkerProcess):
         most = torch.tensor([mine], dtype=torch.int64)
         torch.distributed.all_reduce(most, op=torch.distributed.ReduceOp.MAX)
         self._evaluate_from([start], stop, batch, sums)
-        if self._filler is None and int(most) > mine:
-            self._filler = self._sample()
         for _ in range(int(most) - mine):
-            idle_pass(self.task, self.device, self.precision, self._filler, backward=False)
+            idle_pass(self.task, self.device, self.precision, self._idle_sample(), backward=False)
         return dict(sums)
 
     def _evaluate_from(self, done: list[int], stop: int, batch: int, sums: dict[str, float]) -> None:
