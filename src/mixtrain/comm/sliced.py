@@ -335,9 +335,8 @@ class SlicedStrategy(SyncStrategy):
         grads = [p.grad for p in owned if p.grad is not None]
         if used != 1.0 and grads:
             torch._foreach_mul_(grads, 1.0 / used)
-        coef = 1.0 if task.max_grad_norm is None else task.max_grad_norm / (norm + 1e-6)
-        if coef < 1.0 and grads:
-            torch._foreach_mul_(grads, coef)
+        if task.max_grad_norm is not None:
+            clip_to(grads, task.max_grad_norm, norm)
         t0 = time.perf_counter()
         self.shard.step(broadcast=self.level == "gradients")
         if self.level == "gradients":  # the owners' broadcast of their updated weights
@@ -466,6 +465,23 @@ class SlicedStrategy(SyncStrategy):
         assert self.shard is not None
         with self._timed():
             self.shard.broadcast()
+
+
+def clip_to(grads: list[torch.Tensor], max_norm: float, norm: float) -> None:
+    """Scale `grads` (this rank's part of a gradient whose global norm is `norm`) as torch's clip_grad_norm_ would."""
+    coef = max_norm / (norm + 1e-6)
+    if coef < 1.0 and grads:
+        torch._foreach_mul_(grads, coef)
+
+
+def merge_weights(state: dict[str, Any], parts: list[dict[str, Any]]) -> dict[str, Any]:
+    """A model_state() with every rank's model_part() filled in; every weight must have come from some owner."""
+    for part in parts:
+        state.update(part)
+    missing = [k for k, v in state.items() if v is None]
+    if missing:
+        raise RuntimeError(f"the gathered weights lack {missing[:5]}: no worker owns them")
+    return state
 
 
 def _entries(model: torch.nn.Module) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:

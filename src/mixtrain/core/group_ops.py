@@ -13,6 +13,7 @@ from typing import Any
 import ray
 
 from mixtrain.comm import ps_server
+from mixtrain.comm.sliced import merge_weights
 from mixtrain.comm.state_transfer import pack, unpack
 from mixtrain.config import ScalingConfig, StrategyConfig
 from mixtrain.core.admission import Admission
@@ -182,14 +183,13 @@ class GroupOps:
         if self.group.servers:  # the parameter servers hold the optimizer state: straight from them
             gathered = ps_server.gather_optimizer_state(self.group.servers, self.state_transfer_s())
             state["optimizer"]["state"].update(gathered)
+        weights = []  # each rank's own weights (shard="full"; else none)
         if self.shards_optimizer:
             for rank in (r for r in range(len(self.members)) if r != source):
                 part = self.group.receive(rank, WorkerCalls.stream_optimizer_part, stall_s=stall_s)
                 state["optimizer"]["state"].update(part["optimizer"])
-                state["model"].update(part["model"])  # the weights it owns (shard="full"; else none)
-        missing = [k for k, v in state["model"].items() if v is None]
-        if missing:
-            raise RuntimeError(f"the gathered weights lack {missing[:5]}: no worker owns them")
+                weights.append(part["model"])
+        merge_weights(state["model"], weights)
         return state
 
     @contextmanager

@@ -24,7 +24,7 @@ import torch.distributed as dist
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
 from mixtrain.comm.loop_grads import _queue_callback
-from mixtrain.comm.sliced import Level, SlicedStrategy, _tensors
+from mixtrain.comm.sliced import Level, SlicedStrategy, _tensors, clip_to, merge_weights
 from mixtrain.comm.strategy import JoinContext
 from mixtrain.config import StrategyConfig
 from mixtrain.errors import InputValueError
@@ -142,10 +142,7 @@ class SlicedLoop:
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
         owned = [p for p in self.owned if p.grad is not None]
         norm = self.strategy.global_grad_norm(owned)
-        coef = max_norm / (norm + 1e-6)
-        grads = [p.grad for p in owned if p.grad is not None]
-        if coef < 1.0 and grads:
-            torch._foreach_mul_(grads, coef)
+        clip_to([p.grad for p in owned if p.grad is not None], max_norm, norm)
         return torch.tensor(norm)
 
     def full_state_dict(self, module: torch.nn.Module) -> dict[str, Any]:
@@ -156,11 +153,7 @@ class SlicedLoop:
         state = self.strategy.model_state(view)  # type: ignore[arg-type]
         parts: list[dict[str, torch.Tensor] | None] = [None] * self.session.context.world_size
         dist.all_gather_object(parts, {k: v.detach().cpu() for k, v in self.strategy.model_part(view).items()})  # type: ignore[arg-type]
-        for part in parts:
-            state.update(part or {})
-        missing = [k for k, v in state.items() if v is None]
-        assert not missing, f"no worker owns {missing}"
-        return state
+        return merge_weights(state, [part or {} for part in parts])
 
     def full_optimizer_state_dict(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
         """The optimizer's whole state_dict on every worker: each worker's entries (its own slice) gathered."""
