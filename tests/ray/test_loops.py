@@ -200,15 +200,17 @@ def test_a_resume_skips_a_loop_checkpoint_with_a_planted_pipe_within_seconds_and
     tmp_path,
 ):
     """A FIFO planted in a loop checkpoint made `mixtrain run s.py --resume` hang before Ray started (issue 45 item 8):
-    the store both doors share skips it with a line, and the loop continues exactly from the previous one."""
+    the store both doors share skips it with a line, and the loop continues exactly from the previous one. It goes on
+    on one worker where two started it: the loader asks batch 10 x 1, and keeps the run's global batch of 20 that
+    the checkpoint recorded (issue 45: it was the first attempt's within one fit only)."""
     from tests.unit.test_run_files import within
 
     config = {"data": loops.data(60), "batch": 10, "epochs": 2, "kill": False}
     run = RunConfig(name="r", storage_path=str(tmp_path / "runs"), seed=loops.SEED, progress=False)
-    scaling = ScalingConfig(num_workers=2, cpus_per_worker=0.5, shares=[6, 4])
 
-    def trainer(epochs: int) -> TorchTrainer:
+    def trainer(epochs: int, workers: int = 2) -> TorchTrainer:
         loop_config = {**config, "epochs": epochs, "out": str(tmp_path)}
+        scaling = ScalingConfig(num_workers=workers, cpus_per_worker=0.5, shares=[6, 4][:workers])
         return TorchTrainer(
             loops.checkpointing_loop, train_loop_config=loop_config, scaling_config=scaling, run_config=run
         )
@@ -219,8 +221,9 @@ def test_a_resume_skips_a_loop_checkpoint_with_a_planted_pipe_within_seconds_and
     os.mkfifo(newest / "state.pt")
     _, resume = within(trainer(3)._run_dir)  # where it hung: before Ray starts
     assert resume is not None and Path(resume.path).name == "checkpoint-000001"
-    trainer(3).fit()
+    result = trainer(3, workers=1).fit()
     assert (tmp_path / "restarted-from-1").exists()
+    assert [(r["global_batch"], r["asked"]) for r in _records(result) if r["kind"] == "loader"][-1] == (20, 10)
     _close(torch.load(tmp_path / "weights.pt"), loops.reference({**config, "epochs": 3, "opt": "sgd"}, workers=2))
 
 

@@ -10,12 +10,13 @@ import torch
 
 from mixtrain.train import _api
 from mixtrain.train import _session as sessions
+from mixtrain.train._prepare import plan_shares
 from mixtrain.train._session import LoopSession, TrainContext
 
 
-def _session() -> LoopSession:
+def _session(world_size: int = 1) -> LoopSession:
     ctx = TrainContext(
-        world_rank=0, world_size=1, local_rank=0, local_world_size=1, node_rank=0, device=torch.device("cpu"),
+        world_rank=0, world_size=world_size, local_rank=0, local_world_size=1, node_rank=0, device=torch.device("cpu"),
         experiment_name="t",
     )  # fmt: skip
     return LoopSession(
@@ -54,29 +55,69 @@ def test_the_weight_is_the_batchs_share_of_its_step_and_between_epochs_nothing_c
     assert session.weight == 0.0 and session.speed() == 0.0
 
 
+def _pair(measured: list[tuple[float, float, float]]) -> tuple[LoopSession, list[dict]]:
+    """A session of rank 0 of two whose gathered figures (speed, exchange s, wall s a step) are `measured`."""
+    session, plans = _session(world_size=2), []
+    session.leave_out_gain, session.plan_to = 0.2, plans.append
+    session.gather = lambda values: [list(m) for m in measured]  # type: ignore[method-assign]
+    return session, plans
+
+
 def test_a_leave_out_is_named_after_two_plan_points_in_a_row_and_withdrawn_when_one_finds_none():
-    session, slow = _session(), {1: "the job is 1.5x faster without it"}
+    # The loop asks the Task path's Rebalancer (one policy for both doors): worker 1 computes 50x slower.
+    session, plans = _pair([(1000.0, 0.001, 0.0), (20.0, 0.001, 0.0)])
     session.resumes = True  # the loop called get_checkpoint(): a restart goes on from its checkpoint
-    assert session.leave_out_vote(slow) == {}  # one noisy measurement costs no device
-    assert session.leave_out_vote(slow) == {"leave_out": {"rank": 1, "reason": slow[1]}}
-    assert session.leave_out_vote(slow) == {}  # told once
-    assert session.leave_out_vote({}) == {"leave_out": None}  # withdrawn
-    assert session.leave_out_vote(slow) == {}
+    for step in (2, 4, 8):
+        plan_shares(session, 32, [16, 16], (0, step))
+    named = [p.get("leave_out", "-") for p in plans]
+    assert named[0] == "-" and named[1]["rank"] == 1 and "faster without it" in named[1]["reason"], plans
+    assert "leave_out" not in plans[-1]  # the third plan point votes again: still named, not told again
+    session.gather = lambda values: [[1000.0, 0.001, 0.0], [1000.0, 0.001, 0.0]]  # type: ignore[method-assign]
+    plan_shares(session, 32, plans[-1]["shares"], (0, 16))
+    assert plans[-1]["leave_out"] is None  # withdrawn: the next plan point found nobody
 
 
 def test_a_loop_that_never_asked_for_its_checkpoint_keeps_the_worker_and_the_driver_is_told_once():
     # Leaving a worker out restarts the loop; one that never calls get_checkpoint() would train from epoch 0 again.
-    session, slow = _session(), {1: "the job is 1.5x faster without it"}
-    assert session.leave_out_vote(slow) == {}
-    assert session.leave_out_vote(slow) == {"leave_out_kept": {"rank": 1, "reason": slow[1]}}
-    assert session.leave_out_vote(slow) == {} and session.leave_out_vote(slow) == {}  # said once
+    session, plans = _pair([(1000.0, 0.001, 0.0), (20.0, 0.001, 0.0)])
+    for step in (2, 4, 8, 16, 32):
+        plan_shares(session, 32, [16, 16], (0, step))
+    kept = [p["leave_out_kept"] for p in plans if "leave_out_kept" in p]
+    assert [k["rank"] for k in kept] == [1] and not any("leave_out" in p for p in plans)  # said once
     assert not session.leave_out_named
     sessions.start(session)
     try:
         assert _api.get_checkpoint() is None  # a loop that asks (here at its start, with nothing to resume yet)
     finally:
         sessions.end()
-    assert session.leave_out_vote(slow) == {"leave_out": {"rank": 1, "reason": slow[1]}}
+    told = len(plans)
+    for step in (64, 128):
+        plan_shares(session, 32, [16, 16], (0, step))
+    assert [p["leave_out"]["rank"] for p in plans[told:] if "leave_out" in p] == [1]
+
+
+def test_a_loop_leaves_out_by_the_wall_clock_as_a_task_does_and_moves_shares_only_past_the_threshold():
+    # Two workers of nearly one speed: the model sees no reason to leave one out, but the wall clock says the pair
+    # runs 32 samples a 0.064 s step (500 samples/s) while worker 0 alone computes 1,000 (the Task path's measured
+    # check, which the loop's own vote never had). The shares stay 16:16 (within the imbalance threshold).
+    session, plans = _pair([(1000.0, 0.001, 0.064), (950.0, 0.001, 0.064)])
+    session.resumes = True
+    assert plan_shares(session, 32, [16, 16], (0, 2)) is None  # the first interval holds the loader's start-up
+    assert plan_shares(session, 32, [16, 16], (0, 4)) is None
+    assert plan_shares(session, 32, [16, 16], (0, 8)) is None
+    [told] = [p for p in plans if p.get("leave_out")]
+    assert told["leave_out"]["rank"] == 1 and "alone would compute 1,000" in told["leave_out"]["reason"], told
+    assert told["step"] == 8 and told["shares"] == [16, 16] and not told["moved"]
+    assert session.in_force == {32: [16, 16]}
+
+
+def test_an_epoch_starts_from_the_shares_the_last_one_ended_with_unless_they_are_off_by_the_threshold():
+    session, plans = _pair([(1000.0, 0.001, 0.0), (330.0, 0.001, 0.0)])  # 3x slower: about 24:8
+    first = plan_shares(session, 32, None, (1, 0))
+    assert first == [24, 8], first
+    session.gather = lambda values: [[1000.0, 0.001, 0.0], [350.0, 0.001, 0.0]]  # type: ignore[method-assign]
+    assert plan_shares(session, 32, None, (2, 0)) == [24, 8]  # within the threshold: kept, not re-cut to 24:8's
+    assert [p["shares"] for p in plans] == [[24, 8], [24, 8]] and plans[1]["moved"]  # an epoch's start is said
 
 
 def test_each_prepared_loaders_global_batch_is_the_first_attempts_whatever_a_later_one_asks():

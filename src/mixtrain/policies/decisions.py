@@ -109,6 +109,11 @@ class Rebalancer:
         self.hold_rounds = 0
         """Rounds left in which nobody is left out (after a re-admission)."""
 
+    @property
+    def voting(self) -> bool:
+        """The last decision found a worker to leave out and counted its vote (not yet EXCLUDE_ROUNDS in a row)."""
+        return self._votes > 0
+
     def reset(self) -> None:
         """Forget the vote (the workers were renumbered)."""
         self._votes, self._vote_for = 0, ""

@@ -17,7 +17,14 @@ from typing import Any
 
 import numpy as np
 import torch
-from torch.utils.data import DataLoader, IterableDataset, SequentialSampler, TensorDataset, default_collate
+from torch.utils.data import (
+    DataLoader,
+    IterableDataset,
+    RandomSampler,
+    SequentialSampler,
+    TensorDataset,
+    default_collate,
+)
 from torch.utils.data.distributed import DistributedSampler
 
 from mixtrain.comm import replicas
@@ -25,7 +32,8 @@ from mixtrain.comm.loop_grads import LoopGrads
 from mixtrain.data.sampling import epoch_permutation, step_size
 from mixtrain.data.sources import _Seeded, to_device
 from mixtrain.errors import InputTypeError, InputValueError
-from mixtrain.policies.planner import equal_shares, largest_remainder, make_plan, needs_rebalance
+from mixtrain.policies.decisions import Adopt
+from mixtrain.policies.planner import equal_shares, largest_remainder
 from mixtrain.train._session import LoopSession
 from mixtrain.train._sliced_loop import SlicedLoop, check_shard
 from mixtrain.train._step_reads import DatasetReads, EpochCut, TensorReads
@@ -231,6 +239,26 @@ def _check_loader(loader: Any) -> None:
             "prepare_data_loader: the DataLoader has a batch_sampler of its own (batch_size=None); give it "
             "batch_size=N and shuffle=True/False instead: mixtrain samples each step's global batch itself"
         )
+    _check_sampler(loader.sampler)
+
+
+def _check_sampler(sampler: Any) -> None:
+    """mixtrain's sampler takes the place of the loader's: of a shuffle=True/False loader's own (RandomSampler over
+    the whole set once, SequentialSampler) and of a torchrun script's DistributedSampler, whose order is the same
+    kind. Any other (weighted, a subset, with replacement, a user's own) would be dropped with its order: refused."""
+    if isinstance(sampler, (SequentialSampler, DistributedSampler)):
+        return
+    if type(sampler) is RandomSampler and not sampler.replacement and sampler._num_samples is None:
+        return
+    what = type(sampler).__name__
+    if isinstance(sampler, RandomSampler):
+        what += " with replacement=True or num_samples="
+    raise InputValueError(
+        f"prepare_data_loader: the DataLoader's sampler is a {what}, whose order mixtrain's sampler would replace "
+        "(each step's global batch is a seeded permutation of the whole set with shuffle=True, the dataset's own "
+        "order with shuffle=False). Give the DataLoader shuffle=True or False and no sampler; for a subset, a "
+        "torch.utils.data.Subset(dataset, indices)"
+    )
 
 
 def _shuffles(loader: DataLoader) -> bool:
@@ -250,10 +278,11 @@ def _plan_point(step: int) -> bool:
 def plan_shares(
     session: LoopSession, global_batch: int, current: list[int] | None = None, at: tuple[int, int] = (0, 0)
 ) -> list[int] | None:
-    """Each worker's samples of a global batch of `global_batch`: fixed (rescaled), equal, or (shares="auto") in
-    proportion to each worker's measured speed, the same on every worker (the speeds are gathered). Within an
-    epoch (`current`, the shares in force): the new shares, or None where they stay. `at`: (epoch, step) for the
-    record in metrics.jsonl."""
+    """Each worker's samples of a global batch of `global_batch`: fixed (rescaled), equal, or (shares="auto") as
+    the Task path's policy decides from each worker's measured speed (policies/decisions.Rebalancer: the shares move
+    only past its imbalance threshold; a worker the job is faster without is voted on), the same on every worker
+    (the figures are gathered). Within an epoch (`current`, the shares in force): the new shares, or None where
+    they stay. `at`: (epoch, step) for the record in metrics.jsonl."""
     n, shares = session.context.world_size, session.shares
     if current is not None and (shares != "auto" or n == 1):
         return None
@@ -269,14 +298,25 @@ def plan_shares(
     speeds = [m[0] for m in measured]
     if min(speeds) <= 0:
         return None if current is not None else equal_shares(global_batch, n)  # nothing measured yet
-    # the worker that waits least in the exchange is the slowest: its time there is the communication itself
-    plan = make_plan(speeds, global_batch, comm_s=min(m[1] for m in measured), min_gain=session.leave_out_gain)
-    predicted = [c / v for c, v in zip(current or [], speeds)]
-    moved = current is None or (plan.shares != current and needs_rebalance(predicted, session.rebalance_threshold))
-    told = session.leave_out_vote(plan.excluded)
+    in_force = current or session.in_force.get(global_batch) or equal_shares(global_batch, n)
+    rebalancer = session.rebalancer(global_batch)
+    wall_s = max(m[2] for m in measured)
+    decision = rebalancer.decide(
+        speeds=speeds,
+        step_compute_s=[s / v for s, v in zip(in_force, speeds)],
+        shares=in_force,
+        memory_caps=None,
+        # the worker that waits least in the exchange is the slowest: its time there is the communication itself
+        comm_s=min(m[1] for m in measured),
+        # the job's samples/s by the wall clock, within an epoch once the loader's start-up is behind it
+        measured_rate=global_batch / wall_s if current is not None and at[1] > 2 and wall_s > 0 else None,
+    )
+    planned = decision.plan.shares if isinstance(decision, Adopt) else in_force
+    moved = current is None or planned != current
+    session.in_force[global_batch] = planned
+    told = session.leave_out_vote(decision, rebalancer.voting)
     if session.context.world_rank == 0 and (moved or told):
-        in_force = plan.shares if moved else current
-        record: dict[str, Any] = {"epoch": at[0], "step": at[1], "global_batch": global_batch, "shares": in_force}
+        record: dict[str, Any] = {"epoch": at[0], "step": at[1], "global_batch": global_batch, "shares": planned}
         record.update(speeds=speeds, moved=moved, **told)  # a leave-out named, withdrawn (None), or kept
         session.plan_to(record)
-    return plan.shares if moved else None
+    return planned if moved else None

@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 from mixtrain.errors import InputValueError
-from mixtrain.policies.decisions import EXCLUDE_ROUNDS
+from mixtrain.policies.decisions import Decision, LeaveOut, Rebalancer
 from mixtrain.train.checkpoint import Checkpoint
 
 
@@ -112,10 +112,13 @@ class LoopSession:
     _samples: int = 0
     _hooks_s: float = 0.0  # what the after_compute hooks took at the last batch (it falls into the next one)
     _steps: int = 0
-    _leave_votes: int = 0
+    _rebalancers: dict[int, Rebalancer] = field(default_factory=dict)
+    in_force: dict[int, list[int]] = field(default_factory=dict)
+    """The shares each prepared loader's global batch was last cut by (an epoch starts from its last one's)."""
     _kept_told: bool = False  # the driver was told that a worker is kept, as leaving it out would repeat training
     _loaders: int = 0  # prepare_data_loader calls so far
-    _mark: tuple[int, float, int, float] = (0, 0.0, 0, 0.0)  # (samples, compute s, steps, exchange s) at the last plan
+    _mark: tuple[int, float, int, float, float] = (0, 0.0, 0, 0.0, 0.0)
+    """(samples, compute s, steps, exchange s, perf_counter) at the last plan point."""
 
     def __post_init__(self) -> None:
         self.weight = 1.0 / self.context.world_size
@@ -163,17 +166,22 @@ class LoopSession:
         """Seconds in the exchange per step so far (waiting for slower workers included)."""
         return self._exchange_s() / self._steps if self._steps else 0.0
 
-    def measured(self) -> tuple[float, float]:
-        """(samples per compute second, exchange seconds per step) since the last call: what a new plan is made
-        from; over the whole run where fewer than 2 steps were measured since."""
-        samples0, compute0, steps0, exchange0 = self._mark
-        exchange = self._exchange_s()
+    def measured(self) -> tuple[float, float, float]:
+        """(samples per compute second, exchange seconds per step, wall seconds per step) since the last call: what
+        a new plan is made from; over the whole run where fewer than 2 steps were measured since (the wall clock
+        then 0: unknown)."""
+        samples0, compute0, steps0, exchange0, wall0 = self._mark
+        exchange, now = self._exchange_s(), time.perf_counter()
         if self._steps - steps0 >= 2 and self._compute_s > compute0:
             steps = self._steps - steps0
-            out = ((self._samples - samples0) / (self._compute_s - compute0), (exchange - exchange0) / steps)
+            out = (
+                (self._samples - samples0) / (self._compute_s - compute0),
+                (exchange - exchange0) / steps,
+                (now - wall0) / steps,
+            )
         else:
-            out = (self.speed(), self.exchange_per_step())
-        self._mark = (self._samples, self._compute_s, self._steps, exchange)
+            out = (self.speed(), self.exchange_per_step(), 0.0)
+        self._mark = (self._samples, self._compute_s, self._steps, exchange, now)
         return out
 
     def _exchange_s(self) -> float:
@@ -184,17 +192,28 @@ class LoopSession:
         for hook in self.after_compute:
             hook(seconds)
 
-    def leave_out_vote(self, excluded: dict[int, str]) -> dict[str, Any]:
-        """A plan point's finding on leaving a worker out (rank -> why; empty: none). A worker is named once
-        EXCLUDE_ROUNDS plan points in a row find one (one noisy measurement must not cost a device), and withdrawn
-        when a later one finds none; in a loop that never called get_checkpoint() it is kept instead, and the
-        driver is told so once. Returns what the plan's record tells the driver: {"leave_out": the worker named or
-        None (withdrawn)}, {"leave_out_kept": the worker kept}, or {} (nothing new)."""
-        self._leave_votes = self._leave_votes + 1 if excluded else 0
-        named = None
-        if self._leave_votes >= EXCLUDE_ROUNDS:
-            rank, reason = next(iter(excluded.items()))
-            named = {"rank": rank, "reason": reason}
+    def rebalancer(self, global_batch: int) -> Rebalancer:
+        """The policy a Task's rounds follow (policies/decisions.Rebalancer: its hysteresis, its votes over plan
+        points in a row, its model-based and measured leave-out checks), one per prepared loader's global batch.
+        Every worker asks it the same question from the same gathered figures, so all get the same answer."""
+        if global_batch not in self._rebalancers:
+            self._rebalancers[global_batch] = Rebalancer(
+                global_batch=global_batch,
+                leave_out_slow=self.leave_out_gain is not None,
+                threshold=self.rebalance_threshold,
+                min_gain=self.leave_out_gain if self.leave_out_gain is not None else 0.0,
+            )
+        return self._rebalancers[global_batch]
+
+    def leave_out_vote(self, decision: Decision, voting: bool) -> dict[str, Any]:
+        """What the driver is told of a plan point's decision on leaving a worker out: the worker named once the
+        rebalancer votes for it (EXCLUDE_ROUNDS plan points in a row: one noisy measurement must not cost a device),
+        still named while the next plan points go on voting (`voting`), withdrawn when one finds nobody; in a loop
+        that never called get_checkpoint() kept instead, and the driver told so once. Returns {"leave_out": the
+        worker named or None (withdrawn)}, {"leave_out_kept": the worker kept}, or {} (nothing new)."""
+        named = {"rank": decision.rank, "reason": decision.reason} if isinstance(decision, LeaveOut) else None
+        if named is None and voting:
+            return {}  # a vote under way: what was named (or not) stays so
         if named is not None and not self.resumes:
             told, self._kept_told = self._kept_told, True
             return {} if told else {"leave_out_kept": named}

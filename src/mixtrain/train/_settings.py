@@ -92,3 +92,57 @@ def check_ray_options(options: dict[str, Any]) -> None:
                 f"TorchTrainer({name}={value!r}): mixtrain does not use {name} (the loop reads its data through "
                 "prepare_data_loader, and the collective backend is ScalingConfig.backend); leave it out"
             )
+
+
+_DDP_KWARGS = {
+    "find_unused_parameters": None,
+    "gradient_as_bucket_view": None,
+    "static_graph": None,
+    "bucket_cap_mb": None,
+    "device_ids": None,
+    "output_device": None,
+    "broadcast_buffers": True,
+}
+"""DDP's options a Ray Train loop may pass through prepare_model(parallel_strategy_kwargs=...), and the one value
+mixtrain's exchange honours (None: any; they change how DDP buckets or finds gradients, not the sum it gives)."""
+
+
+def check_prepare_model_options(move_to_device: Any, parallel_strategy: Any, strategy_kwargs: Any) -> None:
+    """Ray Train's prepare_model options: those whose value mixtrain does anyway are accepted (so a Ray Train loop
+    runs unchanged); any other is refused naming it, as taking and dropping it would change the training."""
+    if move_to_device is not True:
+        raise InputValueError(
+            f"prepare_model(move_to_device={move_to_device!r}): mixtrain puts the model on the worker's own device "
+            "(get_device()); leave move_to_device out"
+        )
+    if parallel_strategy == "fsdp":
+        raise InputValueError(
+            "prepare_model(parallel_strategy='fsdp'): slice the model with prepare_model(model, shard='full') "
+            "(weights, gradients and optimizer state by each worker's memory); leave parallel_strategy out"
+        )
+    if parallel_strategy != "ddp":
+        raise InputValueError(
+            f"prepare_model(parallel_strategy={parallel_strategy!r}): every prepared model's gradients are summed "
+            "over the workers (DDP's way); leave parallel_strategy out"
+        )
+    for name, value in (strategy_kwargs or {}).items():
+        if name not in _DDP_KWARGS:
+            raise InputValueError(
+                f"prepare_model(parallel_strategy_kwargs={{{name!r}: ...}}): mixtrain's exchange has no such "
+                f"option; it takes {sorted(_DDP_KWARGS)}"
+            )
+        if _DDP_KWARGS[name] is not None and value != _DDP_KWARGS[name]:
+            raise InputValueError(
+                f"prepare_model(parallel_strategy_kwargs={{{name!r}: {value!r}}}): mixtrain's prepared model keeps "
+                f"{name}={_DDP_KWARGS[name]!r} (rank 0's buffers, as DDP's default); leave it out"
+            )
+
+
+def check_prepare_loader_options(add_dist_sampler: Any) -> None:
+    """Ray Train's prepare_data_loader options (auto_transfer, a CUDA copy stream, changes no batch: any value)."""
+    if add_dist_sampler is not True:
+        raise InputValueError(
+            f"prepare_data_loader(add_dist_sampler={add_dist_sampler!r}): mixtrain always splits each step's "
+            "global batch over the workers (each worker reading the whole set is not a run it can keep exact); "
+            "leave add_dist_sampler out"
+        )

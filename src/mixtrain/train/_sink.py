@@ -10,8 +10,11 @@ from mixtrain.train._store import LoopCheckpoints
 
 
 class ReportSink:
-    def __init__(self, run_dir: str, keep: int) -> None:
+    def __init__(self, run_dir: str, keep: int, global_batches: list[int] | None = None) -> None:
         self.store = LoopCheckpoints(run_dir, keep)
+        self.global_batches = list(global_batches or [])
+        """The run's global batch of each prepared loader, fixed by the first attempt that prepared it (or by the
+        checkpoint a run resumed from): every restart's loaders keep them, and each checkpoint records them."""
         self.reports: list[dict[str, Any]] = []
         self.events: list[tuple[str, dict[str, Any]]] = []
         self.stop = False
@@ -32,7 +35,8 @@ class ReportSink:
         path = None
         if files is not None and key not in self._saved:  # the first rank to send one for this report
             number = self._number(key)
-            path = str(self.store.save(files, {"report": number, "rank": rank, "metrics": metrics}))
+            meta = {"report": number, "rank": rank, "metrics": metrics, "global_batches": self.global_batches}
+            path = str(self.store.save(files, meta))
             self._saved.add(key)
             self.last_checkpoint = path
         if rank == 0:
@@ -52,8 +56,13 @@ class ReportSink:
 
     def event(self, kind: str, record: dict[str, Any]) -> None:
         self.events.append((kind, record))
+        if kind == "loader" and int(record["index"]) == len(self.global_batches):  # a loader the run had not had
+            self.global_batches.append(int(record["global_batch"]))
         if kind == "plan" and "leave_out" in record:  # named, or withdrawn (None) by later measurements
             self.leave_out = record["leave_out"]
+
+    def run_batches(self) -> list[int]:
+        return list(self.global_batches)
 
     def leaving(self) -> dict[str, Any] | None:
         return self.leave_out

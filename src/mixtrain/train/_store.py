@@ -42,20 +42,33 @@ class LoopCheckpoints:
         writers: dict[str, Writer] = {name: _writer(data) for name, data in files.items()}
         return self.store.write(f"{PREFIX}{1 + max(numbers, default=0):06d}", writers, {"format": FORMAT, **meta})
 
-    def latest(self) -> tuple[Path, dict[str, bytes]] | None:
-        """The newest checkpoint whose files all match their manifest, with its files; None when there is none.
-        Each one skipped is said (a log warning) with why."""
+    def latest(self) -> tuple[Path, dict[str, bytes], list[int]] | None:
+        """The newest checkpoint whose files all match their manifest, with its files and the run's global batches
+        it was saved under (see global_batches); None when there is none. Each one skipped is said (a log warning)
+        with why."""
         try:
-            files, path = self.store.first_good(_read, lambda message: log.warning("%s", message))
+            (files, batches), path = self.store.first_good(_read, lambda message: log.warning("%s", message))
         except CheckpointError:
             return None
-        return path, files
+        return path, files, batches
 
 
 def _writer(data: bytes) -> Writer:
     return lambda f: f.write(data)
 
 
-def _read(path: Path) -> dict[str, bytes]:
-    with opened(path, LOOP) as (_, files):
-        return {name: f.read() for name, f in files.items()}
+def _read(path: Path) -> tuple[dict[str, bytes], list[int]]:
+    with opened(path, LOOP) as (manifest, files):
+        return {name: f.read() for name, f in files.items()}, global_batches(manifest)
+
+
+def global_batches(manifest: dict[str, Any]) -> list[int]:
+    """The global batch of each of the loop's prepared loaders when the checkpoint was saved (a resume keeps them,
+    as a restart within the run does); [] where the manifest has none (a checkpoint from before they were kept) or
+    holds anything but a short list of positive integers (then the resumed loop's loaders set them again)."""
+    found = manifest.get("global_batches")
+    if not isinstance(found, list) or len(found) > 1000:
+        return []
+    if not all(isinstance(b, int) and not isinstance(b, bool) and 0 < b < 2**40 for b in found):
+        return []
+    return list(found)

@@ -121,7 +121,7 @@ class TorchTrainer:
         group.log_dir = run_dir / "logs"
         log = RunLog(run_dir, {"scaling": self.scaling, "run": self.run, "loop": getattr(self.fn, "__name__", "")})
         view = ProgressView(self.run.progress, 0)
-        sink = _start_sink(run_dir, self.run.keep_checkpoints)
+        sink = _start_sink(run_dir, self.run.keep_checkpoints, resume._global_batches if resume is not None else [])
         run = _Run(self, group, sink, log, view, tunables, resume)
         finished = False
         try:
@@ -147,7 +147,7 @@ class TorchTrainer:
             path = root / self.run.name
             found = LoopCheckpoints(path, self.run.keep_checkpoints).latest()
             if found is not None:
-                return path, Checkpoint._verified(found[0], found[1])
+                return path, Checkpoint._verified(*found)
             check_new_run_dir(path)
             make_folder(path, "RunConfig.name")
             return path, self.resume_from
@@ -189,8 +189,6 @@ class _Run:
         self._planned: dict[int, list[int]] = {}
         self.batch_workers = 0
         self.stopped_at_report = False
-        self.global_batches: list[int] = []
-        """Each prepared loader's global batch, as the first attempt that prepared it asked: later ones keep it."""
         self._told: set[str] = set()  # what the terminal was told once per run
         self._output_noted = False
         self.resumes = False
@@ -320,7 +318,7 @@ class _Run:
             batch_workers=self.batch_workers,
             leave_out_gain=self.tunables.exclude_gain if self.trainer.scaling.leave_out_slow else None,
             rebalance_threshold=self.tunables.rebalance_threshold,
-            global_batches=list(self.global_batches),
+            global_batches=ray.get(self.sink.run_batches.remote()),  # as the first attempt (or the checkpoint) fixed
         )
 
     def _drain(self) -> None:
@@ -374,14 +372,12 @@ class _Run:
         """A prepared loader's global batch: the first attempt's is kept; a later attempt that asks another is told
         once that it keeps the run's."""
         index, fixed, asked = int(record["index"]), int(record["global_batch"]), int(record["asked"])
-        if index == len(self.global_batches):
-            self.global_batches.append(fixed)
         if asked != fixed and f"loader {index}" not in self._told:
             self._told.add(f"loader {index}")
             self.view.log(
                 f"prepared loader {index + 1} of the loop asks a global batch of {asked} (batch_size x the "
-                f"{self.batch_workers} workers the run started with) and keeps the run's {fixed}, fixed by the first "
-                "attempt: len(loader) and each epoch's steps stay as they were"
+                f"{self.batch_workers} workers of this attempt) and keeps the run's {fixed}, fixed by its first "
+                "attempt (or the checkpoint it resumed from): len(loader) and each epoch's steps stay as they were"
             )
 
     def _show_output(self, lines: list[str]) -> None:
@@ -447,13 +443,15 @@ def _loop(worker: Any) -> LoopCalls:
     return worker
 
 
-def _start_sink(run_dir: Path, keep: int) -> Any:
+def _start_sink(run_dir: Path, keep: int, global_batches: list[int]) -> Any:
     """The report sink, on this (the driver's) node: it writes the checkpoints into the run folder."""
     here = ray.get_runtime_context().get_node_id()
     remote: Any = ray.remote(ReportSink)
     return remote.options(
         num_cpus=0, scheduling_strategy=NodeAffinitySchedulingStrategy(node_id=here, soft=False)
-    ).remote(str(run_dir.absolute()), keep)  # absolute: an actor works in its Ray node's folder, not the driver's
+    ).remote(
+        str(run_dir.absolute()), keep, global_batches
+    )  # absolute: an actor works in its Ray node's folder, not the driver's
 
 
 def _cpus(scaling: ScalingConfig) -> float:

@@ -24,13 +24,18 @@ class Checkpoint:
     def __init__(self, path: str | os.PathLike[str]) -> None:
         self.path = str(path)
         self._checked: dict[str, bytes] | None = None
+        self._global_batches: list[int] = []
 
     @classmethod
-    def _verified(cls, path: str | os.PathLike[str], files: dict[str, bytes]) -> Checkpoint:
+    def _verified(
+        cls, path: str | os.PathLike[str], files: dict[str, bytes], global_batches: list[int] | None = None
+    ) -> Checkpoint:
         """A checkpoint of the run folder as the store read and checked it: files() gives those bytes (not the
-        folder read again, and not mixtrain's manifest)."""
+        folder read again, and not mixtrain's manifest), and the run's global batches it was saved under (a resume
+        from it keeps them)."""
         out = cls(path)
         out._checked = dict(files)
+        out._global_batches = list(global_batches or [])
         return out
 
     @classmethod

@@ -24,12 +24,20 @@ __all__ = [
 
 
 def prepare_model(
-    model: torch.nn.Module, *, shard: str = "none", slices: list[float] | None = None, **_ignored: Any
+    model: torch.nn.Module,
+    move_to_device: Any = True,
+    parallel_strategy: str | None = "ddp",
+    parallel_strategy_kwargs: dict[str, Any] | None = None,
+    *,
+    shard: str = "none",
+    slices: list[float] | None = None,
 ) -> PreparedModel:
     """`model` on this worker's device, wrapped so that `loss.backward()` sums the gradients over the workers,
     each weighted by its share of the step's global batch: `.grad` afterwards is what one process training the
     whole batch would have, so the loop's own clipping and optimizers stay exact. `.module` is the model;
-    `no_sync()` accumulates without exchanging, as DDP's. (Ray Train's keyword options are accepted and ignored.)
+    `no_sync()` accumulates without exchanging, as DDP's. Ray Train's options are taken where they ask what mixtrain
+    does anyway (move_to_device=True, parallel_strategy="ddp", DDP's bucketing options) and refused in one line
+    otherwise.
 
     `shard="gradients"` or `"full"` slices the training state by owner, as ScalingConfig(shard=) does for a Task
     (`slices`: each worker's relative share of it, equal by default). Build the optimizer after this, on what it
@@ -38,18 +46,25 @@ def prepare_model(
     and save `model.full_state_dict()` and `model.full_optimizer_state_dict(optimizer)`, called on every worker."""
     from mixtrain.train import _session
     from mixtrain.train._prepare import PreparedModel
+    from mixtrain.train._settings import check_prepare_model_options
 
+    check_prepare_model_options(move_to_device, parallel_strategy, parallel_strategy_kwargs)
     return PreparedModel(model, _session.current("prepare_model"), shard, slices)
 
 
-def prepare_data_loader(data_loader: DataLoader, move_to_device: bool = True, **_ignored: Any) -> PreparedLoader:
+def prepare_data_loader(
+    data_loader: DataLoader, add_dist_sampler: bool = True, move_to_device: bool = True, auto_transfer: bool = True
+) -> PreparedLoader:
     """`data_loader`'s dataset, collate function, loader processes and pin_memory, with mixtrain's step-indexed
     sampler: each step's global batch (batch_size x the number of workers) split by the workers' shares, in
     RunConfig.seed's order (shuffle=True) or the dataset's (shuffle=False); batches arrive on this worker's
-    device. `loader.sampler.set_epoch(epoch)` works as with DistributedSampler."""
+    device. `loader.sampler.set_epoch(epoch)` works as with DistributedSampler. Ray Train's add_dist_sampler=False
+    is refused (every worker would read the whole set); auto_transfer changes no batch and is taken as given."""
     from mixtrain.train import _session
     from mixtrain.train._prepare import PreparedLoader
+    from mixtrain.train._settings import check_prepare_loader_options
 
+    check_prepare_loader_options(add_dist_sampler)
     return PreparedLoader(data_loader, _session.current("prepare_data_loader"), move_to_device)
 
 
