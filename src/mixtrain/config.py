@@ -413,11 +413,13 @@ class RunConfig:
     """Where a run writes its files and how its rounds are paced."""
 
     name: str | None = None
-    """Run name; the run folder is storage_dir/name. None uses a timestamp."""
-    storage_dir: str = "mixtrain_runs"
-    """Folder that holds one sub-folder per run."""
+    """Run name; the run folder is storage_path/name. None uses a timestamp."""
+    storage_path: str = "mixtrain_runs"
+    """Folder that holds one sub-folder per run (the loop door's and Ray Train's name)."""
+    storage_dir: str | None = None
+    """Deprecated: storage_path's old name (a DeprecationWarning; it becomes storage_path)."""
     run_dir: str | None = None
-    """Exact run folder; overrides storage_dir/name."""
+    """Exact run folder; overrides storage_path/name."""
     seed: int = 0
     """Seeds the model initialisation and the per-epoch sample permutation."""
     steps_per_round: int | None = None
@@ -462,7 +464,8 @@ class RunConfig:
             raise InputValueError(
                 f"RunConfig.name={self.name!r}: a name, not a path; give a folder as RunConfig.run_dir instead"
             )
-        check.text("RunConfig.storage_dir", self.storage_dir)
+        self._take_storage_dir()
+        check.text("RunConfig.storage_path", self.storage_path)
         check.text("RunConfig.run_dir", self.run_dir, none=True)
         check.integer("RunConfig.seed", self.seed, 0, MAX_SEED)
         check.integer("RunConfig.steps_per_round", self.steps_per_round, 1, none=True, hint="None: automatic")
@@ -479,6 +482,17 @@ class RunConfig:
         _check_keep_best(self.keep_best)
         if self.keep_best is not None:  # a list from a TOML file or JSON: the same setting
             object.__setattr__(self, "keep_best", (self.keep_best[0], self.keep_best[1]))
+
+    def _take_storage_dir(self) -> None:
+        """The deprecated storage_dir= becomes storage_path (one name for both doors)."""
+        old = self.storage_dir
+        if old is None:
+            return
+        warnings.warn("RunConfig.storage_dir is deprecated: use storage_path", DeprecationWarning, stacklevel=4)
+        if self.storage_path not in ("mixtrain_runs", old):
+            raise InputValueError(f"RunConfig.storage_dir={old!r} with storage_path={self.storage_path!r}: give one")
+        object.__setattr__(self, "storage_path", old)
+        object.__setattr__(self, "storage_dir", None)
 
 
 def _check_keep_best(value: Any) -> None:

@@ -35,6 +35,11 @@ class Result:
     save_pretrained writes them (AutoModel.from_pretrained(path) loads it); None for any other model."""
 
     @property
+    def path(self) -> str:
+        """run_dir as text: the loop door's Result.path (both doors' Results have run_dir, path, metrics, workers)."""
+        return str(self.run_dir)
+
+    @property
     def metrics(self) -> dict[str, Any]:
         """The last held-out metrics, or the last training loss when there is no eval data."""
         if self.evals:

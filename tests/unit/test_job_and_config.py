@@ -153,3 +153,30 @@ def test_resume_takes_the_runs_own_job_and_lets_other_flags_override(tmp_path):
     assert (args.task, args.workers, args.epochs, args.resume) == ("chars", 2, 5, str(tmp_path))
     with pytest.raises(ValueError, match="continues the run's own job"):
         _parse(["train", "--resume", str(tmp_path), "digits"])
+
+
+def test_both_doors_name_the_run_folder_storage_path_and_the_old_task_name_still_works_with_a_warning(tmp_path):
+    import dataclasses
+    from pathlib import Path
+
+    import mixtrain.train
+    from mixtrain.config import RunConfig as TaskRun
+    from mixtrain.result import Result as TaskResult
+    from mixtrain.train._result import Result as LoopResult
+
+    assert TaskRun(storage_path="runs").storage_path == mixtrain.train.RunConfig(storage_path="runs").storage_path
+    with pytest.warns(DeprecationWarning, match="storage_dir is deprecated: use storage_path"):
+        old = TaskRun(storage_dir="runs")
+    assert old.storage_path == "runs" and old.storage_dir is None
+    with pytest.warns(DeprecationWarning), pytest.raises(ValueError, match="storage_dir='a' with storage_path='b'"):
+        TaskRun(storage_dir="a", storage_path="b")
+    task = TaskResult(run_dir=tmp_path, model_path=tmp_path / "m", state_dict={}, workers=[{"rank": 0}])
+    loop = LoopResult(metrics={}, checkpoint=None, path=str(tmp_path), workers=[{"rank": 0}])
+    for result in (task, loop):  # the fields both doors share read the same
+        assert (result.run_dir, result.path, result.metrics, result.workers) == (
+            Path(tmp_path),
+            str(tmp_path),
+            {},
+            [{"rank": 0}],
+        )
+    assert "storage_path" in {f.name for f in dataclasses.fields(TaskRun)}

@@ -45,11 +45,11 @@ def test_a_folder_that_holds_a_run_is_refused_unless_resumed(tmp_path):
     named = tmp_path / "named"
     (named / "checkpoints").mkdir(parents=True)
     with pytest.raises(ValueError, match="already holds a run"):
-        make_run_dir(RunConfig(storage_dir=str(tmp_path), name="named"))
+        make_run_dir(RunConfig(storage_path=str(tmp_path), name="named"))
 
 
 def test_default_run_names_never_collide_even_in_the_same_second(tmp_path):
-    folders = {make_run_dir(RunConfig(storage_dir=str(tmp_path))) for _ in range(20)}
+    folders = {make_run_dir(RunConfig(storage_path=str(tmp_path))) for _ in range(20)}
     assert len(folders) == 20 and all(f.is_dir() for f in folders)
 
 
@@ -122,9 +122,9 @@ def _within(seconds: float, call):
 def test_a_dangling_runs_link_gives_one_clear_error_and_no_hang(tmp_path):
     link = tmp_path / "mixtrain_runs"
     link.symlink_to(tmp_path / "gone")
-    error = _within(10, lambda: make_run_dir(RunConfig(storage_dir=str(link))))
+    error = _within(10, lambda: make_run_dir(RunConfig(storage_path=str(link))))
     assert isinstance(error, ValueError), error
-    assert f"RunConfig.storage_dir='{link}'" in str(error) and "which does not exist" in str(error)
+    assert f"RunConfig.storage_path='{link}'" in str(error) and "which does not exist" in str(error)
     assert "remove the link or create the folder it points to" in str(error)
     (tmp_path / "file").write_text("")
     error = _within(10, lambda: make_run_dir(RunConfig(run_dir=str(tmp_path / "file" / "run"))))
@@ -147,7 +147,7 @@ def test_fit_with_the_default_run_folder_under_a_dangling_link_stops_at_once(tmp
     run = [sys.executable, "-c", code]
     # (a hang would be the bug: 60 s, not 10, as importing torch alone took over 10 s on a loaded 2-core machine)
     proc = subprocess.run(run, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=60)
-    assert proc.returncode == 1 and "ValueError: RunConfig.storage_dir='mixtrain_runs'" in proc.stderr, proc.stderr
+    assert proc.returncode == 1 and "ValueError: RunConfig.storage_path='mixtrain_runs'" in proc.stderr, proc.stderr
     assert "symbolic link" in proc.stderr and not (tmp_path / "gone").exists()
 
 
@@ -156,7 +156,7 @@ def test_new_run_names_are_tried_a_bounded_number_of_times(tmp_path, monkeypatch
 
     monkeypatch.setattr(runlog, "new_run_name", lambda: "taken")
     (tmp_path / "taken").mkdir()
-    error = _within(10, lambda: make_run_dir(RunConfig(storage_dir=str(tmp_path))))
+    error = _within(10, lambda: make_run_dir(RunConfig(storage_path=str(tmp_path))))
     assert isinstance(error, ValueError) and "new run names in a row already existed" in str(error), error
 
 

@@ -39,18 +39,18 @@ NEW_NAME_TRIES = 100
 
 
 def make_run_dir(run: RunConfig, resuming: bool = False) -> Path:
-    """The run's folder, created: RunConfig.run_dir, storage_dir/name, or storage_dir/<new name>. A folder
+    """The run's folder, created: RunConfig.run_dir, storage_path/name, or storage_path/<new name>. A folder
     that holds another run is refused unless this run continues it (`resuming`)."""
     if run.run_dir is not None or run.name is not None:
-        path = Path(run.run_dir) if run.run_dir is not None else Path(run.storage_dir) / str(run.name)
+        path = Path(run.run_dir) if run.run_dir is not None else Path(run.storage_path) / str(run.name)
         if not resuming:
             check_new_run_dir(path)
         what = f"RunConfig.run_dir={run.run_dir!r}" if run.run_dir is not None else f"RunConfig.name={run.name!r}"
         make_folder(path, what)
         _check_checkpoints_folder(path)
         return path.resolve()
-    storage = Path(run.storage_dir)
-    make_folder(storage, f"RunConfig.storage_dir={run.storage_dir!r}")
+    storage = Path(run.storage_path)
+    make_folder(storage, f"RunConfig.storage_path={run.storage_path!r}")
     for _ in range(NEW_NAME_TRIES):  # a default name is never reused, even by a run started at the same moment
         path = storage / new_run_name()
         try:
@@ -59,7 +59,7 @@ def make_run_dir(run: RunConfig, resuming: bool = False) -> Path:
             continue
         return path.resolve()
     raise InputValueError(
-        f"RunConfig.storage_dir={run.storage_dir!r}: {NEW_NAME_TRIES} new run names in a row already existed in "
+        f"RunConfig.storage_path={run.storage_path!r}: {NEW_NAME_TRIES} new run names in a row already existed in "
         f"{storage}; give a run folder of your own (--run-dir / RunConfig(run_dir=...))"
     )
 
@@ -81,7 +81,7 @@ def make_folder(path: Path, what: str) -> None:
         kind, fix = "not a folder", "move it away"
     raise InputValueError(
         f"{what}: {str(blocker)!r} is {kind}, so the run folder {str(path)!r} cannot be made there; {fix}, or "
-        "give another run folder (--run-dir / RunConfig(run_dir=...) or RunConfig.storage_dir)"
+        "give another run folder (--run-dir / RunConfig(run_dir=...) or RunConfig.storage_path)"
     )
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from mixtrain.train.checkpoint import Checkpoint
@@ -25,6 +26,12 @@ class Result:
     """Every report of rank 0, in order (each with its index and, where one came with it, the checkpoint)."""
     workers: list[dict[str, Any]] = field(default_factory=list)
     """Who trained (the last attempt): node, device, precision per rank."""
+
+    @property
+    def run_dir(self) -> Path:
+        """The run folder, as the Task door's Result.run_dir (both doors' Results have run_dir, path, metrics,
+        workers)."""
+        return Path(self.path)
 
     def __repr__(self) -> str:
         return (
