@@ -19,19 +19,33 @@ import shutil
 import stat
 import sys
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from mixtrain._files import RunFolder
-from mixtrain.core.messages import HFModelSpec
 from mixtrain.errors import InputValueError, require
 
 HF_MODEL = "hf_model"
 """The folder in the run folder with the final weights as `save_pretrained` writes them."""
 CONFIG_KEY = "hf_model"
 """The key of config.json (the run's) that holds the HFModelSpec, for exporting its checkpoints later."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class HFModelSpec:
+    """What rebuilds a Hugging Face model around its state dict on the driver (mixtrain.pretrained)."""
+
+    model_class: str
+    """The class a worker built, as "module:QualifiedName", e.g.
+    "transformers.models.gpt2.modeling_gpt2:GPT2LMHeadModel"."""
+    config: dict[str, Any]
+    """Its config, as `model.config.to_json_string()` writes it."""
+    peft_config: dict[str, Any] | None = None
+    """For a `peft` model (a LoRA adapter around the model of `model_class`): its adapter's config, as JSON; the
+    run's hf_model folder is then the adapter folder that `peft.PeftModel.from_pretrained(base, folder)` loads."""
 
 
 def spec_of(model: torch.nn.Module) -> HFModelSpec | None:

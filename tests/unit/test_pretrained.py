@@ -10,8 +10,7 @@ import torch
 
 import mixtrain
 from mixtrain.checkpoint import CheckpointStore, save_weights
-from mixtrain.core.messages import HFModelSpec
-from mixtrain.pretrained import HF_MODEL, export_pretrained, save_pretrained, spec_of
+from mixtrain.pretrained import HF_MODEL, HFModelSpec, export_pretrained, save_pretrained, spec_of
 
 transformers = pytest.importorskip("transformers")
 

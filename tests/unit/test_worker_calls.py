@@ -53,9 +53,9 @@ def test_the_driver_calls_no_worker_method_by_name():
 def test_the_loop_worker_is_a_worker_process_without_the_task_replicas_methods():
     """Issue 47: the loop worker inherited TrainWorker's 36 methods of the `Task` path. Both now build on one
     WorkerProcess (logs, rank, rendezvous, kept for the next fit), and each typed loop call is the loop worker's."""
-    from mixtrain.core.loop_calls import LoopCalls
-    from mixtrain.core.loop_worker import LoopWorker
     from mixtrain.core.worker_process import WorkerProcess
+    from mixtrain.train._loop_calls import LoopCalls
+    from mixtrain.train._loop_worker import LoopWorker
 
     assert issubclass(LoopWorker, WorkerProcess) and issubclass(TrainWorker, WorkerProcess)
     assert not issubclass(LoopWorker, TrainWorker)

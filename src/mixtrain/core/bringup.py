@@ -22,7 +22,7 @@ from mixtrain.config import ScalingConfig, StrategyConfig
 from mixtrain.core import preflight
 from mixtrain.core.group_ops import GroupOps
 from mixtrain.core.membership import Membership, user_cap
-from mixtrain.core.messages import BuildReport, HFModelSpec, LeftOut, ProbeResult, WorkerInfo
+from mixtrain.core.messages import BuildReport, LeftOut, ProbeResult, WorkerInfo
 from mixtrain.core.worker_group import WorkerGroup
 from mixtrain.data.sampling import Arrays, steps_per_epoch
 from mixtrain.data.sources import Loader
@@ -30,6 +30,7 @@ from mixtrain.frozen_base import FrozenBase
 from mixtrain.policies.advice import choose, suggest
 from mixtrain.policies.decisions import Decision, LeaveOut, first_plan
 from mixtrain.policies.planner import Plan, largest_remainder, resolve_shares
+from mixtrain.pretrained import HFModelSpec
 from mixtrain.task import Task
 
 

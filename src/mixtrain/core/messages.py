@@ -11,6 +11,7 @@ from mixtrain.devices import DeviceInfo
 
 if TYPE_CHECKING:
     from mixtrain.frozen_base import FrozenBase
+    from mixtrain.pretrained import HFModelSpec
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -86,20 +87,6 @@ class WorkerInfo:
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
-
-
-@dataclass(frozen=True, kw_only=True)
-class HFModelSpec:
-    """What rebuilds a Hugging Face model around its state dict on the driver (mixtrain.pretrained)."""
-
-    model_class: str
-    """The class a worker built, as "module:QualifiedName", e.g.
-    "transformers.models.gpt2.modeling_gpt2:GPT2LMHeadModel"."""
-    config: dict[str, Any]
-    """Its config, as `model.config.to_json_string()` writes it."""
-    peft_config: dict[str, Any] | None = None
-    """For a `peft` model (a LoRA adapter around the model of `model_class`): its adapter's config, as JSON; the
-    run's hf_model folder is then the adapter folder that `peft.PeftModel.from_pretrained(base, folder)` loads."""
 
 
 @dataclass(frozen=True, kw_only=True)

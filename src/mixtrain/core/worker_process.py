@@ -1,6 +1,6 @@
 """A worker process: what every worker of a run is, whichever door it serves. It logs into the run folder, holds
 its rank, opens and joins the collective group's rendezvous, and can be kept for the next fit (warm_workers). The
-`Task` replica (core/worker.py TrainWorker) and the loop runner (core/loop_worker.py LoopWorker) build on it."""
+`Task` replica (core/worker.py TrainWorker) and the loop runner (train/_loop_worker.py LoopWorker) build on it."""
 
 from __future__ import annotations
 

@@ -23,8 +23,6 @@ from mixtrain.comm.process_group import group_backend
 from mixtrain.config import ScalingConfig
 from mixtrain.core.group_ops import form_group
 from mixtrain.core.interrupt import GracefulStop, TrainingInterrupted
-from mixtrain.core.loop_calls import LoopCalls
-from mixtrain.core.loop_worker import LoopWorker
 from mixtrain.core.membership import Member, Membership
 from mixtrain.core.messages import LoopDevice, LoopOutcome, LoopRequest
 from mixtrain.core.tunables import Tunables
@@ -33,6 +31,8 @@ from mixtrain.errors import InputTypeError
 from mixtrain.observe.progress import ProgressView
 from mixtrain.observe.runlog import RunLog, check_new_run_dir, make_folder, new_run_name
 from mixtrain.policies.decisions import FailureBudget, Stop
+from mixtrain.train._loop_calls import LoopCalls
+from mixtrain.train._loop_worker import LoopWorker
 from mixtrain.train._result import Result, TrainingFailedError
 from mixtrain.train._settings import check_loop_scaling, check_ray_options
 from mixtrain.train._sink import ReportSink

@@ -1,4 +1,4 @@
-"""Typed calls to a LoopWorker: WorkerCalls and the three methods a loop run adds (core/loop_worker.py)."""
+"""Typed calls to a LoopWorker: WorkerCalls and the three methods a loop run adds (train/_loop_worker.py)."""
 
 from __future__ import annotations
 
