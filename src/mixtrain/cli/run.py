@@ -18,6 +18,7 @@ import os
 from pathlib import Path
 from typing import Any
 
+from mixtrain.cli.flags import worker_flags
 from mixtrain.cli.saved_command import COMMAND_FILE, loop_target, read_record, save_loop_command
 from mixtrain.errors import InputValueError
 from mixtrain.signing import signed_by_me
@@ -29,8 +30,8 @@ def max_failures(text: str) -> int:
     return int(text)
 
 
-def add_parser(sub: Any, flags: Any) -> None:
-    """The `run` subcommand; `flags` adds the worker flags shared with `train` (cli/main.py)."""
+def add_parser(sub: Any) -> None:
+    """The `run` subcommand, with the worker flags shared with `train` (cli/flags.py)."""
     run = sub.add_parser(
         "run",
         help="your own training loop on every worker: a loop function or a torchrun-style script",
@@ -59,7 +60,7 @@ def add_parser(sub: Any, flags: Any) -> None:
         default=3,
         help="lost workers survived per hour, each a restart (default 3)",
     )
-    flags(run)
+    worker_flags(run)
 
 
 def cmd_run(args: argparse.Namespace) -> int:

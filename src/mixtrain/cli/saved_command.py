@@ -3,7 +3,7 @@
 A run folder is a file anyone can hand you, so what it says is data, never trust:
 
 - it names the job to run again and its arguments, the loggers and every other flag: the record is signed with this
-  user's key (signing.py), and `_check_resumed_job` (cli/main.py) refuses a record that is unsigned or signed with
+  user's key (signing.py), and `check_resumed_job` (cli/resume.py) refuses a record that is unsigned or signed with
   another key, or a module that would now load from another file than the run recorded, unless `--trust-job` is
   given on this command line;
 - `--trust-job`, `--run-dir` and `--resume` count only when given now;
