@@ -36,7 +36,7 @@ def test_a_checkpoint_is_the_users_files_in_their_folder_and_a_hashed_private_ma
     manifest = json.loads((newest / MANIFEST).read_text())
     assert manifest[MANIFEST_SHA256] == _manifest_digest(manifest) and manifest["report"] == 2
     assert stat.S_IMODE(os.stat(newest / "model.pt").st_mode) == 0o600
-    assert store.latest() == (newest, FILES)
+    assert store.latest()[:2] == (newest, FILES)
 
 
 def _damage_newest(newest: Path, plant: str, outside: Path) -> None:
@@ -67,7 +67,7 @@ def _damage_newest(newest: Path, plant: str, outside: Path) -> None:
 def test_a_bad_newest_checkpoint_is_skipped_within_seconds_and_the_previous_good_one_is_used(tmp_path, plant):
     store, good, newest = _save_two(tmp_path)
     _damage_newest(newest, plant, tmp_path / "outside")
-    path, files = within(store.latest)
+    path, files, _ = within(store.latest)
     assert path == good and files["model.pt"] == b"older"
 
 
@@ -83,7 +83,7 @@ def test_a_manifest_naming_a_file_outside_its_folder_is_refused(tmp_path, name):
     manifest["files"] = {name: {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}}
     manifest[MANIFEST_SHA256] = _manifest_digest(manifest)  # a forger can recompute the hash; the name is refused
     (newest / MANIFEST).write_text(json.dumps(manifest))
-    path, files = within(store.latest)
+    path, files, _ = within(store.latest)
     assert path == good and all(".." not in n and not n.startswith("/") for n in files)
 
 
@@ -102,7 +102,7 @@ def test_pruning_keeps_the_newest_readable_and_leaves_what_it_cannot_read(tmp_pa
     newest = store.save(FILES, {"report": 2})
     assert newest.name == "checkpoint-000010" and not good.exists()
     assert (planted / "notes.txt").read_text() == "keep me"  # not deleted, and it did not take newest's place
-    assert store.latest() == (newest, FILES)
+    assert store.latest()[:2] == (newest, FILES)
 
 
 def test_a_loop_checkpoint_from_before_the_shared_store_still_loads(tmp_path):
@@ -112,5 +112,18 @@ def test_a_loop_checkpoint_from_before_the_shared_store_still_loads(tmp_path):
     entry = {"bytes": 7, "sha256": hashlib.sha256(b"weights").hexdigest()}
     (old / MANIFEST).write_text(json.dumps({"files": {"model.pt": entry}, "report": 1, "rank": 0, "metrics": {}}))
     store = _store(tmp_path)
-    assert store.latest() == (old, {"model.pt": b"weights"})
+    assert store.latest()[:2] == (old, {"model.pt": b"weights"})
     assert store.save(FILES, {"report": 2}).name == "checkpoint-000002"
+
+
+@pytest.mark.parametrize(
+    ("recorded", "read"),
+    [([20, 8], [20, 8]), (None, []), ([20, "x"], []), ([0], []), ([True], []), ({"a": 1}, []), ([1] * 1001, [])],
+)
+def test_a_checkpoint_records_the_runs_global_batches_and_a_malformed_record_reads_as_none(tmp_path, recorded, read):
+    # A resume keeps each prepared loader's global batch from the checkpoint (issue 45); what the manifest says is
+    # taken only as a short list of positive integers, else the resumed loop's loaders set them again.
+    store = _store(tmp_path)
+    meta = {"report": 1, "rank": 0, "metrics": {}, **({"global_batches": recorded} if recorded is not None else {})}
+    store.save(FILES, meta)
+    assert store.latest()[2] == read
