@@ -5,7 +5,8 @@ run the loop on all of them, and read their reports while they run. A worker los
 ends the attempt: the others, stuck in a collective with it, are stopped at once, and the loop starts again on every
 bundle that can hold a worker, from the last checkpoint the run reported (get_checkpoint()), up to
 FailureConfig.max_failures within an hour. A loop that raises ends the run with the worker's traceback; Ctrl-C
-stops every worker at its next report.
+stops every worker at its next report. What follows each attempt is decided in _driver.py (a state machine, unit-tested
+without Ray); this module carries it out on Ray.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from mixtrain.cluster import connect, ray_shim
 from mixtrain.comm.process_group import group_backend
 from mixtrain.config import ScalingConfig
 from mixtrain.core.group_ops import form_group
-from mixtrain.core.interrupt import GracefulStop, TrainingInterrupted
+from mixtrain.core.interrupt import GracefulStop
 from mixtrain.core.membership import Member, Membership
 from mixtrain.core.messages import LoopDevice, LoopOutcome, LoopRequest
 from mixtrain.core.tunables import Tunables
@@ -30,10 +31,12 @@ from mixtrain.core.worker_group import WorkerGroup, lost_reason
 from mixtrain.errors import InputTypeError
 from mixtrain.observe.progress import ProgressView
 from mixtrain.observe.runlog import RunLog, check_new_run_dir, make_folder, new_run_name
-from mixtrain.policies.decisions import FailureBudget, Stop
+from mixtrain.policies.decisions import FailureBudget
+from mixtrain.train._driver import AttemptOutcome, LoopDriver
+from mixtrain.train._driver import restart_from as restart_from
 from mixtrain.train._loop_calls import LoopCalls
 from mixtrain.train._loop_worker import LoopWorker
-from mixtrain.train._result import Result, TrainingFailedError
+from mixtrain.train._result import Result
 from mixtrain.train._settings import check_loop_scaling, check_ray_options
 from mixtrain.train._sink import ReportSink
 from mixtrain.train._store import LoopCheckpoints
@@ -123,18 +126,20 @@ class TorchTrainer:
         view = ProgressView(self.run.progress, 0)
         sink = _start_sink(run_dir, self.run.keep_checkpoints, resume._global_batches if resume is not None else [])
         run = _Run(self, group, sink, log, view, tunables, resume)
+        budget = FailureBudget(self.run.failure_config.max_failures, tunables.failure_window_s)
+        driver = LoopDriver(run, budget, log=log, view=view)
         finished = False
         try:
             with GracefulStop() as stop:
                 run.stop = stop
                 group.start()
                 stop.arm()
-                run.train()
+                driver.run()
                 result = run.result(run_dir)
                 finished = True
         finally:
             view.close()
-            group.shutdown(quick=run.interrupted, finished=finished)  # kept for the next fit where asked
+            group.shutdown(quick=driver.interrupted, finished=finished)  # kept for the next fit where asked
             ray.kill(sink)
             log.close()
         return result
@@ -157,7 +162,8 @@ class TorchTrainer:
 
 
 class _Run:
-    """One fit's attempts."""
+    """One fit's loop on Ray, as the driver's LoopPort (_driver.py): the LoopGroup's workers, the report sink and
+    what they reported. The driver decides what follows each attempt; this carries it out."""
 
     def __init__(
         self,
@@ -180,66 +186,54 @@ class _Run:
         self.checkpoint_files: Any = ray.put(resume.files()) if resume is not None else None
         if resume is not None:
             view.log(f"resuming from {resume.path}")
-        self.budget = FailureBudget(trainer.run.failure_config.max_failures, tunables.failure_window_s)
         self.stop: GracefulStop | None = None
-        self.interrupted = False
         self.history: list[dict[str, Any]] = []
         self.workers: list[dict[str, Any]] = []
         self.attempt = 0
+        """The attempt running now (the driver's count): in the workers' request and in metrics.jsonl records."""
         self._planned: dict[int, list[int]] = {}
         self.batch_workers = 0
-        self.stopped_at_report = False
         self._told: set[str] = set()  # what the terminal was told once per run
         self._output_noted = False
         self.resumes = False
         """The loop called get_checkpoint(): a restart goes on from the last checkpoint, not from the start."""
 
-    def train(self) -> None:
-        self.batch_workers = len(self.group.members)  # as started: the global batch keeps it
-        while True:
-            self._bring_up()
-            lost = self._attempt()
-            if lost is None and not self.stopped_at_report:
-                return  # the loop finished on every worker
-            if lost is None:  # every worker stopped at a report: to go on without a slow one
-                excluded = self._leave_out(ray.get(self.sink.leaving.remote()))
-            else:
-                self._lost(lost)
-                excluded = []
-            empty = self.group.restart(self.tunables.placement_timeout_s, excluded)
-            latest = ray.get(self.sink.latest.remote())
-            if latest is not None:
-                self.checkpoint_files = ray.put(latest[1])
-            where = restart_from(latest[0] if latest is not None else None, self.resumes)
-            self.attempt += 1
-            self.view.log(
-                f"the loop starts again on {len(self.group.members)} workers {where}"
-                + (f"; bundles {empty} have no worker now" if empty else "")
-            )
+    @property
+    def members(self) -> Membership:
+        return self.group.members
 
-    def _lost(self, lost: dict[int, str]) -> None:
-        """Workers lost: counted against FailureConfig.max_failures (per hour), or the run stops here."""
-        left = len(self.group.members) - len(lost)
-        decision = self.budget.record(left, time.monotonic())
-        self.log.write("failure", {"attempt": self.attempt, "lost": lost, "failures": self.budget.failures})
-        for rank, why in sorted(lost.items()):
-            self.view.log(f"{self.group.members[rank].describe(rank)} lost: {why}")
-        if isinstance(decision, Stop):
-            raise TrainingFailedError(f"training stopped: {decision.reason}. {self._hint()}")
-        self.view.log(self.budget.count())
+    @property
+    def loop_name(self) -> str:
+        return getattr(self.trainer.fn, "__name__", "the loop")
 
-    def _leave_out(self, leaving: dict[str, Any]) -> list[int]:
-        """The worker the job is measurably faster without: its bundle gets no worker from now on."""
-        member = self.group.members[int(leaving["rank"])]
-        self.log.write("left_out", {"attempt": self.attempt, "worker": member.info, "reason": leaving["reason"]})
-        self.view.log(f"left out {member.describe(int(leaving['rank']))}: {leaving['reason']}")
+    @property
+    def log_dir(self) -> Path | None:
+        return self.group.log_dir
+
+    def take_leaving(self) -> dict[str, Any]:
+        leaving: dict[str, Any] = ray.get(self.sink.leaving.remote())
         self.sink.clear_leave_out.remote()
-        return [member.spec.rank]
+        return leaving
 
-    def _bring_up(self) -> None:
+    def restart(self, excluded: Sequence[int]) -> list[int]:
+        return self.group.restart(self.tunables.placement_timeout_s, excluded)
+
+    def reload_checkpoint(self) -> str | None:
+        latest = ray.get(self.sink.latest.remote())
+        if latest is None:
+            return None
+        self.checkpoint_files = ray.put(latest[1])
+        return str(latest[0])
+
+    def last_checkpoint(self) -> str | None:
+        last: str | None = ray.get(self.sink.checkpoint_path.remote())
+        return last
+
+    def bring_up(self) -> None:
         """Each worker resolves its device; the group forms as a Task's does (core/group_ops.form_group), on the
         backend a Task's would get (NCCL only where every worker is CUDA with a GPU of its own)."""
         t, group = self.tunables, self.group
+        self.batch_workers = self.batch_workers or len(group.members)  # as started: the global batch keeps it
         found: list[LoopDevice] = group.each(lambda w: _loop(w).prepare_device(), timeout_s=t.setup_s)
         for member, device in zip(group.members, found):
             member.info = device.info
@@ -251,48 +245,43 @@ class _Run:
         if note is not None:
             self.view.log(note)
 
-    def _attempt(self) -> dict[int, str] | None:
-        """Run the loop on every worker; None when it finished everywhere, else the workers lost (rank -> why).
-        A worker that died ends the attempt at once (the others wait in a collective for it). A failed collective
-        with no worker dead (one stopped or asleep) gives the rest MIXTRAIN_LOST_GRACE_S to answer."""
+    def run_attempt(self, attempt: int) -> AttemptOutcome:
+        """Run the loop on every worker and show what they report while it runs. A worker that died ends the
+        attempt at once (the others wait in a collective for it); a failed collective with no worker dead (one
+        stopped or asleep) gives the rest MIXTRAIN_LOST_GRACE_S to answer; a loop that raised ends it there."""
+        self.attempt = attempt
         request = self._request()
-        self.stopped_at_report = False
-        calls = self.group.members
-        pending = {_loop(m.worker).run_loop(request).ref: r for r, m in enumerate(calls)}
+        pending = {_loop(m.worker).run_loop(request).ref: r for r, m in enumerate(self.group.members)}
         lost: dict[int, str] = {}
-        stopped, deadline = False, float("inf")
+        stopping, stopped_at_report, deadline = False, False, float("inf")
         while pending and not any(why.startswith("its process") for why in lost.values()):
             ready, _ = ray.wait(list(pending), num_returns=1, timeout=0.25)
             self._drain()
-            if self.stop is not None and self.stop.requested and not stopped:
+            if self.stop is not None and self.stop.requested and not stopping:
                 self.sink.request_stop.remote()
-                stopped = True
+                stopping = True
             for ref in ready:
                 rank = pending.pop(ref)
                 outcome = self._outcome(rank, ref, lost)
+                if outcome is not None and outcome.status == "error":
+                    return AttemptOutcome(raised=(rank, outcome.error))
                 if outcome is not None and outcome.status == "peer_lost":
                     deadline = min(deadline, time.monotonic() + self.tunables.lost_grace_s)
-                self.stopped_at_report |= outcome is not None and outcome.status == "stopped"
+                stopped_at_report |= outcome is not None and outcome.status == "stopped"
             if time.monotonic() > deadline:
                 for rank in pending.values():
                     lost[rank] = f"did not answer within {self.tunables.lost_grace_s:g} s after a peer failed"
                 break
         self._drain()
-        if stopped and not lost:
-            self.interrupted = True
-            self.log.write("interrupted", {"attempt": self.attempt})
-            raise TrainingInterrupted(f"stopped at a report. {self._hint()}", None)
-        return lost or None
+        return AttemptOutcome(lost=lost, stopped_at_report=stopped_at_report, interrupted=stopping)
 
     def _outcome(self, rank: int, ref: Any, lost: dict[int, str]) -> LoopOutcome | None:
-        """One worker's end: a loop that raised ends the run; a dead worker is lost."""
+        """One worker's end; None where it died (then it is in `lost`)."""
         try:
             outcome: LoopOutcome = ray.get(ref)
         except ray.exceptions.RayActorError as exc:
             lost[rank] = lost_reason(exc)
             return None
-        if outcome.status == "error":
-            raise TrainingFailedError(self._error(rank, outcome))
         return outcome
 
     def _request(self) -> LoopRequest:
@@ -390,25 +379,9 @@ class _Run:
             self.view.output([f"(worker 0's output follows; every worker's is in {self.group.log_dir}/worker-*.log)"])
         self.view.output(lines)
 
-    def _error(self, rank: int, outcome: LoopOutcome) -> str:
-        member = self.group.members[rank]
-        name = getattr(self.trainer.fn, "__name__", "the loop")
-        logs = f"\n(each worker's output: {self.group.log_dir}/worker-*.log)" if self.group.log_dir else ""
-        return f"{member.describe(rank)} raised in {name}:\n{outcome.error.rstrip()}{logs}"
-
-    def _hint(self) -> str:
-        last = ray.get(self.sink.checkpoint_path.remote())
-        name = self.log.run_dir.name
-        if last is None:
-            return "No checkpoint was reported."
-        return (
-            f"The last checkpoint, {last}, is intact; continue with RunConfig(name={name!r}) (the same storage_path), "
-            f"or `mixtrain run ... --resume {self.log.run_dir}`."
-        )
-
     def result(self, run_dir: Path) -> Result:
         metrics = self.history[-1] if self.history else {}
-        last = ray.get(self.sink.checkpoint_path.remote())
+        last = self.last_checkpoint()
         return Result(
             metrics={k: v for k, v in metrics.items() if k not in ("report", "checkpoint")},
             checkpoint=Checkpoint(last) if last else None,
@@ -422,19 +395,6 @@ def loop_backend(requested: str, found: Sequence[LoopDevice]) -> tuple[str, str 
     """The loop's collective backend, chosen as a Task's is (comm/process_group.group_backend), and the note
     where NCCL was passed over."""
     return group_backend(requested, [(d.info.host, d.info.device.split(":")[0], d.uuid, d.nccl) for d in found])
-
-
-def restart_from(checkpoint: str | None, resumes: bool) -> str:
-    """Where a restarted loop goes on from, as the terminal says it: a loop that never called get_checkpoint()
-    trains again from its first epoch, whatever checkpoints it reported (said so, not hidden behind one)."""
-    if checkpoint is None:
-        return "from the start (no checkpoint reported yet)"
-    if not resumes:
-        return (
-            f"from the start: the loop never calls mixtrain.train.get_checkpoint(), so it trains its first epochs "
-            f"again (its last checkpoint, {checkpoint}, is kept)"
-        )
-    return f"from {checkpoint}"
 
 
 def _loop(worker: Any) -> LoopCalls:
