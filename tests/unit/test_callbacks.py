@@ -14,10 +14,10 @@ import pytest
 from mixtrain import Callback, EarlyStopping, StopTraining
 from mixtrain.callbacks import CheckpointSaved, Evaluated, RoundEnded, WorkersChanged
 from mixtrain.checkpoint import CheckpointStore
-from mixtrain.core.controller import Done, Finishing, Train
 from mixtrain.core.hooks import Hooks, check_callbacks
 from mixtrain.core.messages import RoundPlan
 from mixtrain.core.port import RoundOutcome
+from mixtrain.core.states import Done, Finishing, Train
 from mixtrain.errors import InputError, InputValueError
 from tests.unit.test_controller import GLOBAL_BATCH, NUM_SAMPLES, FakeGroup, controller, report, steps_trained
 
@@ -148,7 +148,8 @@ def test_the_best_checkpoint_survives_pruning_and_is_named(tmp_path):
     assert ctl.best_checkpoint == tmp_path / "checkpoints" / "step-000000004"
     names = sorted(p.name for p in CheckpointStore(tmp_path).paths())
     assert names == ["step-000000004", "step-000000006", "step-000000008"]  # the best beside the 2 newest
-    assert json.loads(ctl.driver_state())["best"] == {"metric": "loss", "mode": "min", "value": 0.4, "name": names[0]}
+    best = json.loads(ctl.checkpointer.driver_state())["best"]
+    assert best == {"metric": "loss", "mode": "min", "value": 0.4, "name": names[0]}
     saved = json.loads(CheckpointStore.read(ctl.best_checkpoint)[0]["driver"])["best"]
     assert saved["name"] == names[0]  # the best checkpoint says it is the best: a resume from it keeps it
 

@@ -15,13 +15,14 @@ from mixtrain import ScalingConfig
 from mixtrain.checkpoint import CheckpointStore
 from mixtrain.cluster.placement import WorkerSpec
 from mixtrain.core.changes import TrainingStopped
-from mixtrain.core.controller import Controller, Done, EpochEnd, Policies, RoundDone, RoundFailed, Stopping, Train
+from mixtrain.core.controller import Controller, Policies
 from mixtrain.core.hooks import Hooks
 from mixtrain.core.interrupt import TrainingInterrupted
 from mixtrain.core.membership import Member, Membership, Status
 from mixtrain.core.messages import RoundPlan, WorkerInfo, WorkerReport
 from mixtrain.core.port import Joined, RoundOutcome, WorkersLost
 from mixtrain.core.run_state import RunSettings
+from mixtrain.core.states import Done, EpochEnd, RoundDone, RoundFailed, Stopping, Train
 from mixtrain.core.tunables import Tunables
 from mixtrain.observe.progress import ProgressView
 from mixtrain.policies.decisions import Adopt, Decision, FailureBudget, LeaveOut, NonFiniteStreak, Noop, Rebalancer

@@ -8,13 +8,15 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import replace
+from typing import TypeVar
 
 from mixtrain.core.balancing import Balancing
+from mixtrain.core.checkpointing import Checkpoints
 from mixtrain.core.messages import RoundPlan, WorkerReport
-from mixtrain.core.port import GroupPort
+from mixtrain.core.port import GroupPort, WorkersLost
 from mixtrain.core.rounds import RoundRecord
 from mixtrain.core.run_state import RunSettings
-from mixtrain.core.schedule import Checkpoints
+from mixtrain.core.states import Position, Train
 from mixtrain.observe.progress import ProgressView, plan_line, plan_table
 from mixtrain.observe.runlog import RunLog
 from mixtrain.policies.decisions import EXCLUDE_ROUNDS, FailureBudget, Stop, replan
@@ -26,8 +28,7 @@ class TrainingStopped(RuntimeError):
     names the cause and the checkpoint to resume from."""
 
 
-Position = tuple[int, int]
-"""(epoch, step): where training continues."""
+T = TypeVar("T")
 
 
 class Changes:
@@ -166,6 +167,18 @@ class Changes:
         self.replan(f"re-formed with {left} workers")
         self.view.log(f"{self.budget.count()}: continuing from epoch {at[0]}, step {at[1]}")
         return at
+
+    def surviving(self, what: str, call: Callable[[], T], at: Position) -> T | Train:
+        """`call()` (a checkpoint, an evaluation), surviving workers lost while it runs: re-form the group without
+        them and call again; or, when the recovery went back to the last checkpoint, where training goes on."""
+        while True:
+            try:
+                return call()
+            except WorkersLost as exc:
+                self.view.log(f"a worker was lost during {what}()")
+                where = self.recover(exc.lost, {}, at)
+            if where != at:
+                return Train(*where)
 
     def rewind(self, lost: Sequence[int]) -> Position:
         """A sharded optimizer's slice died with its worker (or a step was half applied): every worker that is

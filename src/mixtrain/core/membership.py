@@ -130,6 +130,10 @@ class Membership:
         assert all(i is not None for i in infos), "every active member has reported who it is"
         return [i for i in infos if i is not None]
 
+    def names(self) -> list[str]:
+        """Each active worker by rank and device, as a stop names those that produced NaN/Inf steps."""
+        return [f"worker {i} ({w.device_name} on {w.host}, {w.device})" for i, w in enumerate(self.infos())]
+
     # ---- changing ---------------------------------------------------------------------------
     def add(self, member: Member) -> None:
         """A new active member (or one coming back), as the last rank."""

@@ -7,7 +7,13 @@ from dataclasses import asdict, dataclass, field, fields
 from statistics import fmean
 from typing import Any
 
+from mixtrain.core.membership import Membership
 from mixtrain.core.messages import RoundPlan, WorkerInfo, WorkerReport
+from mixtrain.core.run_state import RunSettings
+from mixtrain.policies.planner import micro_batches
+
+RAMP_FIRST_S = 0.2
+"""Length of the first measured round; each next one doubles, up to MIXTRAIN_ROUND_TARGET_S."""
 
 
 @dataclass(kw_only=True)
@@ -74,6 +80,12 @@ class RoundRecord:
     @property
     def steps(self) -> range:
         return range(self.first_step, self.first_step + self.num_steps)
+
+    def name_workers(self, infos: list[WorkerInfo | None]) -> None:
+        """Who each worker's entry is (`infos` in the entries' order), for the report and progress rows."""
+        for entry, info in zip(self.workers, infos):
+            if info is not None:
+                entry.name(info)
 
     def as_dict(self) -> dict[str, Any]:
         out = {f.name: getattr(self, f.name) for f in fields(self) if f.name not in ("partial", "superseded")}
@@ -165,6 +177,57 @@ def time_split(entry: dict) -> tuple[float, float, float]:
     """A worker's round as fractions busy (compute), waiting for slower peers, and communicating."""
     spent = entry["compute_s"] + entry["wait_s"] + entry["comm_s"] or 1.0
     return entry["compute_s"] / spent, entry["wait_s"] / spent, entry["comm_s"] / spent
+
+
+def plan_round(
+    members: Membership, settings: RunSettings, at: tuple[int, int], num_steps: int, index: int
+) -> RoundPlan:
+    """The run's `index`th round: `num_steps` steps from `at` = (epoch, step), on the active workers' shares, each
+    in micro-batches its memory allows."""
+    return RoundPlan(
+        epoch=at[0],
+        first_step=at[1],
+        num_steps=num_steps,
+        shares=tuple(members.shares()),
+        global_batch=settings.global_batch,
+        drift_tolerance=settings.drift_tolerance,
+        micro_batches=tuple(micro_batches(members.shares(), members.memory_caps())),
+        round_index=index,
+    )
+
+
+def epoch_line(history: list[RoundRecord], epoch: int, epochs: int) -> str:
+    """The epoch's line on the terminal: its last loss and its speed over the rounds that stand."""
+    rounds = [r for r in history if r.epoch == epoch and not r.superseded]
+    line = f"epoch {epoch + 1}/{epochs}:"
+    if rounds:  # none when a run resumed exactly at this epoch's end (a Ctrl-C after its last round)
+        samples, wall = sum(r.samples for r in rounds), sum(r.wall_s for r in rounds)
+        line += f" loss {rounds[-1].last_loss:.4f}  {samples / wall:,.0f} samples/s"
+    return line
+
+
+def round_samples(plan: RoundPlan, num_steps: int, num_samples: int) -> int:
+    """Training samples in `num_steps` steps from the round's first (the epoch's last step may be short)."""
+    first, batch = plan.first_step, plan.global_batch
+    return sum(min(batch, num_samples - t * batch) for t in range(first, first + num_steps))
+
+
+def round_steps(settings: RunSettings, target_s: float, rounds_done: int = 0, step_s: float = 0.0) -> int:
+    """Steps the next round asks for, after `rounds_done` rounds whose last took `step_s` a step. A short first
+    round measures the step time (local SGD: H steps, the shortest without an early exchange); then rounds start
+    short and double up to `target_s`: the first decisions (shares, leaving a worker out, checking that call)
+    come within a second or two instead of after several full rounds."""
+    if not rounds_done:
+        return whole_exchanges(
+            settings.steps_per_round or max(2, settings.min_round_steps), settings.steps_per_exchange
+        )
+    return next_round_steps(
+        step_s,
+        min(target_s, RAMP_FIRST_S * 2 ** (rounds_done - 1)),
+        settings.steps_per_round,
+        per_exchange=settings.steps_per_exchange,
+        min_steps=settings.min_round_steps,
+    )
 
 
 def next_round_steps(
