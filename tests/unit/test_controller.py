@@ -213,6 +213,16 @@ def test_a_run_trains_every_step_once_checkpoints_and_evaluates_each_epoch(tmp_p
     assert ctl.last_checkpoint is not None and CheckpointStore.verify(ctl.last_checkpoint)
 
 
+def test_every_epochs_line_is_shown_without_held_out_data_also_where_a_checkpoint_is_written(tmp_path):
+    group = FakeGroup()
+    ctl, log = controller(group, tmp_path)
+    shown: list[str] = []
+    ctl.view.log = shown.append  # type: ignore[method-assign]
+    ctl.run(epochs=2)
+    assert [(c["epoch"], c["step"]) for c in log.kinds("checkpoint")] == [(2, 0)]  # the last epoch's end
+    assert [line.split(":")[0] for line in shown if line.startswith("epoch ")] == ["epoch 1/2", "epoch 2/2"], shown
+
+
 def test_transitions_one_at_a_time(tmp_path):
     group = FakeGroup()
     ctl, _ = controller(group, tmp_path)

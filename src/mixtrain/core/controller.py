@@ -224,11 +224,9 @@ class Controller:
         line = epoch_line(self.history, epoch, self.epochs)
         if self.evaluator.due(epoch, self.num_steps, bool(last)):
             rewound = self._evaluate_and_checkpoint((epoch, self.num_steps), after, line)
-        elif self.checkpointer.due(after, bool(last)):
-            rewound = self.checkpointer.write(after)
         else:
-            rewound = None
-            self.view.log(line)
+            self.view.log(line)  # (a checkpoint written here once hid the epoch's line: the last one never showed)
+            rewound = self.checkpointer.write(after) if self.checkpointer.due(after, bool(last)) else None
         if rewound is not None:
             return rewound
         if last:
