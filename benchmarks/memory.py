@@ -399,7 +399,7 @@ def _mixtrain_task(width: int, record_dir: str, cgroup: str | None, cap_mb: floa
 def _flushing_group(record_dir: Path) -> type:
     """mixtrain's WorkerGroup, whose shutdown first collects every recorder's last reading (the workers are
     killed right after it, and the final state_dict has just been taken)."""
-    from mixtrain.core.worker_group import WorkerGroup
+    from mixtrain.group.worker_group import WorkerGroup
 
     class FlushingGroup(WorkerGroup):
         def shutdown(self, quick: bool = False, finished: bool = False) -> None:

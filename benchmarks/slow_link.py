@@ -169,7 +169,7 @@ def drive(
     import signal
     import threading
 
-    from mixtrain.core.interrupt import TrainingInterrupted
+    from mixtrain.driver.interrupt import TrainingInterrupted
 
     # a row that would take too long is stopped as Ctrl-C stops it: at a round boundary, with a checkpoint
     # counted from the first step (the run's plan record), not from start-up: `auto` on a slow link spends

@@ -25,13 +25,13 @@ _PUBLIC = {
     "Result": "mixtrain.result",
     "Task": "mixtrain.task",
     "Trainer": "mixtrain.trainer",
-    "TrainingInterrupted": "mixtrain.core.interrupt",
-    "TrainingStopped": "mixtrain.core.controller",
+    "TrainingInterrupted": "mixtrain.driver.interrupt",
+    "TrainingStopped": "mixtrain.driver.controller",
     "WeightsNotSaved": "mixtrain.checkpoint",
-    "WorkerError": "mixtrain.core.worker_group",
+    "WorkerError": "mixtrain.group.worker_group",
     "load_weights": "mixtrain.checkpoint",
     "export_pretrained": "mixtrain.pretrained",
-    "release_workers": "mixtrain.core.warm_workers",
+    "release_workers": "mixtrain.worker.warm_workers",
 }
 __all__ = [
     "Callback",
@@ -60,16 +60,16 @@ if TYPE_CHECKING:  # what a type checker and an IDE see: the names, from where t
     from mixtrain.callbacks import Callback, EarlyStopping, StopTraining
     from mixtrain.checkpoint import WeightsNotSaved, load_weights
     from mixtrain.config import DeviceGroup, RunConfig, ScalingConfig, StrategyConfig
-    from mixtrain.core.controller import TrainingStopped
-    from mixtrain.core.interrupt import TrainingInterrupted
-    from mixtrain.core.warm_workers import release_workers
-    from mixtrain.core.worker_group import WorkerError
+    from mixtrain.driver.controller import TrainingStopped
+    from mixtrain.driver.interrupt import TrainingInterrupted
     from mixtrain.errors import InputError
+    from mixtrain.group.worker_group import WorkerError
     from mixtrain.job import Job
     from mixtrain.pretrained import export_pretrained
     from mixtrain.result import Result
     from mixtrain.task import Task
     from mixtrain.trainer import Trainer
+    from mixtrain.worker.warm_workers import release_workers
 
 
 def __getattr__(name: str) -> Any:

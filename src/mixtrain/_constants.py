@@ -106,7 +106,7 @@ SLOWDOWN_ENV = "MIXTRAIN_EMULATE_SLOWDOWN"
 PROFILE_DIR_ENV = "MIXTRAIN_PROFILE_DIR"
 """A folder where each worker writes torch.profiler tables of a few rounds (observe/round_profile.py)."""
 KEEP_WORKERS_ENV = "MIXTRAIN_KEEP_WORKERS"
-"""1: a finished fit keeps its worker processes for the next fit in this process (core/warm_workers.py)."""
+"""1: a finished fit keeps its worker processes for the next fit in this process (worker/warm_workers.py)."""
 
 
 HOST_MMAP_THRESHOLD_MB = ("MIXTRAIN_HOST_MMAP_THRESHOLD_MB", 16.0)

@@ -21,22 +21,22 @@ from mixtrain.cluster import connect
 from mixtrain.comm.state_transfer import pack, unpack
 from mixtrain.comm.strategy import tensor_bytes
 from mixtrain.config import RunConfig, ScalingConfig, StrategyConfig, StrategyName, check_together
-from mixtrain.core.bringup import Bringup, Phases, bring_up
-from mixtrain.core.controller import Controller, Policies
-from mixtrain.core.hooks import Hooks, check_callbacks
-from mixtrain.core.interrupt import GracefulStop
-from mixtrain.core.run_state import RunSettings
-from mixtrain.core.tunables import Tunables
-from mixtrain.core.worker_calls import WorkerCalls
-from mixtrain.core.worker_group import WorkerGroup
 from mixtrain.data.sampling import Arrays, steps_per_epoch
 from mixtrain.data.sources import Loader, describe, known_length
+from mixtrain.driver.bringup import Bringup, Phases, bring_up
+from mixtrain.driver.controller import Controller, Policies
+from mixtrain.driver.hooks import Hooks, check_callbacks
+from mixtrain.driver.interrupt import GracefulStop
 from mixtrain.errors import InputTypeError, InputValueError
+from mixtrain.group.worker_calls import WorkerCalls
+from mixtrain.group.worker_group import WorkerGroup
 from mixtrain.loggers._tensorboard import TensorBoardLogger, check_tensorboard, summary_writer_class
 from mixtrain.observe.progress import ProgressView, plan_table, probe_memory_line
 from mixtrain.observe.runlog import RunLog, make_run_dir
 from mixtrain.policies.planner import plan_record, resolve_shares
 from mixtrain.pretrained import save_final_hf_model
+from mixtrain.records.run_state import RunSettings
+from mixtrain.records.tunables import Tunables
 from mixtrain.result import Result
 from mixtrain.task import Task
 

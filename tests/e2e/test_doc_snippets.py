@@ -55,7 +55,7 @@ def test_a_sweep_with_kept_workers_runs_as_written(tmp_path, monkeypatch, capsys
     logs = [sorted(p.name for p in (tmp_path / "mixtrain_runs" / name / "logs").iterdir()) for name in
             ("sweep-lr0.001", "sweep-lr0.003")]  # fmt: skip
     assert logs[0] == logs[1] and len(logs[0]) == 2, logs  # worker-RANK-cpu-pidPID.log: the same processes
-    assert mixtrain.core.warm_workers.kept() == 0  # release_workers() freed them
+    assert mixtrain.worker.warm_workers.kept() == 0  # release_workers() freed them
 
 
 def test_the_habits_script_evaluates_every_25_steps_and_keeps_the_best(tmp_path):

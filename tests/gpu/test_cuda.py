@@ -83,7 +83,7 @@ def test_the_cuda_device_class_describes_the_real_card():
 def test_the_memory_probe_survives_a_real_out_of_memory_on_the_card():
     """A batch that cannot fit raises the card's real OutOfMemoryError; the search catches it,
     frees the cache and settles on a batch that does fit, and the card stays usable."""
-    from mixtrain.core.probe import largest_fitting
+    from mixtrain.worker.probe import largest_fitting
 
     kind = devices.get("cuda")
     total, _ = kind.memory(0)

@@ -9,8 +9,8 @@ import torch
 
 from mixtrain.comm.strategy import AllReduceStrategy, JoinContext
 from mixtrain.config import StrategyConfig
-from mixtrain.core.ledger import RoundLedger
-from mixtrain.core.messages import RoundPlan
+from mixtrain.records.messages import RoundPlan
+from mixtrain.worker.ledger import RoundLedger
 from tests.unit.test_step_gate import BAD_GRAD, BAD_LOSS, _assert_same, _backward, _reference, _task
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")

@@ -13,8 +13,8 @@ from ray.cluster_utils import Cluster
 
 from mixtrain import ScalingConfig
 from mixtrain.config import parse_workers
-from mixtrain.core.worker_calls import Pending
-from mixtrain.core.worker_group import WorkerGroup
+from mixtrain.group.worker_calls import Pending
+from mixtrain.group.worker_group import WorkerGroup
 
 
 def landed(scaling: ScalingConfig, names: dict[str, str]) -> list[dict]:

@@ -8,7 +8,7 @@ import json
 import pytest
 
 from mixtrain import DeviceGroup, RunConfig, ScalingConfig, Trainer
-from mixtrain.core.preflight import PreflightError
+from mixtrain.group.preflight import PreflightError
 from tests.conftest import run_records
 from tests.models import data, factory
 from tests.ray.test_exactness import GLOBAL_BATCH, NUM_SAMPLES, SEED, assert_same_weights, reference

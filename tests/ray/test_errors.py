@@ -93,7 +93,7 @@ def test_factory_from_a_module_workers_cannot_import_says_how_to_fix(tmp_path, m
 def test_workers_that_build_different_models_are_refused_naming_the_parameter_and_both_shapes(tmp_path):
     import functools
 
-    from mixtrain.core.preflight import PreflightError
+    from mixtrain.group.preflight import PreflightError
     from tests.models import one_worker_builds_another_model
 
     x, y = data("mlp", 64)

@@ -11,10 +11,10 @@ import torch
 
 from mixtrain import RunConfig, ScalingConfig, StrategyConfig, Trainer
 from mixtrain.checkpoint import MANIFEST_SHA256, CheckpointStore, _manifest_digest
-from mixtrain.core.controller import TrainingStopped
-from mixtrain.core.worker import TrainWorker
-from mixtrain.core.worker_group import WorkerGroup
 from mixtrain.data.sampling import steps_per_epoch
+from mixtrain.driver.controller import TrainingStopped
+from mixtrain.group.worker_group import WorkerGroup
+from mixtrain.worker.replica import TrainWorker
 from tests.conftest import run_records
 from tests.models import data, eval_memory_task, factory, faulty_task, with_a_slow_first_step
 from tests.ray.test_exactness import GLOBAL_BATCH, NUM_SAMPLES, SEED, assert_same_weights, reference

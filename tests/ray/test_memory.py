@@ -10,8 +10,8 @@ import torch
 from torch import nn
 
 from mixtrain import RunConfig, ScalingConfig, Task, Trainer
-from mixtrain.core.worker import TrainWorker
-from mixtrain.core.worker_group import WorkerGroup
+from mixtrain.group.worker_group import WorkerGroup
+from mixtrain.worker.replica import TrainWorker
 from tests.conftest import run_records
 
 pytestmark = pytest.mark.usefixtures("ray_session")

@@ -14,9 +14,9 @@ from torch.utils.data import default_collate
 import mixtrain
 from mixtrain import RunConfig, ScalingConfig, StrategyConfig, Task, Trainer, WorkerError
 from mixtrain.checkpoint import CheckpointStore
-from mixtrain.core.preflight import PreflightError
 from mixtrain.data import Loader, seed_sample
 from mixtrain.data.sampling import epoch_permutation, steps_per_epoch
+from mixtrain.group.preflight import PreflightError
 from tests.datasets import Augmented, DictSamples, clipped_task, dict_task, first_come_dataset, read_counts
 from tests.models import data, make_task
 from tests.ray.test_exactness import assert_same_weights

@@ -10,9 +10,9 @@ import torch
 from mixtrain import ScalingConfig
 from mixtrain.cluster.placement import WorkerSpec
 from mixtrain.comm import state_transfer
-from mixtrain.core.membership import Member, Membership
-from mixtrain.core.worker_calls import WorkerCalls
-from mixtrain.core.worker_group import STREAM_AHEAD, WorkerGroup, WorkerTimeout
+from mixtrain.group.membership import Member, Membership
+from mixtrain.group.worker_calls import WorkerCalls
+from mixtrain.group.worker_group import STREAM_AHEAD, WorkerGroup, WorkerTimeout
 
 pytestmark = pytest.mark.usefixtures("ray_session")
 

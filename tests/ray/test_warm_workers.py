@@ -16,7 +16,7 @@ import torch
 
 import mixtrain
 from mixtrain import RunConfig, ScalingConfig, Trainer
-from mixtrain.core import warm_workers
+from mixtrain.worker import warm_workers
 from tests.conftest import run_records
 from tests.models import data, factory, from_module, paced_task, raising_factory
 from tests.ray.test_exactness import GLOBAL_BATCH, NUM_SAMPLES, SEED, assert_same_weights, reference

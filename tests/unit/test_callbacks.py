@@ -14,11 +14,11 @@ import pytest
 from mixtrain import Callback, EarlyStopping, StopTraining
 from mixtrain.callbacks import CheckpointSaved, Evaluated, RoundEnded, WorkersChanged
 from mixtrain.checkpoint import CheckpointStore
-from mixtrain.core.hooks import Hooks, check_callbacks
-from mixtrain.core.messages import RoundPlan
-from mixtrain.core.port import RoundOutcome
-from mixtrain.core.states import Done, Finishing, Train
+from mixtrain.driver.hooks import Hooks, check_callbacks
+from mixtrain.driver.states import Done, Finishing, Train
 from mixtrain.errors import InputError, InputValueError
+from mixtrain.group.port import RoundOutcome
+from mixtrain.records.messages import RoundPlan
 from tests.unit.test_controller import GLOBAL_BATCH, NUM_SAMPLES, FakeGroup, controller, report, steps_trained
 
 STEPS = NUM_SAMPLES // GLOBAL_BATCH  # 8 steps per epoch

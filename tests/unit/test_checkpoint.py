@@ -233,7 +233,7 @@ def test_an_unreadable_folder_never_makes_prune_delete_the_newest_good_checkpoin
 
 
 def test_a_full_disk_keeps_the_newest_good_checkpoint_beside_an_unreadable_one(tmp_path):
-    from mixtrain.core.checkpointing import save_making_room
+    from mixtrain.driver.checkpointing import save_making_room
 
     class Quiet:
         def log(self, line):

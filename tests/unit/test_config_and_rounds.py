@@ -2,7 +2,7 @@ import pytest
 import torch
 
 from mixtrain import RunConfig, ScalingConfig, Task, Trainer
-from mixtrain.core.rounds import RoundPlan, WorkerReport, next_round_steps, summarize_round, worker_times
+from mixtrain.records.rounds import RoundPlan, WorkerReport, next_round_steps, summarize_round, worker_times
 from tests.models import factory
 
 

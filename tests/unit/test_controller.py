@@ -14,19 +14,19 @@ import torch
 from mixtrain import ScalingConfig
 from mixtrain.checkpoint import CheckpointStore
 from mixtrain.cluster.placement import WorkerSpec
-from mixtrain.core.changes import TrainingStopped
-from mixtrain.core.controller import Controller, Policies
-from mixtrain.core.hooks import Hooks
-from mixtrain.core.interrupt import TrainingInterrupted
-from mixtrain.core.membership import Member, Membership, Status
-from mixtrain.core.messages import RoundPlan, WorkerInfo, WorkerReport
-from mixtrain.core.port import Joined, RoundOutcome, WorkersLost
-from mixtrain.core.run_state import RunSettings
-from mixtrain.core.states import Done, EpochEnd, RoundDone, RoundFailed, Stopping, Train
-from mixtrain.core.tunables import Tunables
+from mixtrain.driver.changes import TrainingStopped
+from mixtrain.driver.controller import Controller, Policies
+from mixtrain.driver.hooks import Hooks
+from mixtrain.driver.interrupt import TrainingInterrupted
+from mixtrain.driver.states import Done, EpochEnd, RoundDone, RoundFailed, Stopping, Train
+from mixtrain.group.membership import Member, Membership, Status
+from mixtrain.group.port import Joined, RoundOutcome, WorkersLost
 from mixtrain.observe.progress import ProgressView
 from mixtrain.policies.decisions import Adopt, Decision, FailureBudget, LeaveOut, NonFiniteStreak, Noop, Rebalancer
 from mixtrain.policies.planner import make_plan
+from mixtrain.records.messages import RoundPlan, WorkerInfo, WorkerReport
+from mixtrain.records.run_state import RunSettings
+from mixtrain.records.tunables import Tunables
 
 GLOBAL_BATCH = 8
 NUM_SAMPLES = 64  # 8 steps per epoch
@@ -64,7 +64,7 @@ def report(rank: int, plan: RoundPlan, **fields: Any) -> WorkerReport:
 
 
 class FakeGroup:
-    """The GroupPort of core/port.py, in memory. `rounds` scripts the rounds: each entry makes one round's outcome
+    """The GroupPort of group/port.py, in memory. `rounds` scripts the rounds: each entry makes one round's outcome
     from its plan (the default: every worker reports every step, in `wall_s` seconds)."""
 
     def __init__(self, num_workers: int = 2) -> None:
@@ -380,7 +380,7 @@ class AllNaN(FakeGroup):
 
 
 def test_a_run_that_applied_no_step_fails_naming_the_cause_instead_of_ending_done(tmp_path):
-    from mixtrain.core.changes import TrainingStopped
+    from mixtrain.driver.changes import TrainingStopped
 
     group = AllNaN()
     ctl, log = controller(group, tmp_path, max_nonfinite_steps=10)  # 8 steps: fewer than the limit in a row

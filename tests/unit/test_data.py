@@ -60,7 +60,7 @@ def test_to_arrays_errors_are_clear():
 
 
 def test_per_device_pace_cuts_a_workers_samples_into_inner_batches_across_steps():
-    from mixtrain.core.worker_data import paced_segments
+    from mixtrain.worker.worker_data import paced_segments
 
     # 3 steps of 5 samples each on this worker, micro-batches of at most 3; inner batches of 4; an exchange
     # after step 1 (the second): what is left there is stepped on, and counting starts again

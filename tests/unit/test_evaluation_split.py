@@ -3,8 +3,8 @@ not fit handed to the others (Ray-free; tests/ray/test_faults.py runs it for rea
 
 from __future__ import annotations
 
-from mixtrain.core import evaluation
-from mixtrain.core.schedule import EVAL_BATCH, eval_batches, eval_split
+from mixtrain.driver.schedule import EVAL_BATCH, eval_batches, eval_split
+from mixtrain.worker import evaluation
 
 
 def test_the_held_out_set_is_split_by_measured_speed_and_equally_before_that():

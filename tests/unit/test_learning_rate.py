@@ -7,10 +7,10 @@ import json
 import torch
 
 from mixtrain.comm.strategy import RoundSync
-from mixtrain.core.ledger import RoundLedger, learning_rates
-from mixtrain.core.messages import RoundPlan, WorkerReport
-from mixtrain.core.rounds import summarize_round
 from mixtrain.observe.report import write_report
+from mixtrain.records.messages import RoundPlan, WorkerReport
+from mixtrain.records.rounds import summarize_round
+from mixtrain.worker.ledger import RoundLedger, learning_rates
 
 PLAN = RoundPlan(epoch=0, first_step=0, num_steps=2, shares=(10, 10), global_batch=20, drift_tolerance=1e-6)
 

@@ -11,7 +11,7 @@ import pytest
 
 from mixtrain.callbacks import CheckpointSaved, Evaluated, RoundEnded, RunEnded, RunStarted
 from mixtrain.config import RunConfig, ScalingConfig
-from mixtrain.core.hooks import Hooks
+from mixtrain.driver.hooks import Hooks
 from mixtrain.errors import MissingExtraError
 from tests.trackers import (
     mlflow_artifacts,

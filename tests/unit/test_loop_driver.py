@@ -11,10 +11,10 @@ from typing import Any
 import pytest
 
 from mixtrain.cluster.placement import WorkerSpec
-from mixtrain.core.interrupt import TrainingInterrupted
-from mixtrain.core.membership import Member, Membership
-from mixtrain.core.messages import WorkerInfo
+from mixtrain.driver.interrupt import TrainingInterrupted
+from mixtrain.group.membership import Member, Membership
 from mixtrain.policies.decisions import FailureBudget
+from mixtrain.records.messages import WorkerInfo
 from mixtrain.train._driver import (
     AttemptOutcome,
     BringUp,

@@ -31,7 +31,7 @@ def test_a_slowdown_hook_is_told_each_steps_own_compute_and_the_speed_includes_w
     monkeypatch.setattr("mixtrain.train._session.time.perf_counter", lambda: clock[0])
     session, told = _session(), []
 
-    def slower(seconds: float) -> None:  # what core/emulation.py hooks in: a device 3x slower
+    def slower(seconds: float) -> None:  # what worker/emulation.py hooks in: a device 3x slower
         told.append(seconds)
         clock[0] += 2 * seconds
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from mixtrain.core.membership import Membership, Status
+from mixtrain.group.membership import Membership, Status
 from tests.unit.test_controller import member
 
 

@@ -94,9 +94,9 @@ def test_step_time_has_no_communication_for_one_worker():
 
 
 def test_plan_table_shows_every_column_and_who_was_left_out():
-    from mixtrain.core.messages import LeftOut, WorkerInfo
     from mixtrain.observe.progress import plan_table
     from mixtrain.policies.planner import make_plan
+    from mixtrain.records.messages import LeftOut, WorkerInfo
 
     def info(rank, host, name):
         return WorkerInfo(

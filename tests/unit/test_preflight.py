@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from mixtrain.comm.process_group import choose_backend, shared_gpu
-from mixtrain.core import preflight
-from mixtrain.core.messages import BuildReport, NumericsResult
 from mixtrain.devices import DeviceInfo
+from mixtrain.group import preflight
+from mixtrain.records.messages import BuildReport, NumericsResult
 
 DRIVER = {"python": "3.11.9", "torch": "2.13.0", "ray": "2.60.0", "mixtrain": "0.1.0", "numpy": "2.1"}
 
@@ -120,7 +120,7 @@ def test_a_loop_run_chooses_its_backend_as_a_task_does_and_two_workers_on_one_gp
     """The loop's bring-up chose its backend with a copy that lost the fix above (issue 45 item 7): two CUDA workers
     on one card got NCCL. Both doors now call group_backend."""
     from mixtrain.comm.process_group import group_backend
-    from mixtrain.core.messages import LoopDevice, WorkerInfo
+    from mixtrain.records.messages import LoopDevice, WorkerInfo
     from mixtrain.train._trainer import loop_backend
 
     def loop_worker(rank, uuid, nccl=True):

@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from mixtrain.core.probe import ProbeError, largest_fitting, samples_per_s, time_steps
 from mixtrain.devices import get
+from mixtrain.worker.probe import ProbeError, largest_fitting, samples_per_s, time_steps
 
 
 def device_with(limit: int):

@@ -12,9 +12,9 @@ import torch
 from mixtrain.comm.state_transfer import Packed, pack, unpack
 from mixtrain.comm.zero import split_runs
 from mixtrain.config import ScalingConfig
-from mixtrain.core.messages import RoundPlan, WorkerReport
-from mixtrain.core.rounds import summarize_round
 from mixtrain.policies.decisions import recovery_source
+from mixtrain.records.messages import RoundPlan, WorkerReport
+from mixtrain.records.rounds import summarize_round
 
 
 def test_survivors_continue_from_the_most_advanced_one_and_those_behind_take_its_state():
@@ -102,7 +102,7 @@ def test_each_groups_memory_sizes_the_slices_and_a_bad_or_partial_one_is_refused
     from types import SimpleNamespace
 
     from mixtrain import DeviceGroup
-    from mixtrain.core.group_ops import GroupOps
+    from mixtrain.group.group_ops import GroupOps
 
     groups = [DeviceGroup(device="cpu", num_workers=2, memory="1.5GB"), DeviceGroup(device="cpu", memory=2**30)]
     scaling = ScalingConfig(groups=groups, shard="full")

@@ -184,7 +184,7 @@ def test_the_reports_inputs_are_read_one_way(run, secret, plant, monkeypatch):
 @needs_mlflow
 def test_mlflow_copies_no_linked_file_and_its_artifacts_are_private(run, secret, monkeypatch):
     from mixtrain.callbacks import RunEnded
-    from mixtrain.core.hooks import Hooks
+    from mixtrain.driver.hooks import Hooks
     from mixtrain.loggers import MLflowLogger
     from tests.unit.test_loggers import FakeResult, started
 

@@ -13,9 +13,9 @@ import torch
 from mixtrain.comm.step_gate import StepGate, as_user_built, can_gate
 from mixtrain.comm.strategy import AllReduceStrategy, JoinContext, clip_gradients
 from mixtrain.config import StrategyConfig
-from mixtrain.core.ledger import RoundLedger
-from mixtrain.core.messages import RoundPlan
+from mixtrain.records.messages import RoundPlan
 from mixtrain.task import Task
+from mixtrain.worker.ledger import RoundLedger
 
 CPU = torch.device("cpu")
 BAD_GRAD, BAD_LOSS = 3, 5  # the steps whose gradient, then loss, is not finite

@@ -15,9 +15,9 @@ import torch
 from torch import nn
 
 from mixtrain import Task
-from mixtrain.core import evaluation
 from mixtrain.data import Loader, TokenWindows, seed_sample
 from mixtrain.data.sources import DatasetSource, TensorSource, describe, to_device
+from mixtrain.worker import evaluation
 from tests.conftest import REPO
 from tests.datasets import Augmented, DictSamples, read_counts
 

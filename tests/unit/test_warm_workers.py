@@ -7,7 +7,7 @@ import sys
 import pytest
 
 from mixtrain import ScalingConfig
-from mixtrain.core import warm_workers
+from mixtrain.worker import warm_workers
 
 
 def test_the_setting_comes_from_the_config_or_the_environment_and_a_bad_value_names_the_fix(monkeypatch):

@@ -1,12 +1,12 @@
-"""Every typed call to a worker (core/worker_calls.py) is TrainWorker's method of the same name and signature, so a
+"""Every typed call to a worker (group/worker_calls.py) is TrainWorker's method of the same name and signature, so a
 reader, mypy and an IDE can follow a call from the driver into the worker (issue 34)."""
 
 from __future__ import annotations
 
 import inspect
 
-from mixtrain.core.worker import TrainWorker
-from mixtrain.core.worker_calls import Pending, WorkerCalls
+from mixtrain.group.worker_calls import Pending, WorkerCalls
+from mixtrain.worker.replica import TrainWorker
 
 
 def _parameters(fn) -> list[tuple[str, object]]:
@@ -53,9 +53,9 @@ def test_the_driver_calls_no_worker_method_by_name():
 def test_the_loop_worker_is_a_worker_process_without_the_task_replicas_methods():
     """Issue 47: the loop worker inherited TrainWorker's 36 methods of the `Task` path. Both now build on one
     WorkerProcess (logs, rank, rendezvous, kept for the next fit), and each typed loop call is the loop worker's."""
-    from mixtrain.core.worker_process import WorkerProcess
     from mixtrain.train._loop_calls import LoopCalls
     from mixtrain.train._loop_worker import LoopWorker
+    from mixtrain.worker.worker_process import WorkerProcess
 
     assert issubclass(LoopWorker, WorkerProcess) and issubclass(TrainWorker, WorkerProcess)
     assert not issubclass(LoopWorker, TrainWorker)

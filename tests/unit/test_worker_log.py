@@ -64,11 +64,11 @@ def test_a_remote_log_copy_is_private_and_never_written_through_a_planted_symlin
     # the driver copies remote workers' logs into RUN_DIR/logs when the run ends; a dangling symlink planted
     # at a worker's log name must not be followed (write_text created the file it pointed to)
     from mixtrain.cluster.placement import WorkerSpec
-    from mixtrain.core import worker_group
-    from mixtrain.core.membership import Member, Membership
-    from mixtrain.core.tunables import Tunables
-    from mixtrain.core.worker_calls import WorkerCalls
-    from mixtrain.core.worker_group import WorkerGroup
+    from mixtrain.group import worker_group
+    from mixtrain.group.membership import Member, Membership
+    from mixtrain.group.worker_calls import WorkerCalls
+    from mixtrain.group.worker_group import WorkerGroup
+    from mixtrain.records.tunables import Tunables
 
     class Remote:
         def __init__(self, value):

@@ -40,7 +40,7 @@ class LoopGrads(GradBuckets):
         """Seconds spent waiting for the sums (a faster rank waits for the slower ones here too)."""
         self.on_work: Callable[[float], None] | None = None
         """Told each forward-and-backward's seconds as its backward ends, before the last sums start (EMULATION
-        of a slower device sleeps there: core/emulation.py)."""
+        of a slower device sleeps there: worker/emulation.py)."""
         self._t_forward: float | None = None
         self._active = False  # a prepared forward ran: this backward is ours to weight (and maybe sum)
         self._queued = False

@@ -6,8 +6,8 @@ import re
 from typing import Any
 
 from mixtrain.callbacks import Evaluated, RoundEnded
-from mixtrain.core.rounds import device_samples_per_s, worker_name
 from mixtrain.observe.runlog import plain
+from mixtrain.records.rounds import device_samples_per_s, worker_name
 
 
 def round_scalars(event: RoundEnded) -> dict[str, float]:

@@ -11,9 +11,9 @@ from rich.live import Live
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 from rich.table import Table
 
-from mixtrain.core.messages import LeftOut, ProbeResult, WorkerInfo
-from mixtrain.core.rounds import device_samples_per_s, time_split
 from mixtrain.policies.planner import Plan
+from mixtrain.records.messages import LeftOut, ProbeResult, WorkerInfo
+from mixtrain.records.rounds import device_samples_per_s, time_split
 
 
 def format_bytes(n: int | None) -> str:

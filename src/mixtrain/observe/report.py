@@ -17,11 +17,11 @@ from typing import Any
 
 from mixtrain._files import PrivateFolder, RunFolder
 from mixtrain.callbacks import EVAL_KEYS
-from mixtrain.core.rounds import device_samples_per_s, time_split, worker_name
 from mixtrain.errors import InputValueError, require
 from mixtrain.observe.progress import format_bytes
 from mixtrain.observe.record_check import well_formed
 from mixtrain.observe.runlog import samples_seen
+from mixtrain.records.rounds import device_samples_per_s, time_split, worker_name
 
 
 @dataclass

@@ -24,8 +24,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
-from mixtrain.core.interrupt import TrainingInterrupted
-from mixtrain.core.membership import Membership
+from mixtrain.driver.interrupt import TrainingInterrupted
+from mixtrain.group.membership import Membership
 from mixtrain.observe.progress import ProgressView
 from mixtrain.observe.runlog import RunLog
 from mixtrain.policies.decisions import FailureBudget, Stop

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from mixtrain.core.messages import JoinRequest, LoopDevice, LoopOutcome, LoopRequest
-from mixtrain.core.worker_calls import Pending, WorkerCalls
+from mixtrain.group.worker_calls import Pending, WorkerCalls
+from mixtrain.records.messages import JoinRequest, LoopDevice, LoopOutcome, LoopRequest
 
 
 class LoopCalls(WorkerCalls):

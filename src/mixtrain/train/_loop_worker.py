@@ -19,11 +19,11 @@ import torch.distributed
 
 from mixtrain import _constants, devices
 from mixtrain.comm import process_group
-from mixtrain.core.messages import JoinRequest, LoopDevice, LoopOutcome, LoopRequest
-from mixtrain.core.worker_process import WorkerProcess
 from mixtrain.observe import worker_log
+from mixtrain.records.messages import JoinRequest, LoopDevice, LoopOutcome, LoopRequest
 from mixtrain.train import _session
 from mixtrain.train.checkpoint import Checkpoint, write_files
+from mixtrain.worker.worker_process import WorkerProcess
 
 
 class LoopWorker(WorkerProcess):

@@ -98,7 +98,7 @@ class LoopSession:
     this fraction (MIXTRAIN_REBALANCE_THRESHOLD, as between a Task's rounds)."""
     after_compute: list[Callable[[float], None]] = field(default_factory=list)
     """Called with each forward-and-backward's seconds as its backward ends (without a prepared model: with each
-    step's compute, at the next batch). EMULATION of a slower device hooks in here (core/emulation.py) and
+    step's compute, at the next batch). EMULATION of a slower device hooks in here (worker/emulation.py) and
     stretches what a slower device takes longer for, as the benchmarks' DDP emulation does."""
     weight: float = 1.0
     """The share of its step's global batch of the batch this worker holds now (each rank's gradient is weighted

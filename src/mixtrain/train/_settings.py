@@ -13,7 +13,7 @@ from mixtrain.errors import InputValueError
 
 HONOURED = frozenset(
     {
-        # the worker group places and starts the loop's workers as a Task's (core/worker_group.py)
+        # the worker group places and starts the loop's workers as a Task's (group/worker_group.py)
         "num_workers",
         "cpus_per_worker",
         "use_gpu",

@@ -22,16 +22,16 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 from mixtrain.cluster import connect, ray_shim
 from mixtrain.comm.process_group import group_backend
 from mixtrain.config import ScalingConfig
-from mixtrain.core.group_ops import form_group
-from mixtrain.core.interrupt import GracefulStop
-from mixtrain.core.membership import Member, Membership
-from mixtrain.core.messages import LoopDevice, LoopOutcome, LoopRequest
-from mixtrain.core.tunables import Tunables
-from mixtrain.core.worker_group import WorkerGroup, lost_reason
+from mixtrain.driver.interrupt import GracefulStop
 from mixtrain.errors import InputTypeError
+from mixtrain.group.group_ops import form_group
+from mixtrain.group.membership import Member, Membership
+from mixtrain.group.worker_group import WorkerGroup, lost_reason
 from mixtrain.observe.progress import ProgressView
 from mixtrain.observe.runlog import RunLog, check_new_run_dir, make_folder, new_run_name
 from mixtrain.policies.decisions import FailureBudget
+from mixtrain.records.messages import LoopDevice, LoopOutcome, LoopRequest
+from mixtrain.records.tunables import Tunables
 from mixtrain.train._driver import AttemptOutcome, LoopDriver
 from mixtrain.train._driver import restart_from as restart_from
 from mixtrain.train._loop_calls import LoopCalls
@@ -230,7 +230,7 @@ class _Run:
         return last
 
     def bring_up(self) -> None:
-        """Each worker resolves its device; the group forms as a Task's does (core/group_ops.form_group), on the
+        """Each worker resolves its device; the group forms as a Task's does (group/group_ops.form_group), on the
         backend a Task's would get (NCCL only where every worker is CUDA with a GPU of its own)."""
         t, group = self.tunables, self.group
         self.batch_workers = self.batch_workers or len(group.members)  # as started: the global batch keeps it

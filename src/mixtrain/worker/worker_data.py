@@ -7,10 +7,10 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from mixtrain.core.messages import DataReport, RoundPlan
 from mixtrain.data.sampling import Arrays, epoch_permutation, step_size, worker_indices
 from mixtrain.data.sources import Loader, SampleSource, make_source
 from mixtrain.devices import DeviceKind
+from mixtrain.records.messages import DataReport, RoundPlan
 
 StepChunks = tuple[int, int, list[np.ndarray]]
 """(global step, samples in the whole step, this worker's micro-batches as dataset indices)."""

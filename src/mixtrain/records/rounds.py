@@ -7,10 +7,9 @@ from dataclasses import asdict, dataclass, field, fields
 from statistics import fmean
 from typing import Any
 
-from mixtrain.core.membership import Membership
-from mixtrain.core.messages import RoundPlan, WorkerInfo, WorkerReport
-from mixtrain.core.run_state import RunSettings
 from mixtrain.policies.planner import micro_batches
+from mixtrain.records.messages import RoundPlan, WorkerInfo, WorkerReport
+from mixtrain.records.run_state import RunSettings
 
 RAMP_FIRST_S = 0.2
 """Length of the first measured round; each next one doubles, up to MIXTRAIN_ROUND_TARGET_S."""
@@ -180,18 +179,23 @@ def time_split(entry: dict) -> tuple[float, float, float]:
 
 
 def plan_round(
-    members: Membership, settings: RunSettings, at: tuple[int, int], num_steps: int, index: int
+    shares: list[int],
+    memory_caps: list[int | None],
+    settings: RunSettings,
+    at: tuple[int, int],
+    num_steps: int,
+    index: int,
 ) -> RoundPlan:
-    """The run's `index`th round: `num_steps` steps from `at` = (epoch, step), on the active workers' shares, each
-    in micro-batches its memory allows."""
+    """The run's `index`th round: `num_steps` steps from `at` = (epoch, step), on the active workers' `shares`,
+    each in micro-batches its memory allows (`memory_caps`)."""
     return RoundPlan(
         epoch=at[0],
         first_step=at[1],
         num_steps=num_steps,
-        shares=tuple(members.shares()),
+        shares=tuple(shares),
         global_batch=settings.global_batch,
         drift_tolerance=settings.drift_tolerance,
-        micro_batches=tuple(micro_batches(members.shares(), members.memory_caps())),
+        micro_batches=tuple(micro_batches(shares, memory_caps)),
         round_index=index,
     )
 

@@ -13,8 +13,8 @@ from collections import deque
 import torch
 
 from mixtrain.comm.strategy import RoundSync, StepOutcome, StepResult
-from mixtrain.core.messages import RoundPlan, WorkerReport
 from mixtrain.observe import worker_log
+from mixtrain.records.messages import RoundPlan, WorkerReport
 
 
 class RoundLedger:

@@ -1,5 +1,5 @@
 """When a run ends and evaluates, in global steps, and how the held-out set splits among the workers. No Ray;
-the run's checkpoints are core/checkpointing.py's."""
+the run's checkpoints are driver/checkpointing.py's."""
 
 from __future__ import annotations
 

@@ -1,12 +1,12 @@
-"""The controller's named states (core/controller.py carries out the transitions between them). No Ray, no torch."""
+"""The controller's named states (driver/controller.py carries out the transitions between them). No Ray, no torch."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from mixtrain.core.messages import RoundPlan
-from mixtrain.core.port import RoundOutcome
-from mixtrain.core.rounds import RoundRecord
+from mixtrain.group.port import RoundOutcome
+from mixtrain.records.messages import RoundPlan
+from mixtrain.records.rounds import RoundRecord
 
 Position = tuple[int, int]
 """(epoch, step): where training continues."""

@@ -10,17 +10,17 @@ from collections.abc import Callable, Sequence
 from dataclasses import replace
 from typing import TypeVar
 
-from mixtrain.core.balancing import Balancing
-from mixtrain.core.checkpointing import Checkpoints
-from mixtrain.core.messages import RoundPlan, WorkerReport
-from mixtrain.core.port import GroupPort, WorkersLost
-from mixtrain.core.rounds import RoundRecord
-from mixtrain.core.run_state import RunSettings
-from mixtrain.core.states import Position, Train
+from mixtrain.driver.balancing import Balancing
+from mixtrain.driver.checkpointing import Checkpoints
+from mixtrain.driver.states import Position, Train
+from mixtrain.group.port import GroupPort, WorkersLost
 from mixtrain.observe.progress import ProgressView, plan_line, plan_table
 from mixtrain.observe.runlog import RunLog
 from mixtrain.policies.decisions import EXCLUDE_ROUNDS, FailureBudget, Stop, replan
 from mixtrain.policies.planner import Plan, plan_record
+from mixtrain.records.messages import RoundPlan, WorkerReport
+from mixtrain.records.rounds import RoundRecord
+from mixtrain.records.run_state import RunSettings
 
 
 class TrainingStopped(RuntimeError):

@@ -4,8 +4,7 @@ out. No Ray, no clock."""
 
 from __future__ import annotations
 
-from mixtrain.core.membership import Membership
-from mixtrain.core.rounds import RoundRecord
+from mixtrain.group.membership import Membership
 from mixtrain.policies.decisions import (
     COOLDOWN_ROUNDS,
     Decision,
@@ -15,6 +14,7 @@ from mixtrain.policies.decisions import (
     Rebalancer,
     smooth_speeds,
 )
+from mixtrain.records.rounds import RoundRecord
 
 
 class Balancing:

@@ -1,6 +1,6 @@
 """The Ray side of the workers: one actor per worker, gang-scheduled in a placement group, called SPMD-style through
-typed calls (core/worker_calls.py) with one rule for deadlines and errors (core/group_calls.py). Who is in is the
-membership's (core/membership.py): this starts, stops and renumbers the processes the membership lists."""
+typed calls (group/worker_calls.py) with one rule for deadlines and errors (group/group_calls.py). Who is in is the
+membership's (group/membership.py): this starts, stops and renumbers the processes the membership lists."""
 
 from __future__ import annotations
 
@@ -15,8 +15,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from mixtrain._files import RunFolder
 from mixtrain.cluster import connect, placement
 from mixtrain.config import ScalingConfig
-from mixtrain.core import emulation, warm_workers
-from mixtrain.core.group_calls import (
+from mixtrain.group.group_calls import (
     STREAM_AHEAD,
     GroupCalls,
     WorkerError,
@@ -24,12 +23,13 @@ from mixtrain.core.group_calls import (
     error_text,
     lost_reason,
 )
-from mixtrain.core.membership import Member, Membership, Status
-from mixtrain.core.messages import BuildReport, WorkerSetup
-from mixtrain.core.tunables import Tunables
-from mixtrain.core.worker import TrainWorker
-from mixtrain.core.worker_calls import WorkerCalls
+from mixtrain.group.membership import Member, Membership, Status
+from mixtrain.group.worker_calls import WorkerCalls
 from mixtrain.observe import worker_log
+from mixtrain.records.messages import BuildReport, WorkerSetup
+from mixtrain.records.tunables import Tunables
+from mixtrain.worker import emulation, warm_workers
+from mixtrain.worker.replica import TrainWorker
 
 __all__ = [
     "STREAM_AHEAD",
@@ -76,7 +76,7 @@ class WorkerGroup(GroupCalls):
 
     @property
     def actor_cls(self) -> type:
-        """The worker class the actors run: worker_cls, slowed where an EMULATION asks for it (core/emulation.py)."""
+        """The worker class the actors run: worker_cls, slowed where an EMULATION asks for it (worker/emulation.py)."""
         return emulation.slowed(self.worker_cls, self.scaling.slowdown())
 
     @property

@@ -1,7 +1,7 @@
 """Typed calls to one worker process: each method of `WorkerCalls` is the `TrainWorker` method of the same name and
 signature, started on the worker's Ray actor, and returns a `Pending` of what that method returns. A reader (and
 mypy, and an IDE) follows a call from the controller to here and on to TrainWorker; the worker group waits for
-results with one deadline and one error rule (core/worker_group.py). tests/unit/test_worker_calls.py checks that
+results with one deadline and one error rule (group/worker_group.py). tests/unit/test_worker_calls.py checks that
 every method here matches TrainWorker's signature."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from collections.abc import Callable, Iterator
 from typing import Any, Generic, TypeVar
 
 from mixtrain.cluster import ray_shim
-from mixtrain.core.messages import (
+from mixtrain.records.messages import (
     BuildReport,
     DataReport,
     JoinRequest,

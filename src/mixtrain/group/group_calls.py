@@ -1,6 +1,6 @@
 """Waiting on calls to the workers, with one rule for deadlines and errors: results in rank order, the first
 failure raised at once (WorkerError, WorkerTimeout), or, where a lost worker is to be survived, the lost ones
-reported with what happened. The calls themselves are typed (core/worker_calls.py)."""
+reported with what happened. The calls themselves are typed (group/worker_calls.py)."""
 
 from __future__ import annotations
 
@@ -12,8 +12,8 @@ from typing import Any, TypeVar
 import ray
 
 from mixtrain.comm import state_transfer
-from mixtrain.core.membership import Membership
-from mixtrain.core.worker_calls import Pending, WorkerCalls
+from mixtrain.group.membership import Membership
+from mixtrain.group.worker_calls import Pending, WorkerCalls
 
 T = TypeVar("T")
 

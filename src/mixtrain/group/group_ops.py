@@ -1,7 +1,7 @@
-"""The worker group as the controller sees it (core/port.py's GroupPort), on Ray: run a round, form the collective
+"""The worker group as the controller sees it (group/port.py's GroupPort), on Ray: run a round, form the collective
 group, leave workers out (by choice or lost), take one back, admit replacements, collect the training state. Each
-change of who is in goes through the membership (core/membership.py); each call to a worker is a typed one
-(core/worker_calls.py), with its deadline from the run's Tunables."""
+change of who is in goes through the membership (group/membership.py); each call to a worker is a typed one
+(group/worker_calls.py), with its deadline from the run's Tunables."""
 
 from __future__ import annotations
 
@@ -16,14 +16,14 @@ from mixtrain.comm import ps_server
 from mixtrain.comm.sliced import merge_weights
 from mixtrain.comm.state_transfer import pack, unpack
 from mixtrain.config import ScalingConfig, StrategyConfig
-from mixtrain.core.admission import Admission
-from mixtrain.core.membership import Member, Membership
-from mixtrain.core.messages import BuildReport, JoinRequest, RoundPlan
-from mixtrain.core.port import Joined, RoundOutcome, WorkersLost
-from mixtrain.core.tunables import Tunables
-from mixtrain.core.worker_calls import Pending, WorkerCalls
-from mixtrain.core.worker_group import WorkerError, WorkerGroup, WorkerTimeout
+from mixtrain.group.admission import Admission
+from mixtrain.group.membership import Member, Membership
+from mixtrain.group.port import Joined, RoundOutcome, WorkersLost
+from mixtrain.group.worker_calls import Pending, WorkerCalls
+from mixtrain.group.worker_group import WorkerError, WorkerGroup, WorkerTimeout
 from mixtrain.policies.decisions import recovery_source
+from mixtrain.records.messages import BuildReport, JoinRequest, RoundPlan
+from mixtrain.records.tunables import Tunables
 from mixtrain.task import Task
 
 
@@ -301,5 +301,5 @@ class GroupOps:
         self.group.start_replacements(self.task_factory)
 
     def admit(self, global_batch: int) -> Joined:
-        """Replacements that are ready join between rounds (core/admission.py)."""
+        """Replacements that are ready join between rounds (group/admission.py)."""
         return Admission(self).admit(global_batch)

@@ -17,7 +17,7 @@ from typing import Any
 
 from mixtrain.cluster.placement import WorkerSpec
 from mixtrain.config import ScalingConfig
-from mixtrain.core.messages import BuildReport, ProbeResult, WorkerInfo
+from mixtrain.records.messages import BuildReport, ProbeResult, WorkerInfo
 
 
 def user_cap(scaling: ScalingConfig, spec: WorkerSpec) -> int | None:
@@ -43,7 +43,7 @@ class Member:
     """One worker process and what the driver knows of it."""
 
     worker: Any
-    """The typed proxy to its process (core/worker_calls.py: WorkerCalls)."""
+    """The typed proxy to its process (group/worker_calls.py: WorkerCalls)."""
     spec: WorkerSpec
     """Its Ray bundle; `spec.rank` is the rank it started with (how the user's per-worker settings are found)."""
     status: Status = Status.ACTIVE

@@ -3,12 +3,12 @@ RunConfig.max_nonfinite_steps in a row, and at its end when it applied none. No 
 
 from __future__ import annotations
 
-from mixtrain.core.changes import TrainingStopped
-from mixtrain.core.checkpointing import Checkpoints
-from mixtrain.core.port import GroupPort
-from mixtrain.core.rounds import RoundRecord
+from mixtrain.driver.changes import TrainingStopped
+from mixtrain.driver.checkpointing import Checkpoints
+from mixtrain.group.port import GroupPort
 from mixtrain.observe.runlog import RunLog
 from mixtrain.policies.decisions import NonFiniteStreak, Stop
+from mixtrain.records.rounds import RoundRecord
 
 
 class NonFiniteGuard:

@@ -13,7 +13,7 @@ from dataclasses import replace
 from typing import Any, ClassVar
 
 from mixtrain.config import Slowdown
-from mixtrain.core.messages import ProbeResult, RoundPlan, WorkerReport, WorkerSetup
+from mixtrain.records.messages import ProbeResult, RoundPlan, WorkerReport, WorkerSetup
 
 
 def slowed(base: type, table: Slowdown) -> type:

@@ -7,8 +7,8 @@ from collections import Counter
 from collections.abc import Sequence
 
 from mixtrain.compat import version_mismatches
-from mixtrain.core.messages import BuildReport, DataReport, NumericsResult, WorkerInfo
 from mixtrain.errors import InputValueError
+from mixtrain.records.messages import BuildReport, DataReport, NumericsResult, WorkerInfo
 
 
 class PreflightError(RuntimeError):

@@ -1,5 +1,5 @@
 """What the controller asks of the worker group, and nothing more: the seam between the driver's decisions (no Ray)
-and the Ray side that carries them out (core/group_ops.py). The controller's unit tests stand a fake behind it."""
+and the Ray side that carries them out (group/group_ops.py). The controller's unit tests stand a fake behind it."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from mixtrain.config import ScalingConfig
-from mixtrain.core.membership import Member, Membership
-from mixtrain.core.messages import RoundPlan, WorkerReport
+from mixtrain.group.membership import Member, Membership
+from mixtrain.records.messages import RoundPlan, WorkerReport
 
 
 class WorkersLost(Exception):

@@ -13,17 +13,17 @@ from typing import Any, Protocol
 import ray
 
 from mixtrain import compat
-from mixtrain.core import preflight
-from mixtrain.core.membership import Member, Membership, Status, user_cap
-from mixtrain.core.messages import BuildReport
-from mixtrain.core.port import Joined
-from mixtrain.core.tunables import Tunables
-from mixtrain.core.worker_group import WorkerError, WorkerGroup, WorkerTimeout, error_text
+from mixtrain.group import preflight
+from mixtrain.group.membership import Member, Membership, Status, user_cap
+from mixtrain.group.port import Joined
+from mixtrain.group.worker_group import WorkerError, WorkerGroup, WorkerTimeout, error_text
+from mixtrain.records.messages import BuildReport
+from mixtrain.records.tunables import Tunables
 from mixtrain.task import Task
 
 
 class Operations(Protocol):
-    """What an admission needs of the group's operations (core/group_ops.py GroupOps, which calls it): named here,
+    """What an admission needs of the group's operations (group/group_ops.py GroupOps, which calls it): named here,
     so this module does not import the one that imports it."""
 
     group: WorkerGroup

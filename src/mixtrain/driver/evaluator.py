@@ -1,20 +1,20 @@
 """The held-out evaluation on the driver: when one is due, running it across the workers, recording it. (What a
-worker computes of it is core/evaluation.py's.) No Ray: the controller hands over its group port."""
+worker computes of it is worker/evaluation.py's.) No Ray: the controller hands over its group port."""
 
 from __future__ import annotations
 
 from typing import Any
 
 from mixtrain.callbacks import EVAL_KEYS
-from mixtrain.core import evaluation
-from mixtrain.core.changes import Changes
-from mixtrain.core.port import GroupPort
-from mixtrain.core.run_state import RunSettings
-from mixtrain.core.schedule import Steps, eval_batches, eval_split
-from mixtrain.core.states import Position, Train
-from mixtrain.core.tunables import Tunables
+from mixtrain.driver.changes import Changes
+from mixtrain.driver.schedule import Steps, eval_batches, eval_split
+from mixtrain.driver.states import Position, Train
+from mixtrain.group.port import GroupPort
 from mixtrain.observe.progress import ProgressView
 from mixtrain.observe.runlog import RunLog
+from mixtrain.records.run_state import RunSettings
+from mixtrain.records.tunables import Tunables
+from mixtrain.worker import evaluation
 
 
 class Evaluator:

@@ -19,18 +19,18 @@ from mixtrain import compat
 from mixtrain.comm import ps_server
 from mixtrain.comm.process_group import group_backend
 from mixtrain.config import ScalingConfig, StrategyConfig
-from mixtrain.core import preflight
-from mixtrain.core.group_ops import GroupOps
-from mixtrain.core.membership import Membership, user_cap
-from mixtrain.core.messages import BuildReport, LeftOut, ProbeResult, WorkerInfo
-from mixtrain.core.worker_group import WorkerGroup
 from mixtrain.data.sampling import Arrays, steps_per_epoch
 from mixtrain.data.sources import Loader
 from mixtrain.frozen_base import FrozenBase
+from mixtrain.group import preflight
+from mixtrain.group.group_ops import GroupOps
+from mixtrain.group.membership import Membership, user_cap
+from mixtrain.group.worker_group import WorkerGroup
 from mixtrain.policies.advice import choose, suggest
 from mixtrain.policies.decisions import Decision, LeaveOut, first_plan
 from mixtrain.policies.planner import Plan, largest_remainder, resolve_shares
 from mixtrain.pretrained import HFModelSpec
+from mixtrain.records.messages import BuildReport, LeftOut, ProbeResult, WorkerInfo
 from mixtrain.task import Task
 
 

@@ -8,9 +8,9 @@ the controller carries their decisions out between rounds.
           \\--Ctrl-C--> Stopping --(checkpoint)--> raises TrainingInterrupted
 
 `run()` is a loop over `step(state)`; each transition is one method and returns the next state. Every record the
-controller writes passes the user's callbacks (core/hooks.py) on its way to metrics.jsonl. Recovery is a
+controller writes passes the user's callbacks (driver/hooks.py) on its way to metrics.jsonl. Recovery is a
 transition too: a lost worker (in a round, a checkpoint or an evaluation) leads to where training goes on, the
-last checkpoint included. No Ray here: the group is a `GroupPort` (core/port.py), which the tests fake.
+last checkpoint included. No Ray here: the group is a `GroupPort` (group/port.py), which the tests fake.
 """
 
 from __future__ import annotations
@@ -22,23 +22,23 @@ from pathlib import Path
 from typing import Any
 
 from mixtrain.checkpoint import CheckpointStore
-from mixtrain.core.balancing import Balancing
-from mixtrain.core.changes import Changes, TrainingStopped
-from mixtrain.core.checkpointing import Checkpointer, Checkpoints
-from mixtrain.core.evaluator import Evaluator
-from mixtrain.core.hooks import Hooks
-from mixtrain.core.interrupt import GracefulStop, TrainingInterrupted
-from mixtrain.core.nonfinite import NonFiniteGuard
-from mixtrain.core.port import GroupPort
-from mixtrain.core.rounds import RoundRecord, epoch_line, plan_round, round_samples, round_steps, summarize_round
-from mixtrain.core.run_state import RunSettings
-from mixtrain.core.schedule import Steps
-from mixtrain.core.states import Done, EpochEnd, Finishing, RoundDone, RoundFailed, State, Stopping, Train
-from mixtrain.core.tunables import Tunables
 from mixtrain.data.sampling import steps_per_epoch
+from mixtrain.driver.balancing import Balancing
+from mixtrain.driver.changes import Changes, TrainingStopped
+from mixtrain.driver.checkpointing import Checkpointer, Checkpoints
+from mixtrain.driver.evaluator import Evaluator
+from mixtrain.driver.hooks import Hooks
+from mixtrain.driver.interrupt import GracefulStop, TrainingInterrupted
+from mixtrain.driver.nonfinite import NonFiniteGuard
+from mixtrain.driver.schedule import Steps
+from mixtrain.driver.states import Done, EpochEnd, Finishing, RoundDone, RoundFailed, State, Stopping, Train
+from mixtrain.group.port import GroupPort
 from mixtrain.observe.progress import ProgressView, state_memory_line
 from mixtrain.observe.runlog import RunLog
 from mixtrain.policies.decisions import Adopt, FailureBudget, LeaveOut, NonFiniteStreak, Readmit, Rebalancer
+from mixtrain.records.rounds import RoundRecord, epoch_line, plan_round, round_samples, round_steps, summarize_round
+from mixtrain.records.run_state import RunSettings
+from mixtrain.records.tunables import Tunables
 
 __all__ = ["Controller", "Policies", "TrainingStopped"]
 
@@ -170,7 +170,8 @@ class Controller:
         if self.hooks.stop_reason is not None or self.global_step(at.epoch, at.step) >= self.steps.last:
             return Finishing(at.epoch, at.step)
         num_steps = self.steps.round_length(at.epoch, at.step, self.round_steps)
-        plan = plan_round(self.members, self.settings, (at.epoch, at.step), num_steps, len(self.history))
+        members, at_step = self.members, (at.epoch, at.step)
+        plan = plan_round(members.shares(), members.memory_caps(), self.settings, at_step, num_steps, len(self.history))
         outcome = self.port.run_round(plan)
         if outcome.failed:
             return RoundFailed(plan, outcome)

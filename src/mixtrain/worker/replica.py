@@ -16,9 +16,13 @@ from mixtrain import compat, devices, frozen_base, pretrained
 from mixtrain.comm import process_group, registry, state_transfer
 from mixtrain.comm.state_transfer import pack, unpack
 from mixtrain.comm.strategy import JoinContext, SyncStrategy
-from mixtrain.core import evaluation, probe, warm_workers
-from mixtrain.core.ledger import RoundLedger, learning_rates
-from mixtrain.core.messages import (
+from mixtrain.data.sampling import Arrays
+from mixtrain.data.sources import EVAL_EPOCH, Loader, to_device
+from mixtrain.devices import host_allocator, precision
+from mixtrain.devices.cpu import CpuShare
+from mixtrain.observe import worker_log
+from mixtrain.observe.round_profile import RoundProfiler
+from mixtrain.records.messages import (
     BuildReport,
     DataReport,
     JoinRequest,
@@ -28,15 +32,11 @@ from mixtrain.core.messages import (
     WorkerReport,
     WorkerSetup,
 )
-from mixtrain.core.worker_data import Segment, StepSegments, WorkerData, paced_segments
-from mixtrain.core.worker_process import WorkerProcess
-from mixtrain.data.sampling import Arrays
-from mixtrain.data.sources import EVAL_EPOCH, Loader, to_device
-from mixtrain.devices import host_allocator, precision
-from mixtrain.devices.cpu import CpuShare
-from mixtrain.observe import worker_log
-from mixtrain.observe.round_profile import RoundProfiler
 from mixtrain.task import Task, build_task
+from mixtrain.worker import evaluation, probe, warm_workers
+from mixtrain.worker.ledger import RoundLedger, learning_rates
+from mixtrain.worker.worker_data import Segment, StepSegments, WorkerData, paced_segments
+from mixtrain.worker.worker_process import WorkerProcess
 
 NUMERICS_TOLERANCE = {"fp32": 1e-3, "fp16": 2e-2, "bf16": 6e-2}
 """Relative L2 difference of a device's gradient from the CPU's above which the device is reported."""

@@ -1,6 +1,6 @@
 """A worker process: what every worker of a run is, whichever door it serves. It logs into the run folder, holds
 its rank, opens and joins the collective group's rendezvous, and can be kept for the next fit (warm_workers). The
-`Task` replica (core/worker.py TrainWorker) and the loop runner (train/_loop_worker.py LoopWorker) build on it."""
+`Task` replica (worker/replica.py TrainWorker) and the loop runner (train/_loop_worker.py LoopWorker) build on it."""
 
 from __future__ import annotations
 
@@ -14,10 +14,10 @@ import torch
 
 from mixtrain import devices
 from mixtrain.comm import netif, process_group
-from mixtrain.core import warm_workers
-from mixtrain.core.messages import JoinRequest, WorkerInfo, WorkerSetup
 from mixtrain.devices import host_allocator
 from mixtrain.observe import worker_log
+from mixtrain.records.messages import JoinRequest, WorkerInfo, WorkerSetup
+from mixtrain.worker import warm_workers
 
 
 def _node_ip() -> str:

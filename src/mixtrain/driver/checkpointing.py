@@ -13,19 +13,19 @@ from typing import TYPE_CHECKING, Any
 
 from mixtrain.checkpoint import CheckpointMeta, CheckpointStore, checkpoint_name
 from mixtrain.config import ScalingConfig
-from mixtrain.core.best import Best
-from mixtrain.core.hooks import Hooks
-from mixtrain.core.membership import Membership
-from mixtrain.core.port import GroupPort
-from mixtrain.core.run_state import RunSettings
-from mixtrain.core.schedule import Steps
-from mixtrain.core.states import Position, Train
+from mixtrain.driver.best import Best
+from mixtrain.driver.hooks import Hooks
+from mixtrain.driver.schedule import Steps
+from mixtrain.driver.states import Position, Train
 from mixtrain.errors import InputValueError, MetricMissing
+from mixtrain.group.membership import Membership
+from mixtrain.group.port import GroupPort
 from mixtrain.observe.progress import ProgressView
 from mixtrain.observe.runlog import RunLog
+from mixtrain.records.run_state import RunSettings
 
 if TYPE_CHECKING:  # changes.py asks Checkpoints for the last one; the Checkpointer asks Changes to recover
-    from mixtrain.core.changes import Changes
+    from mixtrain.driver.changes import Changes
 
 
 class Checkpointer:

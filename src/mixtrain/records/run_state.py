@@ -1,4 +1,4 @@
-"""What the controller knows of a run that stays fixed for it (per worker facts: core/membership.py)."""
+"""What the controller knows of a run that stays fixed for it (per worker facts: group/membership.py)."""
 
 from __future__ import annotations
 
