@@ -489,6 +489,7 @@ class RunConfig:
         if old is None:
             return
         warnings.warn("RunConfig.storage_dir is deprecated: use storage_path", DeprecationWarning, stacklevel=4)
+        check.text("RunConfig.storage_dir", old)
         if self.storage_path not in ("mixtrain_runs", old):
             raise InputValueError(f"RunConfig.storage_dir={old!r} with storage_path={self.storage_path!r}: give one")
         object.__setattr__(self, "storage_path", old)
