@@ -23,7 +23,7 @@ DeviceKind = Literal["cpu", "gpu", "cuda", "mps"]
 _DEVICE_KINDS: tuple[str, ...] = get_args(DeviceKind)
 Backend = Literal["auto", "gloo", "nccl"]
 BACKENDS: tuple[str, ...] = get_args(Backend)
-Shard = Literal["none", "optimizer", "gradients", "full"]
+Shard = Literal["none", "optimizer", "gradients", "full", "auto"]
 SHARDS: tuple[str, ...] = get_args(Shard)
 NumericsCheck = Literal["warn", "strict", "off"]
 NUMERICS_CHECKS: tuple[str, ...] = get_args(NumericsCheck)
@@ -206,7 +206,10 @@ class ScalingConfig:
     speed): "none" (every worker holds everything), "optimizer" (ZeRO-1: each keeps the optimizer state of its
     slice of the parameters, steps it and sends it to the others), "gradients" (ZeRO-2: also each gradient only
     on its owner), "full" (ZeRO-3: also the weights; a block's weights are gathered just before its forward and
-    its backward and freed after). The same math as one process at every level. Needs strategy "allreduce"."""
+    its backward and freed after), or "auto" (at start-up, the lowest of those levels whose training state fits
+    every worker's memory: each group's DeviceGroup.memory, else each device's free memory; the run says which and
+    why, and refuses to start where none fits). The same math as one process at every level. Needs strategy
+    "allreduce"."""
     shard_slices: Sequence[float] | None = None
     """Relative slice sizes, one per worker (e.g. [3, 1, 2]); None: each device's free memory."""
     offload: Literal["none", "optimizer"] = "none"

@@ -3,11 +3,14 @@ worker holding only its slice; a checkpoint holds the whole state and resumes on
 a lost worker's slice is recovered from the last checkpoint."""
 
 import functools
+import json
 
 import pytest
 import torch
 
-from mixtrain import RunConfig, ScalingConfig, Trainer
+from mixtrain import DeviceGroup, RunConfig, ScalingConfig, Trainer
+from mixtrain.errors import InputValueError
+from mixtrain.policies.memory_plan import PROCESS_BYTES
 from tests.conftest import run_records
 from tests.models import data, factory, faulty_task, make_task
 from tests.ray.test_exactness import GLOBAL_BATCH, NUM_SAMPLES, SEED, assert_same_weights, reference
@@ -111,3 +114,40 @@ def test_a_full_checkpoint_resumes_replicated_and_back_exactly(tmp_path):
     straight, _ = fit(factory("mlp", "adamw"), tmp_path / "straight", workers=2, shard="none", epochs=3)
     assert (second.history[0]["epoch"], third.history[0]["epoch"]) == (1, 2)
     assert_same_weights(third.state_dict, straight.state_dict, rtol=1e-6)
+
+
+def capped(task, run_dir, room: int, **kw):
+    """shard="auto" on 2 CPU workers, each capped at a process's own bytes plus `room` for the training state."""
+    x, y = data("mlp", NUM_SAMPLES)
+    group = DeviceGroup(num_workers=2, resources_per_worker={"CPU": 0.5}, memory=PROCESS_BYTES["cpu"] + room)
+    trainer = Trainer(
+        task,
+        (x, y),
+        global_batch=GLOBAL_BATCH,
+        scaling=ScalingConfig(groups=[group], shard="auto", leave_out_slow=False),
+        run=RunConfig(run_dir=str(run_dir), seed=SEED, steps_per_round=10, progress=False, **kw),
+    )
+    return trainer, (x, y)
+
+
+def test_auto_slices_where_the_whole_state_does_not_fit_and_trains_exactly_like_one_adamw(tmp_path):
+    """The MLP's state is 20.1 KiB whole (weights 5 KiB, gradients 5 KiB, AdamW 10 KiB), 15.2 KiB per worker at
+    "gradients" (its largest Linear's gradients in backward included): a room of 17,000 bytes fits only that."""
+    trainer, (x, y) = capped(factory("mlp", "adamw"), tmp_path / "run", 17_000)
+    result = trainer.fit(epochs=1)
+    assert_same_weights(result.state_dict, reference("mlp", "adamw", x, y))
+    [preflight] = run_records(result.run_dir, "preflight")
+    assert preflight["shard"]["level"] == "gradients", preflight["shard"]
+    assert preflight["shard"]["reason"].startswith("shard auto: gradients, the lowest level whose training state")
+    config = json.loads((result.run_dir / "config.json").read_text())
+    assert config["scaling"]["shard"] == "gradients"  # what the probe, the strategy and the final gather read
+
+
+def test_auto_keeps_everything_whole_where_it_fits_and_refuses_to_start_where_nothing_does(tmp_path):
+    trainer, _ = capped(factory("mlp", "adamw"), tmp_path / "roomy", 2**30)
+    up = trainer.plan()
+    assert up.ops.group.scaling.shard == "none" and up.checks["shard"]["level"] == "none"
+    assert any(note.startswith("shard auto: none, the lowest level") for note in up.notes), up.notes
+    trainer, _ = capped(factory("mlp", "adamw"), tmp_path / "tight", 10_000)
+    with pytest.raises(InputValueError, match=r"ScalingConfig.shard='auto': no level's training state fits"):
+        trainer.fit(epochs=1)

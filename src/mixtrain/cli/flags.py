@@ -121,10 +121,11 @@ def scaling_flags(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--shard",
-        choices=["none", "optimizer", "gradients", "full"],
+        choices=["none", "optimizer", "gradients", "full", "auto"],
         help="slice the training state over the workers by their free memory instead of keeping all of it on each: "
         "optimizer (its state, AdamW: twice the weights), gradients (also the gradients), full (also the weights, "
-        "gathered one block at a time): larger models fit, the same math (allreduce only; default none)",
+        "gathered one block at a time), auto (the lowest level whose state fits every worker, chosen at start): "
+        "larger models fit, the same math (allreduce only; default none)",
     )
     p.add_argument("--shard-optimizer", action="store_true", help="the same as --shard optimizer (deprecated)")
     p.add_argument(

@@ -11,7 +11,7 @@ import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import ray
 
@@ -26,12 +26,16 @@ from mixtrain.group import preflight
 from mixtrain.group.group_ops import GroupOps
 from mixtrain.group.membership import Membership, user_cap
 from mixtrain.group.worker_group import WorkerGroup
+from mixtrain.policies import shard_choice
 from mixtrain.policies.advice import choose, suggest
 from mixtrain.policies.decisions import Decision, LeaveOut, first_plan
 from mixtrain.policies.planner import Plan, largest_remainder, resolve_shares
 from mixtrain.pretrained import HFModelSpec
 from mixtrain.records.messages import BuildReport, LeftOut, ProbeResult, WorkerInfo
 from mixtrain.task import Task
+
+if TYPE_CHECKING:
+    from mixtrain.policies.model_shape import ModelShape
 
 
 class Phases:
@@ -126,6 +130,10 @@ def bring_up(
     reports = _build(group, task_factory)
     phases.mark("worker processes and replicas")
     checks: dict[str, Any] = {"reports": reports, "numerics": [], "probes": [], "left_out": []}
+    if group.scaling.shard == "auto":  # resolved before anything reads it: the probe, the strategy, the final gather
+        group.scaling, choice = shard_choice.resolve(group.scaling, _shape(reports), _seen(group, reports))
+        notes.append(choice.line)
+        checks["shard"] = choice.record()
     data_refs = (ray.put(train), ray.put(evaluation) if evaluation is not None else None)  # once; read zero-copy
     reports_data = group.each(lambda w: w.load_data(*data_refs), timeout_s=group.tunables.setup_s)
     data = preflight.check_data(reports_data, members.infos())
@@ -176,6 +184,21 @@ def _build(group: WorkerGroup, task_factory: Callable[[], Task]) -> list[BuildRe
     preflight.check(compat.versions(), built)
     _refresh_infos(group)
     return built
+
+
+def _shape(reports: list[BuildReport]) -> ModelShape:
+    shape = reports[0].shape
+    assert shape is not None, "every worker built (preflight.check)"
+    return shape
+
+
+def _seen(group: WorkerGroup, reports: list[BuildReport]) -> list[shard_choice.Seen]:
+    """Each worker's device as its build report saw it, for shard="auto"."""
+    seen = []
+    for member, r in zip(group.members, reports, strict=True):
+        assert r.device is not None, "every worker built (preflight.check)"
+        seen.append(shard_choice.Seen(member.spec.rank, r.host, r.device.kind, r.device.uuid, r.device.free_memory))
+    return seen
 
 
 def _advise(

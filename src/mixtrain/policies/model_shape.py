@@ -108,6 +108,29 @@ def measure_shape(
     small, large = micro_batches
     if not 1 <= small < large:
         raise InputValueError(f"micro_batches={micro_batches!r}: give two sizes, 1 <= first < second, e.g. (1, 2)")
+    blocks, base = _state(model, optimizer_state_bytes(model, optimizer), block)
+    at_small, flops_small = _activations(model, loss, small, blocks)
+    at_large, _ = _activations(model, loss, large, blocks)
+    slope = tuple((hi - lo) / (large - small) for lo, hi in zip(at_small, at_large))
+    fixed = tuple(max(0.0, lo - s * small) for lo, s in zip(at_small, slope))
+    per_block = len(blocks) or 1
+    return dataclasses.replace(
+        base,
+        activation_per_sample=(slope[0], slope[1] / per_block),
+        activation_fixed=(fixed[0], fixed[1] / per_block),
+        flops_per_sample=(flops_small[0] / small, flops_small[1] / small / per_block),
+    )
+
+
+def state_shape(model: nn.Module, optimizer: torch.optim.Optimizer, *, block: str | None = None) -> ModelShape:
+    """The training state's figures without running or copying anything (activations and FLOPs 0): what the
+    bring-up weighs for ScalingConfig(shard="auto") on each worker, where the model is built. The optimizer's
+    state is `expected_optimizer_bytes`."""
+    return _state(model, expected_optimizer_bytes(optimizer), block)[1]
+
+
+def _state(model: nn.Module, optimizer_bytes: int, block: str | None) -> tuple[list[nn.Module], ModelShape]:
+    """The blocks, and the shape's state figures (weights, frozen, blocks, root; activations and FLOPs 0)."""
     cls = find_block(model, block)
     blocks = [m for m in model.modules() if cls is not None and type(m) is cls]
     params = list(model.parameters())
@@ -117,25 +140,21 @@ def measure_shape(
     block_frozen = _bytes(p for b in blocks for p in b.parameters() if not p.requires_grad) + _bytes(
         buf for b in blocks for buf in b.buffers()
     )
-    at_small, flops_small = _activations(model, loss, small, blocks)
-    at_large, _ = _activations(model, loss, large, blocks)
-    slope = tuple((hi - lo) / (large - small) for lo, hi in zip(at_small, at_large))
-    fixed = tuple(max(0.0, lo - s * small) for lo, s in zip(at_small, slope))
-    per_block = len(blocks) or 1
-    return ModelShape(
+    shape = ModelShape(
         num_parameters=sum(p.numel() for p in params),
         trainable_bytes=_bytes(trainable),
         frozen_bytes=frozen,
-        optimizer_bytes=optimizer_state_bytes(model, optimizer),
+        optimizer_bytes=optimizer_bytes,
         block_name=cls.__name__ if cls else None,
         num_blocks=len(blocks),
         block_bytes=max((_bytes(p for p in b.parameters() if p.requires_grad) for b in blocks), default=0),
-        block_frozen_bytes=block_frozen / per_block,
+        block_frozen_bytes=block_frozen / (len(blocks) or 1),
         root_bytes=_bytes(trainable) - _bytes(in_blocks.values()),
-        activation_per_sample=(slope[0], slope[1] / per_block),
-        activation_fixed=(fixed[0], fixed[1] / per_block),
-        flops_per_sample=(flops_small[0] / small, flops_small[1] / small / per_block),
+        activation_per_sample=(0.0, 0.0),
+        activation_fixed=(0.0, 0.0),
+        flops_per_sample=(0.0, 0.0),
     )
+    return blocks, shape
 
 
 def optimizer_state_bytes(model: nn.Module, optimizer: torch.optim.Optimizer) -> int:
@@ -146,8 +165,39 @@ def optimizer_state_bytes(model: nn.Module, optimizer: torch.optim.Optimizer) ->
         if p.requires_grad:
             p.grad = torch.zeros_like(p)
     optimizer_copy.step()
+    return _held(optimizer_copy)
+
+
+def expected_optimizer_bytes(optimizer: torch.optim.Optimizer) -> int:
+    """Bytes of the optimizer's state once it has stepped, without stepping: what it holds where it has state
+    already, else per trainable parameter from its class and settings (SGD: 1x with momentum, 0 without; Adam and
+    AdamW: 2x, 3x with amsgrad; Adagrad 1x; RMSprop 1x, +1 with momentum, +1 centered); any other class AdamW's
+    2x, assumed."""
+    if optimizer.state:
+        return _held(optimizer)
+    total = 0.0
+    for group in optimizer.param_groups:
+        trainable = _bytes(p for p in group["params"] if p.requires_grad)
+        total += trainable * _state_per_weight(optimizer, group)
+    return round(total)
+
+
+def _state_per_weight(optimizer: torch.optim.Optimizer, group: dict[str, Any]) -> int:
+    if isinstance(optimizer, torch.optim.SGD):
+        return 1 if group.get("momentum", 0) else 0
+    if isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW)):
+        return 3 if group.get("amsgrad") else 2
+    if isinstance(optimizer, torch.optim.Adagrad):
+        return 1
+    if isinstance(optimizer, torch.optim.RMSprop):
+        return 1 + bool(group.get("momentum", 0)) + bool(group.get("centered"))
+    return 2
+
+
+def _held(optimizer: torch.optim.Optimizer) -> int:
+    """Bytes of the tensors in the optimizer's state, each storage once."""
     seen: dict[int, torch.Tensor] = {}
-    for state in optimizer_copy.state.values():
+    for state in optimizer.state.values():
         for value in state.values():
             if isinstance(value, torch.Tensor):
                 seen[value.untyped_storage().data_ptr() or id(value)] = value

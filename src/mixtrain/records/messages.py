@@ -11,6 +11,7 @@ from mixtrain.devices import DeviceInfo
 
 if TYPE_CHECKING:
     from mixtrain.frozen_base import FrozenBase
+    from mixtrain.policies.model_shape import ModelShape
     from mixtrain.pretrained import HFModelSpec
 
 
@@ -114,6 +115,9 @@ class BuildReport:
     folder too)."""
     frozen: FrozenBase | None = None
     """The model's frozen parameters (a LoRA base), when it has some: checkpoints leave them out (frozen_base)."""
+    shape: ModelShape | None = None
+    """The training state's figures (weights, blocks, the optimizer's expected state): ScalingConfig(shard="auto")
+    weighs them against each worker's memory."""
 
 
 @dataclass(frozen=True, kw_only=True)

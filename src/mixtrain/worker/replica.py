@@ -22,6 +22,7 @@ from mixtrain.devices import host_allocator, precision
 from mixtrain.devices.cpu import CpuShare
 from mixtrain.observe import worker_log
 from mixtrain.observe.round_profile import RoundProfiler
+from mixtrain.policies import model_shape
 from mixtrain.records.messages import (
     BuildReport,
     DataReport,
@@ -164,6 +165,7 @@ class TrainWorker(WorkerProcess):
             max_grad_norm=self.task.max_grad_norm,
             hf_model=pretrained.spec_of(model),
             frozen=frozen_base.describe(model),
+            shape=model_shape.state_shape(model, self.task.optimizer),
         )
 
     def check_numerics(self, tolerance: float | None = None, count: int = 8) -> NumericsResult:
