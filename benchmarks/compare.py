@@ -250,7 +250,7 @@ def run_mixtrain(
     """`workers=None`: ScalingConfig's default (auto: on a CPU-only machine one worker holding every core)."""
     import functools
 
-    from mixtrain import RunConfig, ScalingConfig, StrategyConfig, Trainer
+    from mixtrain import LocalSGDConfig, PSConfig, RunConfig, ScalingConfig, StrategyConfig, Trainer
 
     name, _, compress = strategy.partition("+")
     if workload == "newcomer":
@@ -266,7 +266,12 @@ def run_mixtrain(
             global_batch=GLOBAL_BATCH,
             scaling=ScalingConfig(num_workers=workers, shares=shares, leave_out_slow=not keep_all),  # type: ignore[arg-type]
             run=RunConfig(run_dir=tmp, progress=False),
-            strategy=StrategyConfig(name=name, compress=compress or "none", staleness=2, local_steps=8),
+            strategy=StrategyConfig(
+                name=name,
+                compress=compress or "none",
+                ps=PSConfig(staleness=2),
+                local_sgd=LocalSGDConfig(local_steps=8),
+            ),
         ).fit(epochs=epochs)
     steps_per_epoch = n // GLOBAL_BATCH
     measured = [r for r in result.history if r["epoch"] * steps_per_epoch + r["first_step"] >= warmup]

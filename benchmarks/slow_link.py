@@ -61,24 +61,29 @@ def _strategy(spec: str) -> dict:
     """allreduce, allreduce+bf16, local-sgd:8, local-sgd:8+bf16 (or +int8, +int4), local-sgd:8+int8+overlap,
     local-sgd:8+outer=1/0 (the outer lr and momentum), local-sgd:8+int4+overlap+paced (per-device pace), ps,
     ps-async:2, local-sgd:8+int4+overlap+round=64 (RunConfig.steps_per_round); "alone" is one worker on one host
-    (the fast machine alone); "alone:8" the same at a global batch of 8."""
+    (the fast machine alone); "alone:8" the same at a global batch of 8. Returns StrategyConfig's keywords, the
+    `ps` and `local_sgd` sections as dicts of PSConfig's and LocalSGDConfig's, and steps_per_round."""
     body, *flags = spec.split("+")
     name, _, number = body.partition(":")
-    out: dict = {"name": name, "compress": "none"}
+    ps: dict = {}
+    local_sgd: dict = {}
+    out: dict = {"name": name, "compress": "none", "ps": ps, "local_sgd": local_sgd}
     for flag in flags:
         if flag == "overlap":
-            out["overlap"] = True
+            local_sgd["overlap"] = True
         elif flag == "paced":
-            out["pace"] = "per-device"
+            local_sgd["pace"] = "per-device"
         elif flag.startswith("round="):
             out["steps_per_round"] = int(flag.removeprefix("round="))
         elif flag.startswith("outer="):
             lr, momentum = flag.removeprefix("outer=").split("/")
-            out.update(outer_lr=float(lr), outer_momentum=float(momentum))
+            local_sgd.update(outer_lr=float(lr), outer_momentum=float(momentum))
         else:
             out["compress"] = flag
-    if number:
-        out["local_steps" if name == "local-sgd" else "staleness"] = int(number)
+    if number and name == "local-sgd":
+        local_sgd["local_steps"] = int(number)
+    elif number:
+        ps["staleness"] = int(number)
     return out
 
 
@@ -139,7 +144,7 @@ def drive(
     address: str, spec: str, out: Path, epochs: int, workload: str, emulate: str | None, max_seconds: float | None
 ) -> None:
     """In the head's namespace: train the workload with one worker per host and write the figures."""
-    from mixtrain import RunConfig, ScalingConfig, StrategyConfig, Trainer
+    from mixtrain import LocalSGDConfig, PSConfig, RunConfig, ScalingConfig, StrategyConfig, Trainer
     from mixtrain.cluster.headnode import use_cluster_token
 
     use_cluster_token(address)
@@ -150,6 +155,7 @@ def drive(
     run_dir = out / re.sub(r"[^\w.-]", "_", spec)
     strategy = _strategy("allreduce" if alone else spec)
     steps_per_round = strategy.pop("steps_per_round", None)
+    sections = {"ps": PSConfig(**strategy.pop("ps")), "local_sgd": LocalSGDConfig(**strategy.pop("local_sgd"))}
     trainer = Trainer(
         ex.task_factory,
         ex.train_data,
@@ -164,7 +170,7 @@ def drive(
             leave_out_slow=False,
         ),
         run=RunConfig(run_dir=str(run_dir), progress=False, checkpoint_every_s=3600, steps_per_round=steps_per_round),
-        strategy=StrategyConfig(**strategy),
+        strategy=StrategyConfig(**strategy, **sections),
     )
     import signal
     import threading

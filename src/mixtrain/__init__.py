@@ -20,6 +20,8 @@ _PUBLIC = {
     "RunConfig": "mixtrain.config",
     "ScalingConfig": "mixtrain.config",
     "StrategyConfig": "mixtrain.config",
+    "PSConfig": "mixtrain.config",
+    "LocalSGDConfig": "mixtrain.config",
     "InputError": "mixtrain.errors",
     "Job": "mixtrain.job",
     "Result": "mixtrain.result",
@@ -40,6 +42,8 @@ __all__ = [
     "DeviceGroup",
     "InputError",
     "Job",
+    "LocalSGDConfig",
+    "PSConfig",
     "Result",
     "RunConfig",
     "ScalingConfig",
@@ -59,7 +63,7 @@ assert sorted(__all__) == sorted(_PUBLIC)
 if TYPE_CHECKING:  # what a type checker and an IDE see: the names, from where they live
     from mixtrain.callbacks import Callback, EarlyStopping, StopTraining
     from mixtrain.checkpoint import WeightsNotSaved, load_weights
-    from mixtrain.config import DeviceGroup, RunConfig, ScalingConfig, StrategyConfig
+    from mixtrain.config import DeviceGroup, LocalSGDConfig, PSConfig, RunConfig, ScalingConfig, StrategyConfig
     from mixtrain.driver.controller import TrainingStopped
     from mixtrain.driver.interrupt import TrainingInterrupted
     from mixtrain.errors import InputError

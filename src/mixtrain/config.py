@@ -6,7 +6,7 @@ import math
 import os
 import warnings
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import InitVar, dataclass, replace
 from typing import Any, Literal, cast, get_args
 
 from mixtrain import _checks as check
@@ -527,48 +527,141 @@ batch per worker and steps sized by speed."""
 
 
 @dataclass(frozen=True, kw_only=True)
+class PSConfig:
+    """The parameter servers of strategies `ps` and `ps-async`: StrategyConfig(name="ps", ps=PSConfig(shards=2))."""
+
+    shards: int | str = "auto"
+    """Parameter-server actors the parameters are split over, by size; "auto": one per 16 MB, at most 4."""
+    node: str | None = None
+    """The Ray node id for the parameter servers; None: the driver's node (the head)."""
+    staleness: int = 2
+    """ps-async: how many updates a worker may run ahead of the newest weights it has (0: synchronous)."""
+
+    def __post_init__(self) -> None:
+        if self.shards != "auto" and not (
+            isinstance(self.shards, int) and not isinstance(self.shards, bool) and self.shards >= 1
+        ):
+            raise InputValueError(f"PSConfig.shards={self.shards!r} (--ps-shards): use 'auto' or an integer >= 1")
+        check.text("PSConfig.node", self.node, none=True)
+        check.integer("PSConfig.staleness", self.staleness, 0, hint="0: synchronous")
+
+
+@dataclass(frozen=True, kw_only=True)
+class LocalSGDConfig:
+    """Strategy `local-sgd` (and `auto`, when it picks local SGD):
+    StrategyConfig(name="local-sgd", local_sgd=LocalSGDConfig(local_steps=16, overlap=True))."""
+
+    local_steps: int = 8
+    """Steps between averages (H); communication drops H-fold."""
+    outer_lr: float = 1.0
+    """Learning rate of the outer optimizer applied to the averaged delta. 1.0 with no momentum is plain
+    averaging; DiLoCo uses 0.7 with momentum 0.9 at H in the hundreds, which at H=16 ended 16% worse in held-out
+    loss on the slow-link benchmark (docs/benchmarks.md, strategies)."""
+    outer_momentum: float = 0.0
+    """Nesterov momentum of the outer optimizer (DiLoCo: 0.9; 0: none)."""
+    overlap: bool = False
+    """Exchange in the background while the next H steps compute, and apply the average one exchange late
+    (Streaming DiLoCo's delayed outer update): a slow link costs up to H steps of compute less per exchange.
+    Rounds then hold at least OVERLAP_EXCHANGES_PER_ROUND exchanges (a round ends in a blocking one). With
+    `auto`: overlap if local SGD is chosen."""
+    pace: Pace = "balanced"
+    """With unequal devices: "balanced" (each step's samples are split by speed, so every worker takes the same H
+    inner steps per window, the slower ones on smaller batches) or "per-device" (every worker's inner batch is the
+    global batch over the number of workers, so a faster device, holding more of the samples, takes more inner
+    steps per window; deltas are weighted by samples either way)."""
+
+    def __post_init__(self) -> None:
+        check.integer("LocalSGDConfig.local_steps", self.local_steps, 1)
+        check.number("LocalSGDConfig.outer_lr", self.outer_lr, 0, above=True)
+        check.number("LocalSGDConfig.outer_momentum", self.outer_momentum, 0, below=1)
+        check.boolean("LocalSGDConfig.overlap", self.overlap)
+        if self.pace not in PACES:
+            raise InputValueError(f"LocalSGDConfig.pace={self.pace!r} (--pace): use one of {', '.join(PACES)}")
+
+
+_MOVED: dict[str, tuple[str, str]] = {
+    "staleness": ("ps", "staleness"),
+    "ps_shards": ("ps", "shards"),
+    "ps_node": ("ps", "node"),
+    "local_steps": ("local_sgd", "local_steps"),
+    "outer_lr": ("local_sgd", "outer_lr"),
+    "outer_momentum": ("local_sgd", "outer_momentum"),
+    "overlap": ("local_sgd", "overlap"),
+    "pace": ("local_sgd", "pace"),
+}
+"""StrategyConfig's deprecated flat keywords -> (section, field there). Removed in the next version."""
+_SECTIONS: dict[str, type] = {"ps": PSConfig, "local_sgd": LocalSGDConfig}
+
+
+@dataclass(frozen=True, kw_only=True)
 class StrategyConfig:
     """How replicas agree on an update. `allreduce` (the default) sums gradients over gloo every step;
     `ps` sends them to parameter-server actors that hold the weights and the optimizer (the same math);
-    `ps-async` lets a worker run up to `staleness` updates ahead of the slowest; `local-sgd` takes
-    `local_steps` steps on each worker, then averages the parameter deltas and applies them with an
+    `ps-async` lets a worker run up to `ps.staleness` updates ahead of the slowest; `local-sgd` takes
+    `local_sgd.local_steps` steps on each worker, then averages the parameter deltas and applies them with an
     outer Nesterov-momentum optimizer (DiLoCo); `auto` measures one all-reduce against a step's compute at
     start-up and adopts what the figures call for: all-reduce, or local SGD with the H (and past H=64 the
-    int8/int4 deltas) that keep communication under 10% of compute."""
+    int8/int4 deltas) that keep communication under 10% of compute.
+
+    Each strategy's own settings are a section: StrategyConfig(name="ps", ps=PSConfig(shards=2)),
+    StrategyConfig(name="local-sgd", local_sgd=LocalSGDConfig(local_steps=16)). The flat keywords of before
+    (staleness=, local_steps=, outer_lr=, outer_momentum=, overlap=, pace=, ps_shards=, ps_node=) still work,
+    with a DeprecationWarning, until the next version; they are read from the sections only."""
 
     name: StrategyName = "allreduce"
     compress: Compression = "none"
     """What gradients (allreduce, ps) or deltas (local-sgd) travel as: none (fp32), bf16 or fp16; local-sgd
     also int8 or int4 (a scale per 256 values, error feedback: what rounding drops is sent with the next)."""
-    staleness: int = 2
-    """ps-async: how many updates a worker may run ahead of the newest weights it has (0: synchronous)."""
-    local_steps: int = 8
-    """local-sgd: steps between averages (H); communication drops H-fold."""
-    outer_lr: float = 1.0
-    """local-sgd: learning rate of the outer optimizer applied to the averaged delta. 1.0 with no momentum is
-    plain averaging; DiLoCo uses 0.7 with momentum 0.9 at H in the hundreds, which at H=16 ended 16% worse
-    in held-out loss on the slow-link benchmark (docs/benchmarks.md, strategies)."""
-    outer_momentum: float = 0.0
-    """local-sgd: Nesterov momentum of the outer optimizer (DiLoCo: 0.9; 0: none)."""
-    overlap: bool = False
-    """local-sgd: exchange in the background while the next H steps compute, and apply the average one
-    exchange late (Streaming DiLoCo's delayed outer update): a slow link costs up to H steps of compute less
-    per exchange. Rounds then hold at least OVERLAP_EXCHANGES_PER_ROUND exchanges (a round ends in a blocking
-    one). With `auto`: overlap if local SGD is chosen."""
-    pace: Pace = "balanced"
-    """local-sgd with unequal devices: "balanced" (each step's samples are split by speed, so every worker takes
-    the same H inner steps per window, the slower ones on smaller batches) or "per-device" (every worker's inner
-    batch is the global batch over the number of workers, so a faster device, holding more of the samples,
-    takes more inner steps per window; deltas are weighted by samples either way)."""
-    ps_shards: int | str = "auto"
-    """ps, ps-async: parameter-server actors the parameters are split over, by size; "auto": one per 16 MB,
-    at most 4."""
-    ps_node: str | None = None
-    """ps, ps-async: the Ray node id for the parameter servers; None: the driver's node (the head)."""
+    ps: PSConfig = PSConfig()
+    """ps, ps-async: the parameter servers (shards, node) and ps-async's staleness."""
+    local_sgd: LocalSGDConfig = LocalSGDConfig()
+    """local-sgd (and auto): H, the outer optimizer, overlap and pace."""
+    staleness: InitVar[int | None] = None
+    """Deprecated: ps=PSConfig(staleness=...)."""
+    local_steps: InitVar[int | None] = None
+    """Deprecated: local_sgd=LocalSGDConfig(local_steps=...)."""
+    outer_lr: InitVar[float | None] = None
+    """Deprecated: local_sgd=LocalSGDConfig(outer_lr=...)."""
+    outer_momentum: InitVar[float | None] = None
+    """Deprecated: local_sgd=LocalSGDConfig(outer_momentum=...)."""
+    overlap: InitVar[bool | None] = None
+    """Deprecated: local_sgd=LocalSGDConfig(overlap=...)."""
+    pace: InitVar[Pace | None] = None
+    """Deprecated: local_sgd=LocalSGDConfig(pace=...)."""
+    ps_shards: InitVar[int | str | None] = None
+    """Deprecated: ps=PSConfig(shards=...)."""
+    ps_node: InitVar[str | None] = None
+    """Deprecated: ps=PSConfig(node=...)."""
 
-    def __post_init__(self) -> None:
+    def __post_init__(
+        self,
+        staleness: int | None,
+        local_steps: int | None,
+        outer_lr: float | None,
+        outer_momentum: float | None,
+        overlap: bool | None,
+        pace: Pace | None,
+        ps_shards: int | str | None,
+        ps_node: str | None,
+    ) -> None:
         check.choice("strategy", self.name, STRATEGY_NAMES)
         check.choice("StrategyConfig.compress", self.compress, COMPRESSION)
+        for section, cls in _SECTIONS.items():
+            if not isinstance(getattr(self, section), cls):
+                raise InputTypeError(
+                    f"StrategyConfig.{section}={getattr(self, section)!r}: give a mixtrain.{cls.__name__}"
+                )
+        flat = dict(
+            staleness=staleness,
+            local_steps=local_steps,
+            outer_lr=outer_lr,
+            outer_momentum=outer_momentum,
+            overlap=overlap,
+            pace=pace,
+            ps_shards=ps_shards,
+            ps_node=ps_node,
+        )
+        self._take_flat({k: v for k, v in flat.items() if v is not None})
         if self.compress in QUANTIZED and self.name != "local-sgd":
             raise InputValueError(
                 f"StrategyConfig.compress={self.compress!r} (--compress {self.compress}) works with strategy "
@@ -576,55 +669,79 @@ class StrategyConfig:
                 f"not), not {self.name!r}: use compress='bf16' or 'fp16' here (--compress bf16), or "
                 "strategy='local-sgd' (--strategy local-sgd)"
             )
-        check.integer("StrategyConfig.staleness", self.staleness, 0, hint="0: synchronous")
         self._check_local_sgd()
-        if self.ps_shards != "auto" and not (
-            isinstance(self.ps_shards, int) and not isinstance(self.ps_shards, bool) and self.ps_shards >= 1
-        ):
-            raise InputValueError(f"StrategyConfig.ps_shards={self.ps_shards!r}: use 'auto' or an integer >= 1")
-        check.text("StrategyConfig.ps_node", self.ps_node, none=True)
+
+    def _take_flat(self, given: dict[str, Any]) -> None:
+        """The deprecated flat keywords move into their sections; a section that says otherwise is an error."""
+        changes: dict[str, dict[str, Any]] = {section: {} for section in _SECTIONS}
+        for old, value in given.items():
+            section, new = _MOVED[old]
+            cls = _SECTIONS[section]
+            warnings.warn(
+                f"StrategyConfig.{old} is deprecated: use StrategyConfig({section}={cls.__name__}({new}=...))",
+                DeprecationWarning,
+                stacklevel=4,
+            )
+            current = getattr(getattr(self, section), new)
+            if current not in (getattr(cls(), new), value):
+                raise InputValueError(
+                    f"StrategyConfig.{old}={value!r} with {section}={cls.__name__}({new}={current!r}): give "
+                    f"{section}={cls.__name__}({new}=...) alone"
+                )
+            changes[section][new] = value
+        for section, fields in changes.items():
+            if fields:
+                object.__setattr__(self, section, replace(getattr(self, section), **fields))
 
     def _check_local_sgd(self) -> None:
-        check.integer("StrategyConfig.local_steps", self.local_steps, 1)
-        check.number("StrategyConfig.outer_lr", self.outer_lr, 0, above=True)
-        check.number("StrategyConfig.outer_momentum", self.outer_momentum, 0, below=1)
-        check.boolean("StrategyConfig.overlap", self.overlap)
-        if self.overlap and self.name not in ("local-sgd", "auto"):
+        """local SGD's own options with another strategy: an error, not a setting silently ignored."""
+        local_sgd = self.local_sgd
+        if local_sgd.overlap and self.name not in ("local-sgd", "auto"):
             raise InputValueError(
-                f"StrategyConfig.overlap=True (--overlap) works with strategy local-sgd (or auto, when it picks "
-                f"local-sgd), not {self.name!r}: use strategy='local-sgd' (--strategy local-sgd --overlap)"
+                f"StrategyConfig.local_sgd.overlap=True (--overlap) works with strategy local-sgd (or auto, when it "
+                f"picks local-sgd), not {self.name!r}: use strategy='local-sgd' (--strategy local-sgd --overlap)"
             )
-        if self.pace not in PACES:
-            raise InputValueError(f"StrategyConfig.pace={self.pace!r} (--pace): use one of {', '.join(PACES)}")
-        if self.pace != "balanced" and self.name not in ("local-sgd", "auto"):
+        if local_sgd.pace != "balanced" and self.name not in ("local-sgd", "auto"):
             raise InputValueError(
-                f"StrategyConfig.pace={self.pace!r} (--pace {self.pace}) works with strategy local-sgd (or auto, when "
-                f"it picks local-sgd), not {self.name!r}: every other strategy takes one update per global batch"
+                f"StrategyConfig.local_sgd.pace={local_sgd.pace!r} (--pace {local_sgd.pace}) works with strategy "
+                f"local-sgd (or auto, when it picks local-sgd), not {self.name!r}: every other strategy takes one "
+                "update per global batch"
             )
 
     @property
     def steps_per_exchange(self) -> int:
         """Steps between two exchanges over the link."""
-        return self.local_steps if self.name == "local-sgd" else 1
+        return self.local_sgd.local_steps if self.name == "local-sgd" else 1
 
     @property
     def min_round_steps(self) -> int:
         """The shortest round: overlapped local SGD needs several exchanges per round, as a round ends with a
         blocking one."""
-        if self.name == "local-sgd" and self.overlap:
-            return self.local_steps * OVERLAP_EXCHANGES_PER_ROUND
+        if self.name == "local-sgd" and self.local_sgd.overlap:
+            return self.local_sgd.local_steps * OVERLAP_EXCHANGES_PER_ROUND
         return 1
 
     def as_allreduce(self) -> StrategyConfig:
         """These settings for all-reduce: local SGD's own options (overlap, pace) back to their defaults, and
         no int8/int4 gradients."""
         compress = "none" if self.compress in QUANTIZED else self.compress
-        return replace(self, name="allreduce", compress=compress, overlap=False, pace="balanced")
+        local_sgd = replace(self.local_sgd, overlap=False, pace="balanced")
+        return replace(self, name="allreduce", compress=compress, local_sgd=local_sgd)
+
+    def as_local_sgd(self, local_steps: int, compress: Compression | None = None) -> StrategyConfig:
+        """These settings for overlapped local SGD with H=`local_steps` (and `compress` on the wire, if given):
+        what `auto` adopts on a slow link."""
+        local_sgd = replace(self.local_sgd, local_steps=local_steps, overlap=True)
+        return replace(self, name="local-sgd", compress=compress or self.compress, local_sgd=local_sgd)
 
     def describe(self) -> str:
-        overlapped = ", overlapped" if self.overlap else ""
-        overlapped += f", {self.pace} pace" if self.pace != "balanced" else ""
-        extra = {"ps-async": f" (staleness {self.staleness})", "local-sgd": f" (H={self.local_steps}{overlapped})"}
+        local_sgd = self.local_sgd
+        overlapped = ", overlapped" if local_sgd.overlap else ""
+        overlapped += f", {local_sgd.pace} pace" if local_sgd.pace != "balanced" else ""
+        extra = {
+            "ps-async": f" (staleness {self.ps.staleness})",
+            "local-sgd": f" (H={local_sgd.local_steps}{overlapped})",
+        }
         wire = f", {self.compress} on the wire" if self.compress != "none" else ""
         return f"{self.name}{extra.get(self.name, '')}{wire}"
 

@@ -393,8 +393,8 @@ def test_each_strategy_trains_the_digits_job_through_the_cli(flags, tmp_path, ra
     config = json.loads((run_dir / "config.json").read_text())
     assert config["strategy"]["name"] == flags[1]
     assert f"strategy: {flags[1]}" in proc.stderr and "MB per exchange took" in proc.stderr
-    assert config["strategy"]["overlap"] == ("--overlap" in flags)
-    assert config["strategy"]["pace"] == ("per-device" if "--pace" in flags else "balanced")
+    assert config["strategy"]["local_sgd"]["overlap"] == ("--overlap" in flags)
+    assert config["strategy"]["local_sgd"]["pace"] == ("per-device" if "--pace" in flags else "balanced")
     rounds = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     rounds = [r for r in rounds if r["kind"] == "round"]
     assert sum(r["samples"] for r in rounds) == 3 * config["num_samples"]

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from mixtrain import RunConfig, ScalingConfig, StrategyConfig, Trainer
+from mixtrain import LocalSGDConfig, PSConfig, RunConfig, ScalingConfig, StrategyConfig, Trainer
 from mixtrain.checkpoint import MANIFEST_SHA256, CheckpointStore, _manifest_digest
 from mixtrain.data.sampling import steps_per_epoch
 from mixtrain.driver.controller import TrainingStopped
@@ -72,8 +72,11 @@ def test_a_worker_lost_mid_round_is_survived_and_training_stays_exact(tmp_path, 
 @pytest.mark.parametrize(
     "strategy,opt",
     [
-        (StrategyConfig(name="ps", ps_shards=2), "sgd"),
-        (StrategyConfig(name="local-sgd", local_steps=1, outer_lr=1.0, outer_momentum=0.0), "sgd0"),
+        (StrategyConfig(name="ps", ps=PSConfig(shards=2)), "sgd"),
+        (
+            StrategyConfig(name="local-sgd", local_sgd=LocalSGDConfig(local_steps=1, outer_lr=1.0, outer_momentum=0.0)),
+            "sgd0",
+        ),
     ],
     ids=["ps", "local-sgd"],
 )

@@ -11,7 +11,7 @@ import pytest
 import torch
 from torch.nn.utils import parameters_to_vector, vector_to_parameters
 
-from mixtrain import RunConfig, ScalingConfig, StrategyConfig, Trainer
+from mixtrain import LocalSGDConfig, RunConfig, ScalingConfig, StrategyConfig, Trainer
 from mixtrain.data.sampling import epoch_permutation, steps_per_epoch
 from tests.conftest import run_records
 from tests.models import data, factory, faulty_task, make_task
@@ -139,9 +139,8 @@ def test_local_sgd_matches_a_one_process_simulation_of_its_math(overlap, pace, o
     if bucket_mb:
         monkeypatch.setenv("MIXTRAIN_BUCKET_MB", bucket_mb)
     x, y = data("mlp", NUM_SAMPLES)
-    strategy = StrategyConfig(
-        name="local-sgd", local_steps=H, outer_lr=outer[0], outer_momentum=outer[1], overlap=overlap, pace=pace
-    )
+    options = LocalSGDConfig(local_steps=H, outer_lr=outer[0], outer_momentum=outer[1], overlap=overlap, pace=pace)
+    strategy = StrategyConfig(name="local-sgd", local_sgd=options)
     result = train("mlp", "sgd0", [40, 24], x, y, tmp_path, steps_per_round=ROUND, strategy=strategy)
     assert [r["num_steps"] for r in result.history] == [ROUND] * 4
     assert all(r["drift"] == 0.0 for r in result.history)  # replicas are equal at every round's end
@@ -166,7 +165,7 @@ def test_local_sgd_matches_a_one_process_simulation_of_its_math(overlap, pace, o
 def test_overlapped_rounds_hold_several_exchanges_and_the_last_blocks(tmp_path):
     # rounds sized by time hold at least 4 exchanges when overlapped; the ledger still reports every step
     x, y = data("mlp", NUM_SAMPLES)
-    strategy = StrategyConfig(name="local-sgd", local_steps=H, overlap=True)
+    strategy = StrategyConfig(name="local-sgd", local_sgd=LocalSGDConfig(local_steps=H, overlap=True))
     result = train("mlp", "sgd0", [32, 32], x, y, tmp_path, steps_per_round=None, strategy=strategy)
     steps = [r["num_steps"] for r in result.history]
     assert sum(steps) == 32 and all(n >= 4 * H or r["first_step"] + n == 32 for n, r in zip(steps, result.history))
@@ -185,7 +184,7 @@ def test_a_worker_killed_mid_exchange_is_survived(overlap, tmp_path, monkeypatch
         monkeypatch.setenv("MIXTRAIN_BUCKET_MB", PIECE_MB)
     x, y = data("mlp", NUM_SAMPLES)
     task = functools.partial(faulty_task, "mlp", "sgd0", "kill", 1, 8, str(tmp_path / "fired"))
-    strategy = StrategyConfig(name="local-sgd", local_steps=H, overlap=overlap)
+    strategy = StrategyConfig(name="local-sgd", local_sgd=LocalSGDConfig(local_steps=H, overlap=overlap))
     result = Trainer(
         task,
         (x, y),
@@ -228,9 +227,8 @@ def test_resume_continues_exactly_with_the_outer_momentum(tmp_path):
     # the outer optimizer's momentum is in every checkpoint; the inner SGD keeps no state and the replicas
     # are equal at every round's end, so 1 epoch + resume to 2 equals 2 epochs straight (overlapped, per-device
     # pace, unequal shares, DiLoCo's momentum)
-    strategy = StrategyConfig(
-        name="local-sgd", local_steps=H, outer_lr=OUTER_LR, outer_momentum=MU, overlap=True, pace="per-device"
-    )
+    options = LocalSGDConfig(local_steps=H, outer_lr=OUTER_LR, outer_momentum=MU, overlap=True, pace="per-device")
+    strategy = StrategyConfig(name="local-sgd", local_sgd=options)
     straight, resumed = straight_and_resumed(tmp_path, "sgd0", GLOBAL_BATCH * 10, strategy)
     # (without the momentum restored, the first layer differed by 3.6e-2)
     assert_same_weights(resumed.state_dict, straight.state_dict, rtol=1e-6)
@@ -241,9 +239,8 @@ def test_resume_gives_every_replica_its_own_inner_optimizer_and_error_feedback(t
     # each replica's inner AdamW moments (and, with int8, what quantization dropped from its last delta) are its
     # own: a checkpoint held rank 0's only, and a resumed overlapped int8 run at H=4 ended up to 0.15 away from
     # the run it continued (issue 46). Now each rank gets its own back: 1 epoch + resume to 2 equals 2 straight
-    strategy = StrategyConfig(
-        name="local-sgd", local_steps=4, outer_lr=OUTER_LR, outer_momentum=MU, overlap=True, compress=compress
-    )
+    options = LocalSGDConfig(local_steps=4, outer_lr=OUTER_LR, outer_momentum=MU, overlap=True)
+    strategy = StrategyConfig(name="local-sgd", local_sgd=options, compress=compress)
     straight, resumed = straight_and_resumed(tmp_path, "adamw", GLOBAL_BATCH * 8, strategy)
     for name, want in straight.state_dict.items():  # bit for bit
         assert torch.equal(resumed.state_dict[name], want), name

@@ -8,7 +8,7 @@ import json
 import pytest
 import torch
 
-from mixtrain import RunConfig, ScalingConfig, StrategyConfig, Trainer
+from mixtrain import LocalSGDConfig, PSConfig, RunConfig, ScalingConfig, StrategyConfig, Trainer
 from mixtrain.examples.digits import example
 from tests.models import data
 from tests.ray.test_exactness import NUM_SAMPLES, assert_same_weights, bn_reference, reference, train
@@ -19,9 +19,9 @@ pytestmark = pytest.mark.usefixtures("ray_session")
 @pytest.mark.parametrize(
     "model,opt,shares,strategy",
     [
-        ("mlp", "adamw", [40, 24], StrategyConfig(name="ps", ps_shards=2)),
+        ("mlp", "adamw", [40, 24], StrategyConfig(name="ps", ps=PSConfig(shards=2))),
         ("cnn", "sgd", [30, 20, 14], StrategyConfig(name="ps")),
-        ("mlp", "sgd", [40, 24], StrategyConfig(name="ps-async", staleness=0, ps_shards=3)),
+        ("mlp", "sgd", [40, 24], StrategyConfig(name="ps-async", ps=PSConfig(staleness=0, shards=3))),
     ],
     ids=["ps-2-shards-adamw", "ps-cnn-3-workers", "ps-async-staleness-0"],
 )
@@ -39,7 +39,7 @@ def test_parameter_server_workers_hand_back_object_store_pages_and_the_math_stay
     # the store's shared file, unchanged, so training is still single-process AdamW
     monkeypatch.setenv("MIXTRAIN_STORE_PAGES_MB", "0.001")
     x, y = data("wide", NUM_SAMPLES)
-    result = train("wide", "adamw", [40, 24], x, y, tmp_path, strategy=StrategyConfig(name="ps", ps_shards=2))
+    result = train("wide", "adamw", [40, 24], x, y, tmp_path, strategy=StrategyConfig(name="ps", ps=PSConfig(shards=2)))
     assert_same_weights(result.state_dict, reference("wide", "adamw", x, y))
     logs = [p.read_text() for p in sorted((result.run_dir / "logs").glob("worker-*.log"))]
     assert len(logs) == 2 and all("object store's pages this process touched passed" in text for text in logs)
@@ -64,7 +64,7 @@ def test_parameter_server_resume_continues_exactly(tmp_path):
             global_batch=64,
             scaling=ScalingConfig(num_workers=2, shares=[40, 24]),
             run=RunConfig(run_dir=str(run_dir), seed=3, steps_per_round=4, progress=False),
-            strategy=StrategyConfig(name="ps", ps_shards=2),
+            strategy=StrategyConfig(name="ps", ps=PSConfig(shards=2)),
         ).fit(epochs=epochs, resume=resume)
 
     straight = fit(tmp_path / "straight", 2)
@@ -76,7 +76,9 @@ def test_parameter_server_resume_continues_exactly(tmp_path):
 def test_local_sgd_with_one_local_step_and_a_plain_outer_step_is_synchronous_sgd(tmp_path):
     """H=1, outer lr 1, no momentum: the averaged delta is exactly lr x the global mean gradient."""
     x, y = data("mlp", NUM_SAMPLES)
-    strategy = StrategyConfig(name="local-sgd", local_steps=1, outer_lr=1.0, outer_momentum=0.0)
+    strategy = StrategyConfig(
+        name="local-sgd", local_sgd=LocalSGDConfig(local_steps=1, outer_lr=1.0, outer_momentum=0.0)
+    )
     result = train("mlp", "sgd0", [40, 24], x, y, tmp_path, strategy=strategy)
     assert_same_weights(result.state_dict, reference("mlp", "sgd0", x, y))
 
@@ -104,7 +106,9 @@ def test_async_parameter_server_stays_within_its_staleness_bound_and_matches_all
     tmp_path, allreduce_digits
 ):
     bound = 2
-    result = _digits(tmp_path, "async", StrategyConfig(name="ps-async", staleness=bound), steps_per_round=8)
+    result = _digits(
+        tmp_path, "async", StrategyConfig(name="ps-async", ps=PSConfig(staleness=bound)), steps_per_round=8
+    )
     seen = [w["max_staleness"] for r in result.history for w in r["workers"]]
     assert max(seen) == bound  # workers did run ahead of the newest weights...
     assert all(0 <= s <= bound for s in seen)  # ...and never further than the bound
@@ -114,7 +118,9 @@ def test_async_parameter_server_stays_within_its_staleness_bound_and_matches_all
 
 def test_local_sgd_sends_one_hth_of_allreduce_and_matches_its_accuracy(tmp_path, allreduce_digits):
     h = 8
-    result = _digits(tmp_path, "local", StrategyConfig(name="local-sgd", local_steps=h), steps_per_round=8)
+    result = _digits(
+        tmp_path, "local", StrategyConfig(name="local-sgd", local_sgd=LocalSGDConfig(local_steps=h)), steps_per_round=8
+    )
     # a round of H steps makes one exchange where all-reduce makes H; every round ends with an exchange,
     # so a shorter last round of an epoch (23 steps = 8 + 8 + 7) makes one too
     per_round = {(r["epoch"], r["first_step"]): r for r in allreduce_digits.history}
@@ -157,10 +163,10 @@ def test_auto_adopts_local_sgd_where_the_exchange_dominates_a_step(tmp_path):
     result = train("mlp", "sgd", [32, 32], x, y, tmp_path, strategy="auto")
     config = _chosen(result)
     chosen, advice = config["strategy"], config["strategy_advice"]
-    assert chosen["name"] == "local-sgd" and chosen["local_steps"] >= 2 and chosen["overlap"], advice
-    assert advice.startswith(f"auto chose local-sgd (H={chosen['local_steps']}, overlapped)"), advice
+    h = chosen["local_sgd"]["local_steps"]
+    assert chosen["name"] == "local-sgd" and h >= 2 and chosen["local_sgd"]["overlap"], advice
+    assert advice.startswith(f"auto chose local-sgd (H={h}, overlapped)"), advice
     assert all(r["drift"] == 0.0 for r in result.history)
-    h = chosen["local_steps"]
     assert all(r["num_steps"] % h == 0 or r["first_step"] + r["num_steps"] == 30 for r in result.history)
     assert all(torch.isfinite(v).all() for v in result.state_dict.values())
 
@@ -176,7 +182,7 @@ def test_quantized_deltas_send_a_quarter_or_an_eighth_and_match_allreduce_accura
     from mixtrain.comm.compress import quantized_nbytes
 
     h = 8
-    strategy = StrategyConfig(name="local-sgd", local_steps=h, compress=compress)
+    strategy = StrategyConfig(name="local-sgd", local_sgd=LocalSGDConfig(local_steps=h), compress=compress)
     result = _digits(tmp_path, compress, strategy)
     params = sum(p.numel() for p in example().task_factory().model.parameters())
     per_exchange = quantized_nbytes(params, bits)  # plus 2 floats per step: a loss term and a finite flag

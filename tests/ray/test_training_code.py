@@ -12,7 +12,7 @@ from torch import nn
 from torch.utils.data import default_collate
 
 import mixtrain
-from mixtrain import RunConfig, ScalingConfig, StrategyConfig, Task, Trainer, WorkerError
+from mixtrain import PSConfig, RunConfig, ScalingConfig, StrategyConfig, Task, Trainer, WorkerError
 from mixtrain.checkpoint import CheckpointStore
 from mixtrain.data import Loader, seed_sample
 from mixtrain.data.sampling import epoch_permutation, steps_per_epoch
@@ -171,7 +171,7 @@ def test_parameter_servers_clip_by_the_global_norm_across_shards_exactly(strateg
         global_batch=B,
         scaling=ScalingConfig(num_workers=3, shares=[30, 20, 14], max_micro_batch=[8, 64, 5]),
         run=RunConfig(run_dir=str(tmp_path), seed=SEED, steps_per_round=5, progress=False),
-        strategy=StrategyConfig(name=strategy, ps_shards=2, staleness=0),
+        strategy=StrategyConfig(name=strategy, ps=PSConfig(shards=2, staleness=0)),
     )
     result = trainer.fit(epochs=1)
     torch.manual_seed(SEED)

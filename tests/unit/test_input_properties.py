@@ -12,7 +12,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from mixtrain import DeviceGroup, RunConfig, ScalingConfig, StrategyConfig
+from mixtrain import DeviceGroup, LocalSGDConfig, PSConfig, RunConfig, ScalingConfig, StrategyConfig
 from mixtrain.errors import InputError
 
 ANY_VALUE = st.one_of(
@@ -30,7 +30,9 @@ ANY_VALUE = st.one_of(
 )
 ALIASES = {(StrategyConfig, "name"): "strategy=", (ScalingConfig, "emulate_slowdown"): "emulate_slowdown"}
 CONFIGS = [
-    (cls, f.name) for cls in (ScalingConfig, RunConfig, StrategyConfig, DeviceGroup) for f in dataclasses.fields(cls)
+    (cls, f.name)
+    for cls in (ScalingConfig, RunConfig, StrategyConfig, PSConfig, LocalSGDConfig, DeviceGroup)
+    for f in dataclasses.fields(cls)
 ]
 
 

@@ -112,9 +112,10 @@ def test_local_sgd_flags_reach_the_strategy():
     argv = ["train", "digits", "--strategy", "local-sgd", "--local-steps", "16", "--overlap", "--compress", "int4"]
     args, _ = _parse([*argv, "--outer-lr", "0.7", "--outer-momentum", "0.9"])
     strategy = _trainer(args)[1].strategy
-    assert (strategy.local_steps, strategy.overlap, strategy.compress) == (16, True, "int4")
-    assert (strategy.outer_lr, strategy.outer_momentum) == (0.7, 0.9)
-    plain = _trainer(_parse(["train", "digits", "--strategy", "local-sgd"])[0])[1].strategy
+    options = strategy.local_sgd
+    assert (options.local_steps, options.overlap, strategy.compress) == (16, True, "int4")
+    assert (options.outer_lr, options.outer_momentum) == (0.7, 0.9)
+    plain = _trainer(_parse(["train", "digits", "--strategy", "local-sgd"])[0])[1].strategy.local_sgd
     assert (plain.overlap, plain.outer_lr, plain.outer_momentum) == (False, 1.0, 0.0)  # plain averaging
 
 

@@ -8,7 +8,7 @@ import torch
 
 from mixtrain.comm.compress import decode, encode
 from mixtrain.comm.ps_server import num_shards, partition
-from mixtrain.config import StrategyConfig
+from mixtrain.config import LocalSGDConfig, StrategyConfig
 from mixtrain.policies.advice import suggest
 
 
@@ -76,14 +76,11 @@ def test_advice_suggests_overlapped_local_sgd_with_enough_local_steps_on_a_slow_
         ({"compress": "int2"}, "StrategyConfig.compress='int2': use one of none, bf16, fp16, int8, int4"),
         ({"compress": "int8"}, "StrategyConfig.compress='int8' (--compress int8) works with strategy local-sgd only"),
         ({"name": "ps", "compress": "int4"}, "not 'ps': use compress='bf16' or 'fp16' here (--compress bf16)"),
-        ({"staleness": -1}, "StrategyConfig.staleness=-1"),
-        ({"local_steps": 0}, "StrategyConfig.local_steps=0"),
-        ({"outer_momentum": 1.0}, "StrategyConfig.outer_momentum=1.0"),
-        ({"ps_shards": 0}, "StrategyConfig.ps_shards=0"),
-        ({"overlap": True}, "StrategyConfig.overlap=True (--overlap) works with strategy local-sgd"),
-        ({"overlap": 1, "name": "local-sgd"}, "StrategyConfig.overlap=1: must be True or False"),
-        ({"pace": "fast", "name": "local-sgd"}, "StrategyConfig.pace='fast' (--pace): use one of balanced, per-device"),
-        ({"pace": "per-device"}, "(--pace per-device) works with strategy local-sgd (or auto"),
+        ({"local_sgd": LocalSGDConfig(overlap=True)}, "StrategyConfig.local_sgd.overlap=True (--overlap) works with"),
+        (
+            {"local_sgd": LocalSGDConfig(pace="per-device")},
+            "(--pace per-device) works with strategy local-sgd (or auto",
+        ),
     ],
 )
 def test_bad_strategy_settings_name_the_field_and_the_fix(kwargs, fragment):
@@ -100,12 +97,25 @@ def test_auto_adopts_allreduce_on_a_fast_link_and_local_sgd_with_h_and_compressi
     assert choose(0.1, 0.05, StrategyConfig(name="auto", compress="bf16"), 2, mb).compress == "bf16"
     assert choose(1.0, 8.0, auto, 1, mb).name == "allreduce"  # one worker: nothing to exchange
     slow = choose(0.1, 0.2, auto, 2, mb)  # twice the compute, overlapped: H = 2 / (0.1 x 4) = 5 -> 8
-    assert (slow.name, slow.local_steps, slow.compress, slow.overlap) == ("local-sgd", 8, "none", True)
+    assert (slow.name, slow.local_sgd.local_steps, slow.compress, slow.local_sgd.overlap) == (
+        "local-sgd",
+        8,
+        "none",
+        True,
+    )
     slower = choose(1.0, 32.0, auto, 3, 400 * mb)  # H=80 past the cap: int8, H=32
-    assert (slower.name, slower.local_steps, slower.compress, slower.overlap) == ("local-sgd", 32, "int8", True)
-    assert slower.outer_lr == auto.outer_lr and slower.outer_momentum == auto.outer_momentum
+    assert (slower.name, slower.local_sgd.local_steps, slower.compress, slower.local_sgd.overlap) == (
+        "local-sgd",
+        32,
+        "int8",
+        True,
+    )
+    assert (
+        slower.local_sgd.outer_lr == auto.local_sgd.outer_lr
+        and slower.local_sgd.outer_momentum == auto.local_sgd.outer_momentum
+    )
     tiny = choose(0.0003, 0.004, auto, 2, 3_000)  # 3 KB: latency, which fewer bytes would not shorten
-    assert (tiny.name, tiny.local_steps, tiny.compress) == ("local-sgd", 64, "none")
+    assert (tiny.name, tiny.local_sgd.local_steps, tiny.compress) == ("local-sgd", 64, "none")
 
 
 def test_auto_picks_a_narrower_wire_when_short_rounds_would_block_too_long():
@@ -117,22 +127,27 @@ def test_auto_picks_a_narrower_wire_when_short_rounds_would_block_too_long():
 
     auto, mb = StrategyConfig(name="auto"), 2**20
     unbounded = choose(0.133, 2.2, auto, 2, 24 * mb)
-    assert (unbounded.local_steps, unbounded.compress) == (64, "none")  # rounds as long as they like
+    assert (unbounded.local_sgd.local_steps, unbounded.compress) == (64, "none")  # rounds as long as they like
     epoch = choose(0.133, 2.2, auto, 2, 24 * mb, round_limit=105)
-    assert (epoch.name, epoch.local_steps, epoch.compress, epoch.overlap) == ("local-sgd", 64, "int8", True)
+    assert (epoch.name, epoch.local_sgd.local_steps, epoch.compress, epoch.local_sgd.overlap) == (
+        "local-sgd",
+        64,
+        "int8",
+        True,
+    )
     # 20 Mbit/s (measured 12.5 s): past the cap in fp32, int8 at H=64 would still wait 23% of an epoch, int4
     # 12%: the narrowest there is, at the H the wider wire needed
     slow = choose(0.13, 12.5, auto, 2, 24 * mb, round_limit=105)
-    assert (slow.local_steps, slow.compress) == (64, "int4")
+    assert (slow.local_sgd.local_steps, slow.compress) == (64, "int4")
     # a wire that fits on its own keeps its own H: 1 Gbit/s (0.214 s against 0.13: 1.6 x 2.5 -> 8) fp32 at H=8
     fast = choose(0.13, 0.214, auto, 2, 24 * mb, round_limit=105)
-    assert (fast.local_steps, fast.compress) == (8, "none")
+    assert (fast.local_sgd.local_steps, fast.compress) == (8, "none")
     # evaluations every 200 steps of a long epoch cut rounds the same way (the bring-up passes the fewer)
     assert choose(0.133, 2.2, auto, 2, 24 * mb, round_limit=200).compress == "none"  # 2.2 / 200 x 0.133: 8%
     line = suggest(0.133, 2.2, 24 * mb, StrategyConfig(), 2, round_limit=105)
     assert "H=64 and int8 deltas suggested" in line
     tiny = choose(0.0003, 0.004, auto, 2, 3_000, round_limit=10)  # 3 KB: no wire makes latency shorter
-    assert (tiny.local_steps, tiny.compress) == (64, "none")
+    assert (tiny.local_sgd.local_steps, tiny.compress) == (64, "none")
 
 
 def test_overlap_local_steps_is_the_h_choose_gives_for_that_wire():
@@ -144,7 +159,7 @@ def test_overlap_local_steps_is_the_h_choose_gives_for_that_wire():
     assert overlap_local_steps(0.1, 100.0) == 64  # at most MAX_LOCAL_STEPS
     for compute_s, exchange_s in ((0.13, 0.42), (0.13, 2.2), (1.0, 8.0)):
         picked = choose(compute_s, exchange_s, StrategyConfig(name="auto"), 2, 2**20)
-        assert picked.local_steps == overlap_local_steps(compute_s, exchange_s)
+        assert picked.local_sgd.local_steps == overlap_local_steps(compute_s, exchange_s)
 
 
 def test_one_rank_keeps_plain_gradients_and_agrees_on_finiteness():

@@ -1,6 +1,6 @@
 """Flags shared by several subcommands, one function per group and the config section it fills: the workers
 (`train`, `plan`, `run`), then what a job is made of (`train`, `plan`): the task, the batch, memory and numerics
-(ScalingConfig), the strategy (StrategyConfig)."""
+(ScalingConfig), the strategy (StrategyConfig, with its PSConfig and LocalSGDConfig sections)."""
 
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ from mixtrain.cli.flag_types import (
     _text,
     _workers,
 )
-from mixtrain.config import RunConfig, ScalingConfig, StrategyConfig
+from mixtrain.config import LocalSGDConfig, PSConfig, RunConfig, ScalingConfig, StrategyConfig
 
 FLAG_FIELDS: dict[str, tuple[type, str]] = {
     "checkpoint_every": (RunConfig, "checkpoint_every_s"),
@@ -34,11 +34,11 @@ FLAG_FIELDS: dict[str, tuple[type, str]] = {
     "numerics": (ScalingConfig, "numerics_check"),
     "strategy": (StrategyConfig, "name"),
     "compress": (StrategyConfig, "compress"),
-    "staleness": (StrategyConfig, "staleness"),
-    "local_steps": (StrategyConfig, "local_steps"),
-    "outer_lr": (StrategyConfig, "outer_lr"),
-    "outer_momentum": (StrategyConfig, "outer_momentum"),
-    "pace": (StrategyConfig, "pace"),
+    "staleness": (PSConfig, "staleness"),
+    "local_steps": (LocalSGDConfig, "local_steps"),
+    "outer_lr": (LocalSGDConfig, "outer_lr"),
+    "outer_momentum": (LocalSGDConfig, "outer_momentum"),
+    "pace": (LocalSGDConfig, "pace"),
 }
 """Flags whose default (and, for a field that takes a fixed set of names, whose choices) is the config field's own:
 a default is written once, in config.py, and help texts show it through argparse's %(default)s."""

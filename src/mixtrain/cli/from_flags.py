@@ -6,14 +6,14 @@ import argparse
 from typing import TYPE_CHECKING, Any
 
 from mixtrain.cli.flags import FLAG_FIELDS
-from mixtrain.config import RunConfig, ScalingConfig, StrategyConfig
+from mixtrain.config import LocalSGDConfig, PSConfig, RunConfig, ScalingConfig, StrategyConfig
 from mixtrain.errors import InputValueError
 
 if TYPE_CHECKING:  # the CLI imports torch and Ray only for the commands that need them
     from mixtrain.job import Job
     from mixtrain.trainer import Trainer
 
-CONFIGS = (ScalingConfig, RunConfig, StrategyConfig)
+CONFIGS = (ScalingConfig, RunConfig, StrategyConfig, PSConfig, LocalSGDConfig)
 
 
 def task(args: argparse.Namespace) -> tuple[str, str]:
@@ -67,11 +67,12 @@ def trainer(
         "eval_every": getattr(args, "eval_every", None),
         "keep_best": getattr(args, "keep_best", None),
     }
-    strategy = {**given[StrategyConfig], "overlap": args.overlap, "ps_shards": args.ps_shards or "auto"}
+    ps = PSConfig(**given[PSConfig], shards=args.ps_shards or "auto")
+    local_sgd = LocalSGDConfig(**given[LocalSGDConfig], overlap=args.overlap)
     return job, job.trainer(
         args.global_batch,
         scaling=ScalingConfig(**scaling),
-        strategy=StrategyConfig(**strategy),
+        strategy=StrategyConfig(**given[StrategyConfig], ps=ps, local_sgd=local_sgd),
         run=RunConfig(**run),
         callbacks=chosen,
     )

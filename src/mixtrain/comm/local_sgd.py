@@ -94,20 +94,20 @@ class LocalSGDStrategy(SyncStrategy):
         self.anchor = self._flat_params()  # the last common point, on the CPU in fp32
         # first set-up (a re-formed group keeps it); none at all without outer momentum (the default): one
         # copy of the weights less on every worker
-        if self.config.outer_momentum and self.momentum.numel() != self.anchor.numel():
+        if self.config.local_sgd.outer_momentum and self.momentum.numel() != self.anchor.numel():
             self.momentum = torch.zeros_like(self.anchor)
-        self.overlap = self.config.overlap and dist.get_world_size() > 1
+        self.overlap = self.config.local_sgd.overlap and dist.get_world_size() > 1
         bits = QUANTIZED_BITS.get(self.config.compress)
         self.wire = torch.float32 if bits else (wire_dtype(self.config.compress) or torch.float32)
         self.feedback = ErrorFeedback(bits) if bits else None  # int8/int4 deltas: an all-gather, not a sum
-        self.chunked = not (self.overlap or bits or self.config.outer_momentum) and all(
+        self.chunked = not (self.overlap or bits or self.config.local_sgd.outer_momentum) and all(
             p.dtype == torch.float32 and p.is_contiguous() for p in self.params
         )
         """Plain averaging exchanges in pieces of one gradient bucket (MIXTRAIN_BUCKET_MB) through one buffer
         of that size, writing the new common point into the weights as it goes (_exchange_chunked): a buffer
         as large as the model less. Overlap, outer momentum and int8/int4 need the whole delta at once."""
         self.piece = max(1, ctx.bucket_bytes // 4)  # fp32 values per piece
-        n, stats = self.anchor.numel(), 2 * self.config.local_steps
+        n, stats = self.anchor.numel(), 2 * self.config.local_sgd.local_steps
         size = (min(n, self.piece) if self.chunked else n) + stats
         self._work = torch.zeros(size)  # the exchange's buffer (overlap: two, one in flight)
         self._spare = torch.zeros(size) if self.overlap else torch.zeros(0)
@@ -146,10 +146,10 @@ class LocalSGDStrategy(SyncStrategy):
         task.model.zero_grad(set_to_none=True)
 
     def inner_batch(self, global_batch: int, world_size: int) -> int | None:
-        return -(-global_batch // world_size) if self.config.pace == "per-device" else None
+        return -(-global_batch // world_size) if self.config.local_sgd.pace == "per-device" else None
 
     def exchanges_after(self, num_steps: int) -> list[bool]:
-        h = self.config.local_steps
+        h = self.config.local_sgd.local_steps
         left = h - len(self._pending)
         return [(i + 1 - left) % h == 0 for i in range(num_steps)]
 
@@ -177,7 +177,7 @@ class LocalSGDStrategy(SyncStrategy):
 
     def step(self, task: Task, local_stats: torch.Tensor, weight: float) -> StepOutcome:
         norm = None
-        if self.config.pace == "per-device":  # the inner steps ran as their batches filled (inner_step); the
+        if self.config.local_sgd.pace == "per-device":  # the inner steps ran as their batches filled (inner_step); the
             finite = devices.all_finite([local_stats]) and self._inner_finite  # schedule follows the global steps
             norm, self._inner_norm, self._inner_finite = self._inner_norm, None, True
             if task.scheduler is not None:
@@ -190,7 +190,7 @@ class LocalSGDStrategy(SyncStrategy):
             finite = devices.all_finite([local_stats])
         self._pending.append(torch.cat([local_stats.float().reshape(-1), torch.tensor([0.0 if finite else 1.0])]))
         self._weights.append(weight)
-        if len(self._pending) < self.config.local_steps:
+        if len(self._pending) < self.config.local_sgd.local_steps:
             return StepOutcome(done=[], comm_s=0.0, grad_norm=norm)
         t0 = time.perf_counter()
         done, sent = self._exchange_overlapped(task) if self.overlap else self._exchange(task)
@@ -248,7 +248,8 @@ class LocalSGDStrategy(SyncStrategy):
             if not _finite(delta):
                 applied = False
                 break
-            torch.sub(self.anchor[start:stop], delta, alpha=self.config.outer_lr, out=delta)  # in place: no temporary
+            outer_lr = self.config.local_sgd.outer_lr
+            torch.sub(self.anchor[start:stop], delta, alpha=outer_lr, out=delta)  # in place: no temporary
             with torch.no_grad():
                 for weights, at in self._pieces(start, stop):
                     weights.copy_(delta[at : at + weights.numel()])
@@ -331,11 +332,11 @@ class LocalSGDStrategy(SyncStrategy):
         stats = buf[n:].view(k, 2).clone()
         applied = _finite(delta)
         if applied:  # SGD with Nesterov momentum on the pseudo-gradient, as torch.optim.SGD computes it
-            mu = self.config.outer_momentum
+            mu = self.config.local_sgd.outer_momentum
             if mu:
                 self.momentum.mul_(mu).add_(delta)
                 delta.add_(self.momentum, alpha=mu)
-            self.anchor.sub_(delta, alpha=self.config.outer_lr)  # (without momentum: SGD's own update)
+            self.anchor.sub_(delta, alpha=self.config.local_sgd.outer_lr)  # (without momentum: SGD's own update)
         return [StepResult(applied and float(s[-1]) == 0.0, s[:-1]) for s in stats]
 
     def _sum_quantized(self, buf: torch.Tensor, n: int, everyone: list[torch.Tensor], size: int) -> None:
@@ -400,7 +401,7 @@ class LocalSGDStrategy(SyncStrategy):
         return exchange_seconds(exchange, all_reduce_probe, nbytes, repeats)
 
     def exchange_bytes(self, task: Task) -> int:
-        stats = 2 * self.config.local_steps  # a loss term and a non-finite flag per step
+        stats = 2 * self.config.local_sgd.local_steps  # a loss term and a non-finite flag per step
         if self.feedback is not None:  # codes and scales, then the statistics in fp32
             return quantized_nbytes(self.anchor.numel(), self.feedback.bits) + 4 * stats
         return (self.anchor.numel() + stats) * self.wire.itemsize

@@ -72,7 +72,7 @@ class ParameterServerStrategy(SyncStrategy):
         self.servers = list(ctx.servers)
         self.timeout_s = ctx.timeout_s
         self.rank = ctx.rank
-        self.staleness = self.config.staleness if self.config.name == "ps-async" else 0
+        self.staleness = self.config.ps.staleness if self.config.name == "ps-async" else 0
         self.loss_scale = LossScale(enabled=ctx.loss_scaling)
         self.grad_norm: float | None = None
         params = trainable(task.model)

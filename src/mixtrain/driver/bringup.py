@@ -334,9 +334,9 @@ def _probe(group: WorkerGroup, global_batch: int) -> list[ProbeResult]:
 
 def _start_parameter_servers(group: WorkerGroup, task_factory: Callable[[], Task], strategy: StrategyConfig) -> str:
     trainable_bytes = max(m.report.trainable_bytes for m in group.members if m.report is not None)
-    shards = ps_server.num_shards(strategy.ps_shards, trainable_bytes)
+    shards = ps_server.num_shards(strategy.ps.shards, trainable_bytes)
     group.servers = ps_server.start(
-        task_factory, shards, group.seed, strategy.compress, strategy.ps_node, group.tunables.collective_timeout_s
+        task_factory, shards, group.seed, strategy.compress, strategy.ps.node, group.tunables.collective_timeout_s
     )
     return f"parameter servers: {shards} shard(s) for {trainable_bytes / 2**20:,.1f} MB of parameters"
 

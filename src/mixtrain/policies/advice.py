@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import math
-from dataclasses import replace
 
 from mixtrain.config import OVERLAP_EXCHANGES_PER_ROUND, QUANTIZED, Compression, StrategyConfig
 
@@ -48,7 +47,7 @@ def suggest(
         if current.name != "allreduce":
             verdict += " (--strategy allreduce)"
         return f"{figures}: {verdict}"
-    h, compress = chosen.local_steps, chosen.compress
+    h, compress = chosen.local_sgd.local_steps, chosen.compress
     flags = f"--strategy local-sgd --local-steps {h} --overlap"
     if compress != current.compress:
         verdict = f"overlapped local-sgd with H={h} and {compress} deltas suggested ({flags} --compress {compress})"
@@ -77,9 +76,9 @@ def choose(
         return current.as_allreduce()
     if exchange_bytes < QUANTIZE_MIN_BYTES:
         need = _overlap_need(compute_s, exchange_s)
-        return replace(current, name="local-sgd", local_steps=_power_of_two(need), overlap=True)
+        return current.as_local_sgd(_power_of_two(need))
     h, compress = _local_steps_and_wire(exchange_s / compute_s, current.compress, round_limit)
-    return replace(current, name="local-sgd", local_steps=h, compress=compress, overlap=True)
+    return current.as_local_sgd(h, compress)
 
 
 def overlap_local_steps(compute_s: float, exchange_s: float) -> int:
