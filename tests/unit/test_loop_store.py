@@ -127,3 +127,18 @@ def test_a_checkpoint_records_the_runs_global_batches_and_a_malformed_record_rea
     meta = {"report": 1, "rank": 0, "metrics": {}, **({"global_batches": recorded} if recorded is not None else {})}
     store.save(FILES, meta)
     assert store.latest()[2] == read
+
+
+def test_the_sink_leaves_out_the_worker_it_stopped_the_loop_for_even_if_a_later_look_withdraws_it(tmp_path):
+    from mixtrain.train._sink import ReportSink
+
+    sink = ReportSink(str(tmp_path), keep=2, global_batches=[20])
+    named = {"rank": 1, "reason": "the job is 2.0x faster without it"}
+    sink.event("plan", {"shares": [16, 4], "leave_out": named})
+    assert sink.report(1, (0, 1), {}, FILES) is True  # the first rank's checkpoint is kept: every worker stops
+    sink.event("plan", {"shares": [10, 10], "leave_out": None})  # a later look withdraws it
+    assert sink.report(0, (0, 1), {"loss": 1.0}, None) is True and sink.leaving() == named
+    manifest = json.loads((Path(sink.last_checkpoint) / MANIFEST).read_text())
+    assert manifest["global_batches"] == [20]
+    sink.clear_leave_out()
+    assert sink.leaving() is None and sink.report(0, (1, 1), {}, FILES) is False

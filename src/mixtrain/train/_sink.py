@@ -21,6 +21,8 @@ class ReportSink:
         self.leave_out: dict[str, Any] | None = None
         """A worker the job is faster without (rank, reason): every worker stops at the next report that comes
         with a checkpoint, and the driver restarts the loop from it without that one."""
+        self.stopped_for: dict[str, Any] | None = None
+        """The worker named when a report first stopped the loop to leave it out (what the driver leaves out)."""
         self.output: list[str] = []
         """Rank 0's output lines not yet taken by the driver (shown on its terminal)."""
         self.last_checkpoint: str | None = None
@@ -44,7 +46,9 @@ class ReportSink:
             self.reports.append(entry)
         elif path is not None:
             self.events.append(("checkpoint", {"report": self._number(key), "rank": rank, "path": path}))
-        if self.leave_out is not None and key in self._saved:
+        if (self.stopped_for or self.leave_out) is not None and key in self._saved:
+            # every rank stops at this report for the worker named when the first did, whatever a later look says
+            self.stopped_for = self.stopped_for or self.leave_out
             return True  # a checkpoint of this report is kept: the loop goes on from it, without that worker
         return self.stop
 
@@ -65,10 +69,10 @@ class ReportSink:
         return list(self.global_batches)
 
     def leaving(self) -> dict[str, Any] | None:
-        return self.leave_out
+        return self.stopped_for or self.leave_out
 
     def clear_leave_out(self) -> None:
-        self.leave_out = None
+        self.leave_out = self.stopped_for = None
 
     def output_lines(self, lines: list[str]) -> None:
         self.output.extend(lines)
