@@ -107,3 +107,18 @@ def test_the_check_catches_an_import_up_and_passes_lazy_ones(tmp_path):
     table = {"driver": 11, "records": 7, "job": 3, "cli": 13}
     assert upward_imports(src, table) == ["mixtrain/records/messages.py:1 imports mixtrain.driver.controller "
                                           "(driver on floor 11)"]  # fmt: skip
+
+
+def test_every_file_the_map_names_exists():
+    text = DOC.read_text()
+    named = set(re.findall(r"`((?:[\w.]+/)*\w+\.py)`", text))
+    everywhere = {p.name for p in ROOT.rglob("*.py") if ".venv" not in p.parts}
+    gone = []
+    for name in sorted(named):
+        if "/" not in name:
+            found = name in everywhere
+        else:
+            found = any((base / name).is_file() for base in (ROOT, SRC, SRC.parent))
+        if not found:
+            gone.append(name)
+    assert len(named) > 40 and gone == [], gone
