@@ -177,31 +177,10 @@ class Trainer:
             )
             if start.resumed is not None:
                 controller.load_driver_state(driver_state)
-            resumed_from = start.resumed[2] if start.resumed is not None else None
-            with RunFolder(start.run_dir) as folder:
-                config = folder.read_json("config.json")
-            hooks.run_started(
-                RunStarted(
-                    start.run_dir,
-                    start.run_id,
-                    config,
-                    epochs,
-                    self.run.max_steps,
-                    num_steps,
-                    controller.global_step(*position),
-                    resumed_from,
-                )
-            )
+            hooks.run_started(self._started(start, epochs, num_steps, controller.global_step(*position)))
             stop.arm()
             controller.run(epochs, position)
-            if up.ops.slices_weights:  # every worker holds a slice of the weights: each sends its own
-                weights = up.ops.full_state()["model"]
-            else:
-                weights = unpack(
-                    group.receive(
-                        group.nearest(), WorkerCalls.stream_state_dict, stall_s=group.tunables.collective_timeout_s
-                    )
-                )
+            weights = _final_weights(group, up)
             finished = True
             return controller, up, weights
         except KeyboardInterrupt:
@@ -212,6 +191,15 @@ class Trainer:
             group.shutdown(quick=interrupted, finished=finished)
             if log is not None:
                 log.close()
+
+    def _started(self, start: _Start, epochs: int, num_steps: int, global_step: int) -> RunStarted:
+        """What the callbacks hear as the run starts: its folder, id, config.json, length and where it begins."""
+        with RunFolder(start.run_dir) as folder:
+            config = folder.read_json("config.json")
+        resumed_from = start.resumed[2] if start.resumed is not None else None
+        return RunStarted(
+            start.run_dir, start.run_id, config, epochs, self.run.max_steps, num_steps, global_step, resumed_from
+        )
 
     def _load_resume(self, resume: str | Path, epochs: int, warnings: list[str]) -> Resumed:
         resumed = load_resume(resume, warnings.append)
@@ -471,3 +459,12 @@ def _cpus_needed(scaling: ScalingConfig) -> float:
     if scaling.is_auto:
         return 0.0
     return sum(g.resources()["CPU"] * g.num_workers for g in scaling.device_groups())
+
+
+def _final_weights(group: WorkerGroup, up: Bringup) -> Any:
+    """The trained weights, on the driver: where every worker holds a slice of them, each sends its own;
+    else the nearest worker streams its whole state dict."""
+    if up.ops.slices_weights:
+        return up.ops.full_state()["model"]
+    stall_s = group.tunables.collective_timeout_s
+    return unpack(group.receive(group.nearest(), WorkerCalls.stream_state_dict, stall_s=stall_s))

@@ -122,3 +122,14 @@ def test_every_file_the_map_names_exists():
         if not found:
             gone.append(name)
     assert len(named) > 40 and gone == [], gone
+
+
+def test_no_function_in_the_package_is_over_60_lines():
+    long = []
+    for path in sorted(SRC.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                lines = (node.end_lineno or node.lineno) - node.lineno + 1
+                if lines > 60:
+                    long.append(f"{path.relative_to(ROOT)}:{node.lineno} {node.name} ({lines} lines)")
+    assert long == [], long

@@ -31,7 +31,7 @@ from mixtrain.policies.advice import choose, suggest
 from mixtrain.policies.decisions import Decision, LeaveOut, first_plan
 from mixtrain.policies.planner import Plan, largest_remainder, resolve_shares
 from mixtrain.pretrained import HFModelSpec
-from mixtrain.records.messages import BuildReport, LeftOut, ProbeResult, WorkerInfo
+from mixtrain.records.messages import BuildReport, DataReport, LeftOut, ProbeResult, WorkerInfo
 from mixtrain.task import Task
 
 if TYPE_CHECKING:
@@ -120,7 +120,6 @@ def bring_up(
     """Build, check, ship the data, measure, form, plan: everything before the first step. Each member's report,
     probe, speed, memory cap and share are recorded in the membership. `eval_every` (steps, or None): rounds
     end there as at each epoch's end, which the advice for `--strategy auto` weighs."""
-    members = group.members
     phases = phases or Phases()
     requested = strategy
     if strategy.name == "auto":  # measured as all-reduce (the exact math), kept unless the link is slow for it
@@ -134,9 +133,7 @@ def bring_up(
         group.scaling, choice = shard_choice.resolve(group.scaling, _shape(reports), _seen(group, reports))
         notes.append(choice.line)
         checks["shard"] = choice.record()
-    data_refs = (ray.put(train), ray.put(evaluation) if evaluation is not None else None)  # once; read zero-copy
-    reports_data = group.each(lambda w: w.load_data(*data_refs), timeout_s=group.tunables.setup_s)
-    data = preflight.check_data(reports_data, members.infos())
+    data_refs, data = _ship_data(group, train, evaluation)
     phases.mark("data")
     checks["numerics"] = _check_numerics(group, left_out, notes)
     checks["probes"] = _probe(group, global_batch)
@@ -153,13 +150,10 @@ def bring_up(
     round_limit = min(steps_per_epoch(data.num_train, global_batch), eval_every or math.inf)
     advised = _advise(ops, requested, plan, exchange_s, exchange_bytes, exchanged, int(round_limit))
     plan, advice, exchange_s, exchange_bytes = advised
-    checks["strategy"] = {
-        "name": ops.strategy.describe(),
-        "requested": requested.name,
-        "exchange_s": exchange_s,
-        "exchange_bytes": exchange_bytes,
-    }
-    _adopt_first(members, plan)
+    checks["strategy"] = dict(
+        name=ops.strategy.describe(), requested=requested.name, exchange_s=exchange_s, exchange_bytes=exchange_bytes
+    )
+    _adopt_first(group.members, plan)
     return Bringup(
         workers=workers,
         plan=plan,
@@ -171,8 +165,18 @@ def bring_up(
         num_samples=data.num_train,
         num_eval=data.num_eval,
         phases=phases,
-        probes=[m.probe for m in members if m.probe is not None],
+        probes=[m.probe for m in group.members if m.probe is not None],
     )
+
+
+def _ship_data(
+    group: WorkerGroup, train: Arrays | Loader, evaluation: Arrays | Loader | None
+) -> tuple[tuple[Any, Any], DataReport]:
+    """The data put into the object store once (each worker reads it zero-copy), loaded by every worker, and the
+    workers' reports checked to agree."""
+    refs = (ray.put(train), ray.put(evaluation) if evaluation is not None else None)
+    reports = group.each(lambda w: w.load_data(*refs), timeout_s=group.tunables.setup_s)
+    return refs, preflight.check_data(reports, group.members.infos())
 
 
 def _build(group: WorkerGroup, task_factory: Callable[[], Task]) -> list[BuildReport]:
