@@ -82,3 +82,21 @@ def test_per_device_pace_cuts_a_workers_samples_into_inner_batches_across_steps(
     empty = paced_segments([(0, 8, [np.arange(3)]), (1, 8, [])], 4, [False, True])
     assert [[f for _, f in segs] for _, _, segs in empty] == [[0.0], [0.75]]
     assert empty[1][2][0][0] == []
+
+
+def test_one_pace_object_answers_how_a_worker_steps_and_weighs_its_losses():
+    from mixtrain.worker.worker_data import PER_STEP, Pace
+
+    steps = [(0, 8, [np.arange(3), np.arange(3, 5)]), (1, 8, [np.arange(5, 8)])]
+    assert PER_STEP.per_step and PER_STEP.grad_weight(3, 8) == 3 / 8  # a share of the global step
+    assert [(s, t, [(list(map(len, c)), f) for c, f in seg]) for s, t, seg in PER_STEP.segments(steps, [])] == [
+        (0, 8, [([3, 2], 0.0)]),
+        (1, 8, [([3], 0.0)]),
+    ]
+    paced = Pace(inner=4)  # local SGD at per-device pace: an update every 4 samples of this worker's own
+    assert not paced.per_step and paced.grad_weight(3, 8) == 3 / 4
+    cut = paced.segments(steps, [False, True])
+    assert [[(list(map(len, c)), f) for c, f in seg] for _, _, seg in cut] == [
+        [([3, 1], 1.0), ([1], 0.0)],
+        [([3], 1.0)],
+    ]

@@ -36,7 +36,7 @@ from mixtrain.records.messages import (
 from mixtrain.task import Task, build_task
 from mixtrain.worker import evaluation, probe, warm_workers
 from mixtrain.worker.ledger import RoundLedger, learning_rates
-from mixtrain.worker.worker_data import Segment, StepSegments, WorkerData, paced_segments
+from mixtrain.worker.worker_data import PER_STEP, Pace, Segment, StepSegments, WorkerData
 from mixtrain.worker.worker_process import WorkerProcess
 
 NUMERICS_TOLERANCE = {"fp32": 1e-3, "fp16": 2e-2, "bf16": 6e-2}
@@ -53,12 +53,12 @@ def forward_backward(
     batches: Iterator[Any],
     chunks: list[np.ndarray],
     step_total: int,
-    grad_total: int | None = None,
+    pace: Pace = PER_STEP,
     filler: Any = None,
 ) -> torch.Tensor:
     """Backward of this rank's micro-batches (`chunks`, read from `batches`), each mean loss scaled by its
-    size / B so the sum over micro-batches and ranks is the global mean (`grad_total`: scaled by its size /
-    grad_total instead, an inner batch of per-device-paced local SGD). Returns this rank's term of the
+    size / B so the sum over micro-batches and ranks is the global mean (`pace`: by its size / an inner batch
+    instead, at local SGD's per-device pace). Returns this rank's term of the
     global mean loss as a 1-element fp32 tensor on the device: reading it here would make every step wait for
     a GPU to finish. A function, not an actor method: Ray wraps every method of an actor class (tracing),
     which cost a few percent of a small model's step. An empty chunk (sliced state, where every rank runs as
@@ -74,8 +74,7 @@ def forward_backward(
         weight = len(chunk) / step_total
         if n == len(chunks) - 1:
             strategy.before_last_backward(task)
-        grad_weight = weight if grad_total is None else len(chunk) / grad_total
-        (loss * (grad_weight * strategy.loss_scale.scale)).backward()
+        (loss * (pace.grad_weight(len(chunk), step_total) * strategy.loss_scale.scale)).backward()
         term = loss.detach() * weight
         total = term if total is None else total + term
     if total is None:  # no samples for this rank in this step
@@ -364,20 +363,20 @@ class TrainWorker(WorkerProcess):
     def _run_round(self, plan: RoundPlan, ledger: RoundLedger) -> WorkerReport:
         index = self.device.index or 0
         self.kind.reset_peak_memory(index)
-        inner = self.strategy.inner_batch(plan.global_batch, len(plan.shares))
-        steps = self._round_segments(plan, inner)
+        pace = Pace(self.strategy.inner_batch(plan.global_batch, len(plan.shares)))
+        steps = self._round_segments(plan, pace)
         chunks = [c for _, _, segments in steps for seg, _ in segments for c in seg if len(c)]
         batches = self.data.train.batches(plan.epoch, chunks)
         self.task.model.train()
-        if inner is not None:  # per-device pace: gradients add up across steps until an inner batch is full
+        if not pace.per_step:  # per-device pace: gradients add up across steps until an inner batch is full
             self.strategy.zero_grad(self.task)
         cpu = CpuShare(enabled=self.kind.kind == "cpu")  # the share of a core forward and backward got
         for step, step_total, segments in steps:
             num_samples = sum(len(c) for seg, _ in segments for c in seg)
             t0 = time.perf_counter()
-            if inner is None:
+            if pace.per_step:
                 self.strategy.zero_grad(self.task)
-            local_loss = self._compute(segments, batches, step_total, inner, cpu)
+            local_loss = self._compute(segments, batches, step_total, pace, cpu)
             stats = local_loss if self.strategy.stats_on_device else local_loss.cpu()
             outcome = self.strategy.step(self.task, stats, num_samples / step_total)
             ledger.step_done(step, outcome, time.perf_counter() - t0, num_samples, local_loss)
@@ -390,7 +389,7 @@ class TrainWorker(WorkerProcess):
         return ledger.close(plan, sync, self.kind.memory_in_use(index), self._state_bytes(), lr)
 
     def _compute(
-        self, segments: list[Segment], batches: Iterator[Any], step_total: int, inner: int | None, cpu: CpuShare
+        self, segments: list[Segment], batches: Iterator[Any], step_total: int, pace: Pace, cpu: CpuShare
     ) -> torch.Tensor:
         """One step's forward and backward passes on this worker's micro-batches (and, at per-device pace, the
         inner steps where its inner batch fills): this rank's term of the step's mean loss, on the device."""
@@ -398,7 +397,7 @@ class TrainWorker(WorkerProcess):
         for seg, fraction in segments:
             cpu.start()
             term = forward_backward(
-                self.task, self.strategy, self.device, self.precision, batches, seg, step_total, inner, self._filler
+                self.task, self.strategy, self.device, self.precision, batches, seg, step_total, pace, self._filler
             )
             cpu.stop()
             local_loss = term if local_loss is None else local_loss + term
@@ -410,17 +409,16 @@ class TrainWorker(WorkerProcess):
             return torch.zeros(1, device=self.device)
         return local_loss
 
-    def _round_segments(self, plan: RoundPlan, inner: int | None) -> list[StepSegments]:
-        """The round's steps, each as segments of micro-batches: one per step (an update per global step), or
-        cut where this worker's inner batch of `inner` samples fills (local SGD at per-device pace)."""
+    def _round_segments(self, plan: RoundPlan, pace: Pace) -> list[StepSegments]:
+        """The round's steps, each as segments of micro-batches, as `pace` cuts them."""
         steps = self.data.round_chunks(plan, self.rank, lockstep=self.strategy.lockstep)
         if self.strategy.lockstep:
             self._idle_sample()  # read now, outside the timed passes
-        if inner is None:
-            return [(step, total, [(chunks, 0.0)]) for step, total, chunks in steps]
+        if pace.per_step:
+            return pace.segments(steps, [])
         flush = self.strategy.exchanges_after(len(steps))
         flush[-1] = True  # a round ends with an exchange
-        return paced_segments(steps, inner, flush)
+        return pace.segments(steps, flush)
 
     def _idle_sample(self) -> Any:
         """One training sample on the device (the data's first), read once, for idle passes."""

@@ -90,6 +90,37 @@ def _passes(perm: np.ndarray, plan: RoundPlan, step: int, rank: int) -> int:
     return max(1, -(-n // micro))
 
 
+@dataclass(frozen=True)
+class Pace:
+    """When this worker's optimizer steps within a round, and how each micro-batch's loss is weighted for it: once
+    per global step (`inner` None: each loss weighted by its samples / the step's global batch), or every `inner`
+    samples of its own whatever its share (local SGD at per-device pace: weighted by samples / `inner`, gradients
+    adding up across global steps until an inner batch is full)."""
+
+    inner: int | None = None
+
+    @property
+    def per_step(self) -> bool:
+        """One update per global step (the gradients are zeroed before each)."""
+        return self.inner is None
+
+    def grad_weight(self, samples: int, step_total: int) -> float:
+        """The factor on a micro-batch's mean loss for its backward."""
+        return samples / (self.inner if self.inner is not None else step_total)
+
+    def segments(self, steps: list[StepChunks], flush_after: list[bool]) -> list[StepSegments]:
+        """The round's steps as segments, each ending with an inner step of that fraction of an inner batch (0:
+        none): one segment per step at one update per step, else cut where an inner batch fills (`flush_after`:
+        the steps after which what has been gathered steps anyway, at an exchange and the round's end)."""
+        if self.inner is None:
+            return [(step, total, [(chunks, 0.0)]) for step, total, chunks in steps]
+        return paced_segments(steps, self.inner, flush_after)
+
+
+PER_STEP = Pace()
+"""One update per global step: every strategy's pace but local SGD's per-device one."""
+
+
 def paced_segments(steps: list[StepChunks], inner: int, flush_after: list[bool]) -> list[StepSegments]:
     """Per-device pace (local SGD): the round's micro-batches cut where an inner batch of `inner` samples
     fills, so the optimizer steps every `inner` samples of this worker whatever its share of each global step,
