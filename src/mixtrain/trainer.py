@@ -162,7 +162,7 @@ class Trainer:
             hooks.steps_per_epoch, hooks.num_samples, hooks.say = num_steps, up.num_samples, view.log
             position, driver_state = (0, 0), None
             if start.resumed is not None:
-                position, driver_state = self._restore(group, up, start.resumed, view)
+                position, driver_state = _restore(group, up, start.resumed, view, self.global_batch)
             settings = self._settings(up, start.run_id)
             controller = Controller(
                 up.ops,
@@ -204,42 +204,7 @@ class Trainer:
     def _load_resume(self, resume: str | Path, epochs: int, warnings: list[str]) -> Resumed:
         resumed = load_resume(resume, warnings.append)
         _, manifest, ckpt_path = resumed
-        meta = CheckpointMeta.from_manifest(manifest)
-        if self.run.max_steps is not None and meta.global_step >= self.run.max_steps:
-            raise InputValueError(
-                f"resume={str(resume)!r}: its checkpoint is at global step {meta.global_step}; "
-                f"RunConfig.max_steps={self.run.max_steps} has nothing left to do: ask for more steps (--max-steps)"
-            )
-        if self.run.max_steps is None and (meta.epoch, meta.step) >= (epochs, 0):
-            raise InputValueError(
-                f"resume={str(resume)!r}: its checkpoint is at epoch {meta.epoch}, step {meta.step}; "
-                f"fit(epochs={epochs}) has nothing left to do: ask for more epochs"
-            )
-        if meta.global_batch and meta.global_batch != self.global_batch:
-            raise InputValueError(
-                f"resume={str(resume)!r}: its checkpoint was trained with global_batch={meta.global_batch}, this run "
-                f"asks for {self.global_batch}; step {meta.step} of epoch {meta.epoch} means other samples with "
-                f"another batch. Resume with --global-batch {meta.global_batch} (global_batch={meta.global_batch}), "
-                "or start a new run"
-            )
-        if meta.seed is not None and meta.seed != self.run.seed:
-            raise InputValueError(
-                f"resume={str(resume)!r}: its checkpoint was trained with seed {meta.seed}, this run asks for "
-                f"RunConfig.seed={self.run.seed}; the seed fixes every epoch's sample order (and a job's split into "
-                f"training and held-out data), so step {meta.step} of epoch {meta.epoch} would mean other samples. "
-                f"Resume with --seed {meta.seed} (RunConfig.seed={meta.seed}), or start a new run"
-            )
-        num_samples = known_length(self.train_data)
-        if num_samples is not None:  # else the workers build the data: checked once they have (_restore)
-            _check_same_data(meta, num_samples, self.global_batch, ckpt_path)
-        fingerprint = _data_fingerprint(self.train_data)
-        if meta.data_fingerprint and fingerprint and fingerprint != meta.data_fingerprint:
-            raise InputValueError(
-                f"resume={str(resume)!r}: its checkpoint was trained on other training data (fingerprint "
-                f"{meta.data_fingerprint}, the data now: {fingerprint}, from dtypes, shapes and rows spread over "
-                f"it); step {meta.step} of epoch {meta.epoch} would mean other samples. Resume with the same "
-                "training data, or start a new run"
-            )
+        _check_resumable(CheckpointMeta.from_manifest(manifest), str(resume), self, epochs, ckpt_path)
         if self.run.run_dir is None and self.run.name is None:
             self.run = replace(self.run, run_dir=str(ckpt_path.parent.parent))
         return resumed
@@ -318,40 +283,6 @@ class Trainer:
             return up
         finally:
             group.shutdown(finished=planned)
-
-    def _restore(
-        self, group: WorkerGroup, up: Bringup, resumed: Resumed, view: ProgressView
-    ) -> tuple[tuple[int, int], Any]:
-        """Every worker loads the checkpoint; with as many workers as before, each gets its own random
-        streams back and balanced shares continue where they were, so the run continues exactly. The group
-        re-forms, so the strategy starts from the loaded state (the parameter servers load it, local SGD
-        takes it as its common point). Returns where training goes on and the driver's own saved state."""
-        state, manifest, path = resumed
-        frozen_base.check_resume(manifest, up.frozen, path)  # a checkpoint without its base: the same base now
-        rng = state.pop("rng", None)
-        ranks = state.pop("ranks", None)  # what each rank held of its own (local SGD's inner optimizers)
-        driver_state = state.pop("driver", None)  # the callbacks' and the best checkpoint's: the driver's
-        members = group.members
-        same = rng is not None and len(rng) == len(members)
-        own = ranks if same and isinstance(ranks, list) and len(ranks) == len(members) else [None] * len(members)
-        ref = ray.put(pack(state))  # once, not once per worker; each worker reads it in place
-        group.gather(
-            {
-                r: m.worker.load_training_state(ref, rng[r] if same else None, pack(own[r]))
-                for r, m in enumerate(members)
-            },
-            group.tunables.transfer_s(tensor_bytes(state)),  # to every node: a big model over Wi-Fi takes minutes
-        )
-        meta = CheckpointMeta.from_manifest(manifest)
-        _check_same_data(meta, up.num_samples, self.global_batch, path)
-        balanced = same and group.scaling.balanced and len(meta.shares) == len(members)
-        if balanced and sum(meta.shares) == self.global_batch:
-            members.set_shares(meta.shares)  # balanced shares continue where they were
-        up.ops.reform()
-        start = (meta.epoch, meta.step)
-        view.log(f"resumed from {path} at epoch {start[0]}, step {start[1]}")
-        view.start_at(min(up.num_samples, start[1] * self.global_batch) + start[0] * up.num_samples)
-        return start, driver_state
 
     def _check_evaluation(self, num_eval: int) -> None:
         """keep_best and EarlyStopping read held-out metrics: refuse them before training when there are none."""
@@ -468,3 +399,75 @@ def _final_weights(group: WorkerGroup, up: Bringup) -> Any:
         return up.ops.full_state()["model"]
     stall_s = group.tunables.collective_timeout_s
     return unpack(group.receive(group.nearest(), WorkerCalls.stream_state_dict, stall_s=stall_s))
+
+
+def _check_resumable(meta: CheckpointMeta, resume: str, trainer: Trainer, epochs: int, ckpt_path: Path) -> None:
+    """A checkpoint this run may go on from: something left to train, and the global batch, seed and training data
+    it was trained with (else the same step would mean other samples); each refusal in one line with the fix."""
+    if trainer.run.max_steps is not None and meta.global_step >= trainer.run.max_steps:
+        raise InputValueError(
+            f"resume={resume!r}: its checkpoint is at global step {meta.global_step}; "
+            f"RunConfig.max_steps={trainer.run.max_steps} has nothing left to do: ask for more steps (--max-steps)"
+        )
+    if trainer.run.max_steps is None and (meta.epoch, meta.step) >= (epochs, 0):
+        raise InputValueError(
+            f"resume={resume!r}: its checkpoint is at epoch {meta.epoch}, step {meta.step}; "
+            f"fit(epochs={epochs}) has nothing left to do: ask for more epochs"
+        )
+    if meta.global_batch and meta.global_batch != trainer.global_batch:
+        raise InputValueError(
+            f"resume={resume!r}: its checkpoint was trained with global_batch={meta.global_batch}, this run "
+            f"asks for {trainer.global_batch}; step {meta.step} of epoch {meta.epoch} means other samples with "
+            f"another batch. Resume with --global-batch {meta.global_batch} (global_batch={meta.global_batch}), "
+            "or start a new run"
+        )
+    if meta.seed is not None and meta.seed != trainer.run.seed:
+        raise InputValueError(
+            f"resume={resume!r}: its checkpoint was trained with seed {meta.seed}, this run asks for "
+            f"RunConfig.seed={trainer.run.seed}; the seed fixes every epoch's sample order (and a job's split into "
+            f"training and held-out data), so step {meta.step} of epoch {meta.epoch} would mean other samples. "
+            f"Resume with --seed {meta.seed} (RunConfig.seed={meta.seed}), or start a new run"
+        )
+    num_samples = known_length(trainer.train_data)
+    if num_samples is not None:  # else the workers build the data: checked once they have (_restore)
+        _check_same_data(meta, num_samples, trainer.global_batch, ckpt_path)
+    fingerprint = _data_fingerprint(trainer.train_data)
+    if meta.data_fingerprint and fingerprint and fingerprint != meta.data_fingerprint:
+        raise InputValueError(
+            f"resume={resume!r}: its checkpoint was trained on other training data (fingerprint "
+            f"{meta.data_fingerprint}, the data now: {fingerprint}, from dtypes, shapes and rows spread over "
+            f"it); step {meta.step} of epoch {meta.epoch} would mean other samples. Resume with the same "
+            "training data, or start a new run"
+        )
+
+
+def _restore(
+    group: WorkerGroup, up: Bringup, resumed: Resumed, view: ProgressView, global_batch: int
+) -> tuple[tuple[int, int], Any]:
+    """Every worker loads the checkpoint; with as many workers as before, each gets its own random
+    streams back and balanced shares continue where they were, so the run continues exactly. The group
+    re-forms, so the strategy starts from the loaded state (the parameter servers load it, local SGD
+    takes it as its common point). Returns where training goes on and the driver's own saved state."""
+    state, manifest, path = resumed
+    frozen_base.check_resume(manifest, up.frozen, path)  # a checkpoint without its base: the same base now
+    rng = state.pop("rng", None)
+    ranks = state.pop("ranks", None)  # what each rank held of its own (local SGD's inner optimizers)
+    driver_state = state.pop("driver", None)  # the callbacks' and the best checkpoint's: the driver's
+    members = group.members
+    same = rng is not None and len(rng) == len(members)
+    own = ranks if same and isinstance(ranks, list) and len(ranks) == len(members) else [None] * len(members)
+    ref = ray.put(pack(state))  # once, not once per worker; each worker reads it in place
+    group.gather(
+        {r: m.worker.load_training_state(ref, rng[r] if same else None, pack(own[r])) for r, m in enumerate(members)},
+        group.tunables.transfer_s(tensor_bytes(state)),  # to every node: a big model over Wi-Fi takes minutes
+    )
+    meta = CheckpointMeta.from_manifest(manifest)
+    _check_same_data(meta, up.num_samples, global_batch, path)
+    balanced = same and group.scaling.balanced and len(meta.shares) == len(members)
+    if balanced and sum(meta.shares) == global_batch:
+        members.set_shares(meta.shares)  # balanced shares continue where they were
+    up.ops.reform()
+    start = (meta.epoch, meta.step)
+    view.log(f"resumed from {path} at epoch {start[0]}, step {start[1]}")
+    view.start_at(min(up.num_samples, start[1] * global_batch) + start[0] * up.num_samples)
+    return start, driver_state
