@@ -32,16 +32,18 @@ GLOBAL_BATCH = 8
 NUM_SAMPLES = 64  # 8 steps per epoch
 
 
-def member(rank: int) -> Member:
-    spec = WorkerSpec(rank=rank, device="cpu", bundle={"CPU": 1.0}, label_selector={}, threads=1, precision="fp32")
+def member(rank: int, bundle: int | None = None) -> Member:
+    """The worker at `rank`, started in `bundle` (its first rank; `rank` where None)."""
+    bundle = rank if bundle is None else bundle
+    spec = WorkerSpec(rank=bundle, device="cpu", bundle={"CPU": 1.0}, label_selector={}, threads=1, precision="fp32")
     info = WorkerInfo(
         rank=rank,
         host="10.0.0.1",
         hostname="box",
-        pid=100 + rank,
+        pid=100 + bundle,
         node_id="n",
         device="cpu",
-        device_name=f"cpu {rank}",
+        device_name=f"cpu {bundle}",
         precision="fp32",
         threads=1,
     )

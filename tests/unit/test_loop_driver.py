@@ -10,11 +10,9 @@ from typing import Any
 
 import pytest
 
-from mixtrain.cluster.placement import WorkerSpec
 from mixtrain.driver.interrupt import TrainingInterrupted
 from mixtrain.group.membership import Member, Membership
 from mixtrain.policies.decisions import FailureBudget
-from mixtrain.records.messages import WorkerInfo
 from mixtrain.train._driver import (
     AttemptOutcome,
     BringUp,
@@ -28,6 +26,7 @@ from mixtrain.train._driver import (
     Running,
 )
 from mixtrain.train._result import TrainingFailedError
+from tests.unit.test_controller import member as controller_member
 
 RUN_DIR = Path("/runs/loop-7")
 CHECKPOINT = "/runs/loop-7/checkpoints/checkpoint-000002"
@@ -35,19 +34,7 @@ CHECKPOINT = "/runs/loop-7/checkpoints/checkpoint-000002"
 
 def member(bundle: int, rank: int) -> Member:
     """The worker of `bundle` (the rank it started with), now at `rank`."""
-    spec = WorkerSpec(rank=bundle, device="cpu", bundle={"CPU": 1.0}, label_selector={}, threads=1, precision="fp32")
-    info = WorkerInfo(
-        rank=rank,
-        host="10.0.0.1",
-        hostname="box",
-        pid=100 + bundle,
-        node_id="n",
-        device="cpu",
-        device_name=f"cpu {bundle}",
-        precision="fp32",
-        threads=1,
-    )
-    return Member(worker=None, spec=spec, info=info)
+    return controller_member(rank, bundle)
 
 
 class FakeLoop:
