@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import copy
 import time
 from collections import defaultdict
 from collections.abc import Callable, Iterator
@@ -36,13 +35,9 @@ from mixtrain.records.messages import (
 from mixtrain.task import Task, build_task
 from mixtrain.worker import evaluation, probe, warm_workers
 from mixtrain.worker.ledger import RoundLedger, learning_rates
+from mixtrain.worker.probe import DeviceProbe
 from mixtrain.worker.worker_data import PER_STEP, Pace, Segment, StepSegments, WorkerData
 from mixtrain.worker.worker_process import WorkerProcess
-
-NUMERICS_TOLERANCE = {"fp32": 1e-3, "fp16": 2e-2, "bf16": 6e-2}
-"""Relative L2 difference of a device's gradient from the CPU's above which the device is reported."""
-MEMORY_MARGIN = 0.85
-"""The memory cap is this fraction of the largest micro-batch the probe ran (optimizer state comes later)."""
 
 
 def forward_backward(
@@ -170,28 +165,12 @@ class TrainWorker(WorkerProcess):
     def check_numerics(self, tolerance: float | None = None, count: int = 8) -> NumericsResult:
         """The gradient of the first `count` training samples on this device (at its precision)
         against the same gradient computed on the CPU in fp32: the relative L2 difference."""
-        tolerance = tolerance or NUMERICS_TOLERANCE[self.precision]
+        tolerance = tolerance or probe.NUMERICS_TOLERANCE[self.precision]
         if self.kind.kind == "cpu" and self.precision == "fp32":
             return NumericsResult(rank=self.rank, error=0.0, tolerance=tolerance)  # the reference itself
         count = min(count, len(self.data.train))
         batch = self.data.train.first(count).batch(count)  # the probe's samples too: read once for both
-        model = self.task.model
-        reference = copy.deepcopy(model).to("cpu")
-        grads = []
-        for m, device, prec in ((reference, torch.device("cpu"), "fp32"), (model, self.device, self.precision)):
-            was_training = m.training
-            m.eval()  # no dropout, no running-statistics update: the same function on both devices
-            m.zero_grad(set_to_none=True)
-            with precision.autocast(device, prec):
-                loss = self.task.batch_loss(m, to_device(batch, device))
-            loss.float().backward()
-            grads.append(
-                torch.cat([p.grad.detach().to("cpu").float().reshape(-1) for p in m.parameters() if p.grad is not None])
-            )
-            m.zero_grad(set_to_none=True)
-            m.train(was_training)
-        ref, mine = grads
-        error = float((mine - ref).norm() / ref.norm().clamp_min(1e-12))
+        error = self._device_probe().numerics_error(batch)
         return NumericsResult(rank=self.rank, error=error, tolerance=tolerance)
 
     def probe(self, guess: int, limit: int, memory_cap: int | None = None, forward_only: bool = False) -> ProbeResult:
@@ -204,58 +183,12 @@ class TrainWorker(WorkerProcess):
         statistics), gradients and random streams are left as they were. `forward_only` (sliced state: the whole
         gradient may not fit here): no memory search, and forward passes without gradients, timed x3 (a backward
         costs about two forwards); the rounds' measured times correct the shares from there."""
-        model = self.task.model
-        buffers = {name: b.detach().clone() for name, b in model.named_buffers()}
-        held = self.data.train.first(guess)
-        cap = memory_cap
-        rng_devices = [self.device] if self.kind.has_own_random_stream else []
-        with torch.random.fork_rng(devices=rng_devices, device_type=self.device.type):
-            if cap is None and self.kind.probes_memory and not forward_only:
-                found = probe.largest_fitting(
-                    lambda size: self._probe_step(held.batch(size)),
-                    guess,
-                    limit,
-                    self.kind.is_oom,
-                    after_oom=self._free_cached_memory,
-                )
-                # the optimizer's state is not allocated yet and allocators fragment: keep a margin
-                cap = None if found >= limit else max(1, int(found * MEMORY_MARGIN))
-            batch = min(guess, cap) if cap else guess
-            t0 = time.perf_counter()
-            samples = held.batch(batch)  # making the batch (collating) is part of loading it
-            load_s = held.read_s / len(held.samples) + (time.perf_counter() - t0) / batch
-            self.kind.reset_peak_memory(self.device.index or 0)
-            core_wait = CpuShare(enabled=self.kind.kind == "cpu")  # time waiting for a core is not the device's
-            compute_s = probe.time_steps(
-                lambda _: self._probe_step(samples, forward_only), batch, waited=core_wait.waited_s
-            ) * (3 if forward_only else 1)
-            core_wait.close()
-            peak = self.kind.memory_in_use(self.device.index or 0)
-        self.data.train.forget_first()
-        with torch.no_grad():
-            for name, b in model.named_buffers():
-                b.copy_(buffers[name])
-        model.zero_grad(set_to_none=True)
-        return ProbeResult(
-            rank=self.rank,
-            samples_per_s=probe.samples_per_s(batch, compute_s, load_s),
-            batch=batch,
-            memory_cap=cap,
-            peak_bytes=peak,
-            load_s_per_sample=load_s,
+        return self._device_probe().measure(
+            self.rank, self.data.train, guess, limit, memory_cap, forward_only, self._free_cached_memory
         )
 
-    def _probe_step(self, samples: Any, forward_only: bool = False) -> None:
-        """One forward+backward of a batch of training samples (from `first`: read once, collated already)."""
-        batch = to_device(samples, self.device)
-        model = self.task.model
-        model.zero_grad(set_to_none=True)
-        with torch.set_grad_enabled(not forward_only), precision.autocast(self.device, self.precision):
-            loss = self.task.batch_loss(model, batch).float()
-        if not forward_only:
-            loss.backward()
-        self.kind.synchronize()
-        model.zero_grad(set_to_none=True)
+    def _device_probe(self) -> DeviceProbe:
+        return DeviceProbe(self.task, self.kind, self.device, self.precision)
 
     def _free_cached_memory(self) -> None:
         self.task.model.zero_grad(set_to_none=True)
