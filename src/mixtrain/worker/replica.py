@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import time
-from collections import defaultdict
 from collections.abc import Callable, Iterator
 from dataclasses import replace
 from typing import Any
@@ -16,7 +15,7 @@ from mixtrain.comm import process_group, registry, state_transfer
 from mixtrain.comm.state_transfer import pack, unpack
 from mixtrain.comm.strategy import JoinContext, SyncStrategy
 from mixtrain.data.sampling import Arrays
-from mixtrain.data.sources import EVAL_EPOCH, Loader, to_device
+from mixtrain.data.sources import Loader, to_device
 from mixtrain.devices import host_allocator, precision
 from mixtrain.devices.cpu import CpuShare
 from mixtrain.observe import worker_log
@@ -388,48 +387,18 @@ class TrainWorker(WorkerProcess):
         `unevaluated_from`, the first sample left, and the driver hands the rest to the other workers."""
         assert self.data.eval is not None, "evaluate called without eval data"
         self.task.model.eval()
+        held_out = evaluation.HeldOut(self.task, self.data.eval, self.device, self.precision)
         if self._strategy is not None and self.strategy.lockstep:
-            return self._evaluate_lockstep(start, stop, batch)
+            return held_out.lockstep(
+                start,
+                stop,
+                batch,
+                lambda: idle_pass(self.task, self.device, self.precision, self._idle_sample(), backward=False),
+            )
         batch = max(1, min(batch, self._eval_batch or batch))
-        sums: dict[str, float] = defaultdict(float)
-        done = [start]  # the first sample not evaluated yet
-        while done[0] < stop:
-            try:
-                self._evaluate_from(done, stop, batch, sums)
-            except Exception as exc:
-                if not self.kind.is_oom(exc):
-                    raise
-                self._free_cached_memory()
-                if batch == 1:
-                    worker_log.log.warning("evaluation: out of memory at one sample from sample %d", done[0])
-                    sums["unevaluated_from"] = float(done[0])
-                    break
-                batch = self._eval_batch = batch // 2
-                worker_log.log.warning("evaluation: out of memory; batch halved to %d", batch)
-        return dict(sums)
-
-    def _evaluate_lockstep(self, start: int, stop: int, batch: int) -> dict[str, float]:
-        """Sliced state: every forward pass calls collectives, so every rank runs as many (the most any rank
-        needs; idle ones over a filler sample). No halving on out-of-memory here: the ranks would fall out of step."""
-        sums: dict[str, float] = defaultdict(float)
-        mine = -(-(stop - start) // batch)
-        most = torch.tensor([mine], dtype=torch.int64)
-        torch.distributed.all_reduce(most, op=torch.distributed.ReduceOp.MAX)
-        self._evaluate_from([start], stop, batch, sums)
-        for _ in range(int(most) - mine):
-            idle_pass(self.task, self.device, self.precision, self._idle_sample(), backward=False)
-        return dict(sums)
-
-    def _evaluate_from(self, done: list[int], stop: int, batch: int, sums: dict[str, float]) -> None:
-        """Evaluate [done[0], stop) in batches of `batch`: each finished batch is added to `sums` and moves done[0]."""
-        assert self.data.eval is not None
-        chunks = [np.arange(i, min(i + batch, stop)) for i in range(done[0], stop, batch)]
-        for chunk, samples in zip(chunks, self.data.eval.batches(EVAL_EPOCH, chunks)):
-            with precision.autocast(self.device, self.precision):
-                part = list(evaluation.batch_sums(self.task, to_device(samples, self.device), len(chunk)))
-            for name, value in part:  # only a batch that finished counts
-                sums[name] += value
-            done[0] = int(chunk[-1]) + 1
+        sums, halved = held_out.halving(start, stop, batch, self.kind.is_oom, self._free_cached_memory)
+        self._eval_batch = halved or self._eval_batch
+        return sums
 
     # ---- checkpoints, resume and recovery ---------------------------------------------------
     def training_state(self) -> dict:
