@@ -33,7 +33,7 @@ from mixtrain.records.messages import (
 )
 from mixtrain.task import Task, build_task
 from mixtrain.worker import evaluation, probe, warm_workers
-from mixtrain.worker.ledger import RoundLedger, learning_rates
+from mixtrain.worker.ledger import RoundLedger, learning_rates, state_bytes
 from mixtrain.worker.probe import DeviceProbe
 from mixtrain.worker.worker_data import PER_STEP, Pace, Segment, StepSegments, WorkerData
 from mixtrain.worker.worker_process import WorkerProcess
@@ -318,7 +318,7 @@ class TrainWorker(WorkerProcess):
         weight = plan.shares[self.rank] / sum(plan.shares)  # for buffer averaging: this rank's part of the round
         sync = self.strategy.end_round(self.task, weight, plan.drift_tolerance)
         lr = learning_rates(self.task.optimizer)  # after end_round: a step read late has had its scheduler step
-        return ledger.close(plan, sync, self.kind.memory_in_use(index), self._state_bytes(), lr)
+        return ledger.close(plan, sync, self.kind.memory_in_use(index), state_bytes(self.task, self.strategy), lr)
 
     def _compute(
         self, segments: list[Segment], batches: Iterator[Any], step_total: int, pace: Pace, cpu: CpuShare
@@ -359,24 +359,6 @@ class TrainWorker(WorkerProcess):
             self.data.train.forget_first()
             self._filler = to_device(sample, self.device)
         return self._filler
-
-    def _state_bytes(self) -> dict[str, int]:
-        """What this replica holds, by part: weights (and buffers), gradients, optimizer state, strategy state."""
-        model = self.task.model
-        tensors = [*model.parameters(), *model.buffers()]
-
-        def whole(t: torch.Tensor) -> int:
-            return t.numel() * t.element_size()
-
-        def held(t: torch.Tensor) -> int:  # sliced weights: what the storage holds now (0 for another's)
-            return t.untyped_storage().nbytes()
-
-        size = held if self.strategy.slices_weights else whole
-        return {
-            "weights": sum(size(t) for t in tensors),
-            "grads": sum(p.grad.numel() * p.grad.element_size() for p in model.parameters() if p.grad is not None),
-            **self.strategy.state_bytes(self.task),
-        }
 
     # ---- evaluation and results -------------------------------------------------------------
     @torch.no_grad()
