@@ -13,7 +13,7 @@ import torch
 from mixtrain import compat, devices, frozen_base, pretrained
 from mixtrain.comm import process_group, registry, state_transfer
 from mixtrain.comm.state_transfer import pack, unpack
-from mixtrain.comm.strategy import JoinContext, SyncStrategy
+from mixtrain.comm.strategy import SyncStrategy
 from mixtrain.data.sampling import Arrays
 from mixtrain.data.sources import Loader, to_device
 from mixtrain.devices import host_allocator, precision
@@ -32,7 +32,8 @@ from mixtrain.records.messages import (
     WorkerSetup,
 )
 from mixtrain.task import Task, build_task
-from mixtrain.worker import evaluation, probe, warm_workers
+from mixtrain.worker import evaluation, probe, training_state, warm_workers
+from mixtrain.worker.join_context import join_context
 from mixtrain.worker.ledger import RoundLedger, learning_rates, state_bytes
 from mixtrain.worker.probe import DeviceProbe
 from mixtrain.worker.worker_data import PER_STEP, Pace, Segment, StepSegments, WorkerData
@@ -209,46 +210,10 @@ class TrainWorker(WorkerProcess):
         self._join_group(request)
         previous, self._strategy = self._strategy, registry.make(request.strategy, request.shard_level)
         loaded, self._loaded = self._loaded, None
-        # A re-formed group keeps the strategy's state (the same on every rank), unless state was just loaded
-        # (a resume, a replacement, a survivor that fell behind, a sharded optimizer re-split).
-        if loaded is not None:
-            self.strategy.load_state_dict(unpack(loaded["strategy"], copy=True))
-            self.strategy.load_optimizer_state(self.task, loaded["optimizer"])
-        elif previous is not None:
-            self.strategy.load_state_dict(previous.state_dict())
-        ctx = JoinContext(
-            bucket_bytes=request.bucket_bytes,
-            loss_scaling=request.loss_scaling,
-            rank=self.rank,
-            world_size=self.world_size,
-            timeout_s=request.collective_timeout_s,
-            servers=tuple(request.servers),
-            fresh_state=request.fresh_state,
-            shard_weights=self._shard_weights(request.shard_optimizer),
-            offload=request.offload,
-            store_pages_bytes=request.store_pages_bytes,
-        )
+        training_state.before_setup(self.task, self.strategy, loaded, previous)
+        ctx = join_context(request, self.rank, self.world_size, self.kind, self.device)
         self.strategy.setup(self.task, ctx)
-        if loaded is not None and loaded.get("rank"):
-            self.strategy.load_rank_state(self.task, unpack(loaded["rank"], copy=True))
-        if getattr(self.strategy, "gate", None) is not None:
-            worker_log.log.info("steps: the all-finite verdict is read a step late (StepGate, fused optimizer)")
-        if loaded is not None:  # and the job-wide loss scale
-            self.strategy.loss_scale.load_state_dict(loaded["loss_scale"])
-        elif previous is not None:
-            self.strategy.loss_scale = previous.loss_scale
-
-    def _shard_weights(self, requested: tuple[float, ...] | None) -> tuple[float, ...] | None:
-        """Per rank, how much optimizer state to hold: the user's figures, or (an empty tuple) every rank's
-        free memory, gathered here. None: the optimizer is not sharded."""
-        if requested is None or requested:
-            return requested
-        free = self.kind.memory(self.device.index or 0)[1]
-        mine = torch.tensor([float(free or 0)], dtype=torch.float64)
-        everyone = [torch.zeros_like(mine) for _ in range(self.world_size)]
-        torch.distributed.all_gather(everyone, mine)
-        weights = tuple(float(t) for t in everyone)
-        return weights if all(w > 0 for w in weights) else (1.0,) * self.world_size  # unknown: equal slices
+        training_state.after_setup(self.task, self.strategy, loaded, previous)
 
     def load_data(self, train: Arrays | Loader, evaluation: Arrays | Loader | None) -> DataReport:
         """Open the training and held-out data here: in-memory fields from the object store, or a Dataset
@@ -387,15 +352,7 @@ class TrainWorker(WorkerProcess):
         """Everything a step changes, packed for the object store (state_transfer): weights, optimizer (this
         rank's part where the strategy keeps it elsewhere: the driver merges the rest), scheduler, the job-wide
         loss scale and the strategy's own state. For checkpoints, replacements and survivors that fell behind."""
-        t = self.task
-        state = {
-            "model": self.strategy.model_state(t),
-            "optimizer": self.strategy.optimizer_state(t),
-            "scheduler": t.scheduler.state_dict() if t.scheduler is not None else None,
-            "loss_scale": self.strategy.loss_scale.state_dict(),
-            "strategy": self.strategy.state_dict(),
-        }
-        return pack(state)
+        return training_state.packed(self.task, self.strategy)
 
     # Streamed copies (state_transfer.stream) for the driver: in pieces small enough to travel in the replies, so
     # no second copy builds up in this process (GroupCalls.receive reads them).
@@ -423,24 +380,7 @@ class TrainWorker(WorkerProcess):
         loss scale and the strategy's own state when the group forms next (join), which always follows, so a
         sharded optimizer keeps only its slice. `rank_state`: what this rank held of its own when the checkpoint
         was written (local SGD's inner optimizer and error feedback), for a resume on as many workers."""
-        t = self.task
-        if self._strategy is not None and self.strategy.slices_weights:
-            self.strategy.close()  # every weight whole again, to be filled from `state` (sliced at the next join)
-        frozen_base.load_model_state(t.model, unpack(state["model"]))  # copies in; a checkpoint may lack the base
-        if t.scheduler is not None and state.get("scheduler") is not None:
-            t.scheduler.load_state_dict(unpack(state["scheduler"], copy=True))
-        self._loaded = {
-            "optimizer": state["optimizer"],
-            "loss_scale": state["loss_scale"],
-            "strategy": state.get("strategy") or {},
-            "rank": rank_state or {},
-        }
-        if rank_state and rank_state.get("optimizer") is not None:  # this replica's own inner optimizer
-            self._loaded["optimizer"] = rank_state["optimizer"]
-        if rng is not None:
-            torch.set_rng_state(rng["cpu"])
-            if self.kind.kind in rng:  # the device's own stream, when the checkpoint has one for this kind
-                self.kind.set_rng_state(rng[self.kind.kind])
+        self._loaded = training_state.load(self.task, self._strategy, self.kind, state, rng, rank_state)
 
     def recover(self) -> None:
         """After a failed round: back to this replica's last committed state, and out of the broken group."""
