@@ -10,7 +10,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from mixtrain import compat, devices, frozen_base, pretrained
+from mixtrain import compat, devices
 from mixtrain.comm import process_group, registry, state_transfer
 from mixtrain.comm.state_transfer import pack, unpack
 from mixtrain.comm.strategy import SyncStrategy
@@ -20,7 +20,6 @@ from mixtrain.devices import host_allocator, precision
 from mixtrain.devices.cpu import CpuShare
 from mixtrain.observe import worker_log
 from mixtrain.observe.round_profile import RoundProfiler
-from mixtrain.policies import model_shape
 from mixtrain.records.messages import (
     BuildReport,
     DataReport,
@@ -32,7 +31,7 @@ from mixtrain.records.messages import (
     WorkerSetup,
 )
 from mixtrain.task import Task, build_task
-from mixtrain.worker import evaluation, probe, training_state, warm_workers
+from mixtrain.worker import build_report, evaluation, probe, training_state, warm_workers
 from mixtrain.worker.join_context import join_context
 from mixtrain.worker.ledger import RoundLedger, learning_rates, state_bytes
 from mixtrain.worker.probe import DeviceProbe
@@ -137,30 +136,11 @@ class TrainWorker(WorkerProcess):
         torch.manual_seed(self.seed)
         self._task = build_task(factory)
         self._module_stats = warm_workers.user_module_stats(self._modules_at_start)
-        model = self.task.model
-        if not self.kind.supports_float64:
-            wide = [n for n, t in (*model.named_parameters(), *model.named_buffers()) if t.dtype == torch.float64]
-            if wide:
-                problem = f"float64 tensors {wide[:3]} cannot go to {self.kind.kind}; build the model in float32"
-                return replace(who, problem=problem)
-        model.to(self.device)
-        return replace(
-            who,
-            device=info,
-            precision=self.precision,
-            signature=compat.model_signature(model),
-            tensors=tuple(
-                (n, tuple(t.shape), str(t.dtype).removeprefix("torch."))
-                for n, t in (*model.named_parameters(), *model.named_buffers())
-            ),
-            num_params=sum(p.numel() for p in model.parameters()),
-            trainable_bytes=sum(p.numel() * 4 for p in model.parameters() if p.requires_grad),
-            nccl=torch.distributed.is_nccl_available(),
-            max_grad_norm=self.task.max_grad_norm,
-            hf_model=pretrained.spec_of(model),
-            frozen=frozen_base.describe(model),
-            shape=model_shape.state_shape(model, self.task.optimizer),
-        )
+        problem = build_report.float64_problem(self.task.model, self.kind)
+        if problem:
+            return replace(who, problem=problem)
+        self.task.model.to(self.device)
+        return build_report.built(who, self.task, info, self.precision)
 
     def check_numerics(self, tolerance: float | None = None, count: int = 8) -> NumericsResult:
         """The gradient of the first `count` training samples on this device (at its precision)
