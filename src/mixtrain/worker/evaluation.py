@@ -1,14 +1,22 @@
 """Held-out evaluation of one batch as sums that add up over batches and workers: the mean loss times the
-batch's samples, argmax accuracy for class targets (with loss_fn), and the user's metrics' (sum, count)."""
+batch's samples, argmax accuracy for class targets (with loss_fn), and the user's metrics' (sum, count); a worker's
+passes over its slice of the held-out samples (HeldOut: halving its batch on out-of-memory, or in lock-step with
+the other ranks); and the driver's side: slices left by a worker out of memory, the workers' sums summed up."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections import defaultdict
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 
+from mixtrain.data.sources import EVAL_EPOCH, SampleSource, to_device
+from mixtrain.devices import precision
 from mixtrain.errors import InputTypeError
+from mixtrain.observe import worker_log
 from mixtrain.policies.planner import equal_shares
 from mixtrain.task import Task
 
@@ -46,6 +54,62 @@ def _pair(name: str, pair: Any) -> tuple[float, float]:
             f"Task.metrics returned {name!r}: {pair!r}; each metric must be a (sum, count) pair, e.g. "
             "{'accuracy': ((pred == y).sum().item(), len(y))}"
         ) from None
+
+
+@dataclass
+class HeldOut:
+    """One worker's passes over its slice of the held-out samples, as sums that add up (batch_sums)."""
+
+    task: Task
+    source: SampleSource
+    device: torch.device
+    precision: str
+
+    def halving(
+        self, start: int, stop: int, batch: int, is_oom: Callable[[BaseException], bool], after_oom: Callable[[], None]
+    ) -> tuple[dict[str, float], int | None]:
+        """Sums over [start, stop) in batches of at most `batch`, and the batch it was halved to (None: never).
+        Out of memory, the batch is halved and the rest read again; when even one sample does not fit, the sums so
+        far come back with LEFT, the first sample left."""
+        sums: dict[str, float] = defaultdict(float)
+        halved = None
+        done = [start]  # the first sample not evaluated yet
+        while done[0] < stop:
+            try:
+                self._evaluate_from(done, stop, batch, sums)
+            except Exception as exc:
+                if not is_oom(exc):
+                    raise
+                after_oom()
+                if batch == 1:
+                    worker_log.log.warning("evaluation: out of memory at one sample from sample %d", done[0])
+                    sums[LEFT] = float(done[0])
+                    break
+                batch = halved = batch // 2
+                worker_log.log.warning("evaluation: out of memory; batch halved to %d", batch)
+        return dict(sums), halved
+
+    def lockstep(self, start: int, stop: int, batch: int, idle_pass: Callable[[], None]) -> dict[str, float]:
+        """Sliced state: every forward pass calls collectives, so every rank runs as many (the most any rank
+        needs; idle ones are `idle_pass`). No halving on out-of-memory here: the ranks would fall out of step."""
+        sums: dict[str, float] = defaultdict(float)
+        mine = -(-(stop - start) // batch)
+        most = torch.tensor([mine], dtype=torch.int64)
+        torch.distributed.all_reduce(most, op=torch.distributed.ReduceOp.MAX)
+        self._evaluate_from([start], stop, batch, sums)
+        for _ in range(int(most) - mine):
+            idle_pass()
+        return dict(sums)
+
+    def _evaluate_from(self, done: list[int], stop: int, batch: int, sums: dict[str, float]) -> None:
+        """Evaluate [done[0], stop) in batches of `batch`: each finished batch is added to `sums` and moves done[0]."""
+        chunks = [np.arange(i, min(i + batch, stop)) for i in range(done[0], stop, batch)]
+        for chunk, samples in zip(chunks, self.source.batches(EVAL_EPOCH, chunks)):
+            with precision.autocast(self.device, self.precision):
+                part = list(batch_sums(self.task, to_device(samples, self.device), len(chunk)))
+            for name, value in part:  # only a batch that finished counts
+                sums[name] += value
+            done[0] = int(chunk[-1]) + 1
 
 
 LEFT = "unevaluated_from"

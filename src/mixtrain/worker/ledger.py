@@ -1,5 +1,6 @@
-"""A worker's bookkeeping for one round: per-step timings and bytes, and the global results of steps that
-arrive later than the step itself (asynchronous strategies). Keeps the step loop free of it.
+"""A worker's bookkeeping for one round: per-step timings and bytes, the global results of steps that arrive
+later than the step itself (asynchronous strategies), and the bytes the replica holds. Keeps the step loop free
+of it.
 
 Losses and gradient norms may be tensors on the worker's device: they are kept as they are and read in one go
 when the round ends (or fails), so that the bookkeeping never makes the step loop wait for a GPU."""
@@ -12,9 +13,10 @@ from collections import deque
 
 import torch
 
-from mixtrain.comm.strategy import RoundSync, StepOutcome, StepResult
+from mixtrain.comm.strategy import RoundSync, StepOutcome, StepResult, SyncStrategy
 from mixtrain.observe import worker_log
 from mixtrain.records.messages import RoundPlan, WorkerReport
+from mixtrain.task import Task
 
 
 class RoundLedger:
@@ -119,6 +121,25 @@ class RoundLedger:
 def learning_rates(optimizer: torch.optim.Optimizer) -> list[float]:
     """The optimizer's learning rate per param group, as floats (a group's lr may be a tensor)."""
     return [float(group["lr"]) for group in optimizer.param_groups]
+
+
+def state_bytes(task: Task, strategy: SyncStrategy) -> dict[str, int]:
+    """What a replica holds, by part: weights (and buffers), gradients, optimizer state, strategy state."""
+    model = task.model
+    tensors = [*model.parameters(), *model.buffers()]
+
+    def whole(t: torch.Tensor) -> int:
+        return t.numel() * t.element_size()
+
+    def held(t: torch.Tensor) -> int:  # sliced weights: what the storage holds now (0 for another's)
+        return t.untyped_storage().nbytes()
+
+    size = held if strategy.slices_weights else whole
+    return {
+        "weights": sum(size(t) for t in tensors),
+        "grads": sum(p.grad.numel() * p.grad.element_size() for p in model.parameters() if p.grad is not None),
+        **strategy.state_bytes(task),
+    }
 
 
 def _floats(values: list[torch.Tensor] | list[torch.Tensor | float]) -> list[float]:

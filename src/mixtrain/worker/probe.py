@@ -1,4 +1,5 @@
-"""Measuring a device before training: how fast it loads and computes, and the largest micro-batch that fits.
+"""Measuring a device before training: how fast it loads and computes, the largest micro-batch that fits, and
+how far its gradient is from the CPU's (the start-up checks of TrainWorker.probe and .check_numerics).
 
 The search takes a function that runs one forward+backward at a given batch size, so it is the
 same code on CUDA, MPS and in tests (where a model raises torch.OutOfMemoryError past a size).
@@ -6,9 +7,25 @@ same code on CUDA, MPS and in tests (where a model raises torch.OutOfMemoryError
 
 from __future__ import annotations
 
+import copy
 import statistics
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from mixtrain.data.sources import SampleSource, to_device
+from mixtrain.devices import DeviceKind, precision
+from mixtrain.devices.cpu import CpuShare
+from mixtrain.records.messages import ProbeResult
+from mixtrain.task import Task
+
+NUMERICS_TOLERANCE = {"fp32": 1e-3, "fp16": 2e-2, "bf16": 6e-2}
+"""Relative L2 difference of a device's gradient from the CPU's above which the device is reported."""
+MEMORY_MARGIN = 0.85
+"""The memory cap is this fraction of the largest micro-batch the probe ran (optimizer state comes later)."""
 
 
 class ProbeError(RuntimeError):
@@ -93,3 +110,95 @@ def samples_per_s(batch: int, compute_s: float, load_s_per_sample: float) -> flo
     if batch < 1:
         raise ValueError(f"batch={batch} must be >= 1")
     return batch / (compute_s + load_s_per_sample * batch)
+
+
+@dataclass
+class DeviceProbe:
+    """One replica on its device, measured before the group forms (TrainWorker.probe and .check_numerics)."""
+
+    task: Task
+    kind: DeviceKind
+    device: torch.device
+    precision: str
+
+    def measure(
+        self,
+        rank: int,
+        train: SampleSource,
+        guess: int,
+        limit: int,
+        memory_cap: int | None,
+        forward_only: bool,
+        after_oom: Callable[[], None],
+    ) -> ProbeResult:
+        """TrainWorker.probe on the first `guess` samples of `train`, each read once; weights, buffers, gradients
+        and random streams are left as they were."""
+        model = self.task.model
+        buffers = {name: b.detach().clone() for name, b in model.named_buffers()}
+        held = train.first(guess)
+        cap = memory_cap
+        rng_devices = [self.device] if self.kind.has_own_random_stream else []
+        with torch.random.fork_rng(devices=rng_devices, device_type=self.device.type):
+            if cap is None and self.kind.probes_memory and not forward_only:
+                found = largest_fitting(
+                    lambda size: self._step(held.batch(size)), guess, limit, self.kind.is_oom, after_oom=after_oom
+                )
+                # the optimizer's state is not allocated yet and allocators fragment: keep a margin
+                cap = None if found >= limit else max(1, int(found * MEMORY_MARGIN))
+            batch = min(guess, cap) if cap else guess
+            t0 = time.perf_counter()
+            samples = held.batch(batch)  # making the batch (collating) is part of loading it
+            load_s = held.read_s / len(held.samples) + (time.perf_counter() - t0) / batch
+            self.kind.reset_peak_memory(self.device.index or 0)
+            core_wait = CpuShare(enabled=self.kind.kind == "cpu")  # time waiting for a core is not the device's
+            compute_s = time_steps(lambda _: self._step(samples, forward_only), batch, waited=core_wait.waited_s) * (
+                3 if forward_only else 1
+            )
+            core_wait.close()
+            peak = self.kind.memory_in_use(self.device.index or 0)
+        train.forget_first()
+        with torch.no_grad():
+            for name, b in model.named_buffers():
+                b.copy_(buffers[name])
+        model.zero_grad(set_to_none=True)
+        return ProbeResult(
+            rank=rank,
+            samples_per_s=samples_per_s(batch, compute_s, load_s),
+            batch=batch,
+            memory_cap=cap,
+            peak_bytes=peak,
+            load_s_per_sample=load_s,
+        )
+
+    def _step(self, samples: Any, forward_only: bool = False) -> None:
+        """One forward+backward of a batch of training samples (from `first`: read once, collated already)."""
+        batch = to_device(samples, self.device)
+        model = self.task.model
+        model.zero_grad(set_to_none=True)
+        with torch.set_grad_enabled(not forward_only), precision.autocast(self.device, self.precision):
+            loss = self.task.batch_loss(model, batch).float()
+        if not forward_only:
+            loss.backward()
+        self.kind.synchronize()
+        model.zero_grad(set_to_none=True)
+
+    def numerics_error(self, batch: Any) -> float:
+        """The gradient of `batch` on this device (at its precision) against the same gradient computed on the CPU
+        in fp32: the relative L2 difference."""
+        model = self.task.model
+        reference = copy.deepcopy(model).to("cpu")
+        grads = []
+        for m, device, prec in ((reference, torch.device("cpu"), "fp32"), (model, self.device, self.precision)):
+            was_training = m.training
+            m.eval()  # no dropout, no running-statistics update: the same function on both devices
+            m.zero_grad(set_to_none=True)
+            with precision.autocast(device, prec):
+                loss = self.task.batch_loss(m, to_device(batch, device))
+            loss.float().backward()
+            grads.append(
+                torch.cat([p.grad.detach().to("cpu").float().reshape(-1) for p in m.parameters() if p.grad is not None])
+            )
+            m.zero_grad(set_to_none=True)
+            m.train(was_training)
+        ref, mine = grads
+        return float((mine - ref).norm() / ref.norm().clamp_min(1e-12))

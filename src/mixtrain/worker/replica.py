@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import copy
 import time
-from collections import defaultdict
 from collections.abc import Callable, Iterator
 from dataclasses import replace
 from typing import Any
@@ -12,17 +10,16 @@ from typing import Any
 import numpy as np
 import torch
 
-from mixtrain import compat, devices, frozen_base, pretrained
+from mixtrain import compat, devices
 from mixtrain.comm import process_group, registry, state_transfer
 from mixtrain.comm.state_transfer import pack, unpack
-from mixtrain.comm.strategy import JoinContext, SyncStrategy
+from mixtrain.comm.strategy import SyncStrategy
 from mixtrain.data.sampling import Arrays
-from mixtrain.data.sources import EVAL_EPOCH, Loader, to_device
+from mixtrain.data.sources import Loader, to_device
 from mixtrain.devices import host_allocator, precision
 from mixtrain.devices.cpu import CpuShare
 from mixtrain.observe import worker_log
 from mixtrain.observe.round_profile import RoundProfiler
-from mixtrain.policies import model_shape
 from mixtrain.records.messages import (
     BuildReport,
     DataReport,
@@ -34,15 +31,12 @@ from mixtrain.records.messages import (
     WorkerSetup,
 )
 from mixtrain.task import Task, build_task
-from mixtrain.worker import evaluation, probe, warm_workers
-from mixtrain.worker.ledger import RoundLedger, learning_rates
+from mixtrain.worker import build_report, evaluation, probe, training_state, warm_workers
+from mixtrain.worker.join_context import join_context
+from mixtrain.worker.ledger import RoundLedger, learning_rates, state_bytes
+from mixtrain.worker.probe import DeviceProbe
 from mixtrain.worker.worker_data import PER_STEP, Pace, Segment, StepSegments, WorkerData
 from mixtrain.worker.worker_process import WorkerProcess
-
-NUMERICS_TOLERANCE = {"fp32": 1e-3, "fp16": 2e-2, "bf16": 6e-2}
-"""Relative L2 difference of a device's gradient from the CPU's above which the device is reported."""
-MEMORY_MARGIN = 0.85
-"""The memory cap is this fraction of the largest micro-batch the probe ran (optimizer state comes later)."""
 
 
 def forward_backward(
@@ -142,56 +136,21 @@ class TrainWorker(WorkerProcess):
         torch.manual_seed(self.seed)
         self._task = build_task(factory)
         self._module_stats = warm_workers.user_module_stats(self._modules_at_start)
-        model = self.task.model
-        if not self.kind.supports_float64:
-            wide = [n for n, t in (*model.named_parameters(), *model.named_buffers()) if t.dtype == torch.float64]
-            if wide:
-                problem = f"float64 tensors {wide[:3]} cannot go to {self.kind.kind}; build the model in float32"
-                return replace(who, problem=problem)
-        model.to(self.device)
-        return replace(
-            who,
-            device=info,
-            precision=self.precision,
-            signature=compat.model_signature(model),
-            tensors=tuple(
-                (n, tuple(t.shape), str(t.dtype).removeprefix("torch."))
-                for n, t in (*model.named_parameters(), *model.named_buffers())
-            ),
-            num_params=sum(p.numel() for p in model.parameters()),
-            trainable_bytes=sum(p.numel() * 4 for p in model.parameters() if p.requires_grad),
-            nccl=torch.distributed.is_nccl_available(),
-            max_grad_norm=self.task.max_grad_norm,
-            hf_model=pretrained.spec_of(model),
-            frozen=frozen_base.describe(model),
-            shape=model_shape.state_shape(model, self.task.optimizer),
-        )
+        problem = build_report.float64_problem(self.task.model, self.kind)
+        if problem:
+            return replace(who, problem=problem)
+        self.task.model.to(self.device)
+        return build_report.built(who, self.task, info, self.precision)
 
     def check_numerics(self, tolerance: float | None = None, count: int = 8) -> NumericsResult:
         """The gradient of the first `count` training samples on this device (at its precision)
         against the same gradient computed on the CPU in fp32: the relative L2 difference."""
-        tolerance = tolerance or NUMERICS_TOLERANCE[self.precision]
+        tolerance = tolerance or probe.NUMERICS_TOLERANCE[self.precision]
         if self.kind.kind == "cpu" and self.precision == "fp32":
             return NumericsResult(rank=self.rank, error=0.0, tolerance=tolerance)  # the reference itself
         count = min(count, len(self.data.train))
         batch = self.data.train.first(count).batch(count)  # the probe's samples too: read once for both
-        model = self.task.model
-        reference = copy.deepcopy(model).to("cpu")
-        grads = []
-        for m, device, prec in ((reference, torch.device("cpu"), "fp32"), (model, self.device, self.precision)):
-            was_training = m.training
-            m.eval()  # no dropout, no running-statistics update: the same function on both devices
-            m.zero_grad(set_to_none=True)
-            with precision.autocast(device, prec):
-                loss = self.task.batch_loss(m, to_device(batch, device))
-            loss.float().backward()
-            grads.append(
-                torch.cat([p.grad.detach().to("cpu").float().reshape(-1) for p in m.parameters() if p.grad is not None])
-            )
-            m.zero_grad(set_to_none=True)
-            m.train(was_training)
-        ref, mine = grads
-        error = float((mine - ref).norm() / ref.norm().clamp_min(1e-12))
+        error = self._device_probe().numerics_error(batch)
         return NumericsResult(rank=self.rank, error=error, tolerance=tolerance)
 
     def probe(self, guess: int, limit: int, memory_cap: int | None = None, forward_only: bool = False) -> ProbeResult:
@@ -204,58 +163,12 @@ class TrainWorker(WorkerProcess):
         statistics), gradients and random streams are left as they were. `forward_only` (sliced state: the whole
         gradient may not fit here): no memory search, and forward passes without gradients, timed x3 (a backward
         costs about two forwards); the rounds' measured times correct the shares from there."""
-        model = self.task.model
-        buffers = {name: b.detach().clone() for name, b in model.named_buffers()}
-        held = self.data.train.first(guess)
-        cap = memory_cap
-        rng_devices = [self.device] if self.kind.has_own_random_stream else []
-        with torch.random.fork_rng(devices=rng_devices, device_type=self.device.type):
-            if cap is None and self.kind.probes_memory and not forward_only:
-                found = probe.largest_fitting(
-                    lambda size: self._probe_step(held.batch(size)),
-                    guess,
-                    limit,
-                    self.kind.is_oom,
-                    after_oom=self._free_cached_memory,
-                )
-                # the optimizer's state is not allocated yet and allocators fragment: keep a margin
-                cap = None if found >= limit else max(1, int(found * MEMORY_MARGIN))
-            batch = min(guess, cap) if cap else guess
-            t0 = time.perf_counter()
-            samples = held.batch(batch)  # making the batch (collating) is part of loading it
-            load_s = held.read_s / len(held.samples) + (time.perf_counter() - t0) / batch
-            self.kind.reset_peak_memory(self.device.index or 0)
-            core_wait = CpuShare(enabled=self.kind.kind == "cpu")  # time waiting for a core is not the device's
-            compute_s = probe.time_steps(
-                lambda _: self._probe_step(samples, forward_only), batch, waited=core_wait.waited_s
-            ) * (3 if forward_only else 1)
-            core_wait.close()
-            peak = self.kind.memory_in_use(self.device.index or 0)
-        self.data.train.forget_first()
-        with torch.no_grad():
-            for name, b in model.named_buffers():
-                b.copy_(buffers[name])
-        model.zero_grad(set_to_none=True)
-        return ProbeResult(
-            rank=self.rank,
-            samples_per_s=probe.samples_per_s(batch, compute_s, load_s),
-            batch=batch,
-            memory_cap=cap,
-            peak_bytes=peak,
-            load_s_per_sample=load_s,
+        return self._device_probe().measure(
+            self.rank, self.data.train, guess, limit, memory_cap, forward_only, self._free_cached_memory
         )
 
-    def _probe_step(self, samples: Any, forward_only: bool = False) -> None:
-        """One forward+backward of a batch of training samples (from `first`: read once, collated already)."""
-        batch = to_device(samples, self.device)
-        model = self.task.model
-        model.zero_grad(set_to_none=True)
-        with torch.set_grad_enabled(not forward_only), precision.autocast(self.device, self.precision):
-            loss = self.task.batch_loss(model, batch).float()
-        if not forward_only:
-            loss.backward()
-        self.kind.synchronize()
-        model.zero_grad(set_to_none=True)
+    def _device_probe(self) -> DeviceProbe:
+        return DeviceProbe(self.task, self.kind, self.device, self.precision)
 
     def _free_cached_memory(self) -> None:
         self.task.model.zero_grad(set_to_none=True)
@@ -277,46 +190,10 @@ class TrainWorker(WorkerProcess):
         self._join_group(request)
         previous, self._strategy = self._strategy, registry.make(request.strategy, request.shard_level)
         loaded, self._loaded = self._loaded, None
-        # A re-formed group keeps the strategy's state (the same on every rank), unless state was just loaded
-        # (a resume, a replacement, a survivor that fell behind, a sharded optimizer re-split).
-        if loaded is not None:
-            self.strategy.load_state_dict(unpack(loaded["strategy"], copy=True))
-            self.strategy.load_optimizer_state(self.task, loaded["optimizer"])
-        elif previous is not None:
-            self.strategy.load_state_dict(previous.state_dict())
-        ctx = JoinContext(
-            bucket_bytes=request.bucket_bytes,
-            loss_scaling=request.loss_scaling,
-            rank=self.rank,
-            world_size=self.world_size,
-            timeout_s=request.collective_timeout_s,
-            servers=tuple(request.servers),
-            fresh_state=request.fresh_state,
-            shard_weights=self._shard_weights(request.shard_optimizer),
-            offload=request.offload,
-            store_pages_bytes=request.store_pages_bytes,
-        )
+        training_state.before_setup(self.task, self.strategy, loaded, previous)
+        ctx = join_context(request, self.rank, self.world_size, self.kind, self.device)
         self.strategy.setup(self.task, ctx)
-        if loaded is not None and loaded.get("rank"):
-            self.strategy.load_rank_state(self.task, unpack(loaded["rank"], copy=True))
-        if getattr(self.strategy, "gate", None) is not None:
-            worker_log.log.info("steps: the all-finite verdict is read a step late (StepGate, fused optimizer)")
-        if loaded is not None:  # and the job-wide loss scale
-            self.strategy.loss_scale.load_state_dict(loaded["loss_scale"])
-        elif previous is not None:
-            self.strategy.loss_scale = previous.loss_scale
-
-    def _shard_weights(self, requested: tuple[float, ...] | None) -> tuple[float, ...] | None:
-        """Per rank, how much optimizer state to hold: the user's figures, or (an empty tuple) every rank's
-        free memory, gathered here. None: the optimizer is not sharded."""
-        if requested is None or requested:
-            return requested
-        free = self.kind.memory(self.device.index or 0)[1]
-        mine = torch.tensor([float(free or 0)], dtype=torch.float64)
-        everyone = [torch.zeros_like(mine) for _ in range(self.world_size)]
-        torch.distributed.all_gather(everyone, mine)
-        weights = tuple(float(t) for t in everyone)
-        return weights if all(w > 0 for w in weights) else (1.0,) * self.world_size  # unknown: equal slices
+        training_state.after_setup(self.task, self.strategy, loaded, previous)
 
     def load_data(self, train: Arrays | Loader, evaluation: Arrays | Loader | None) -> DataReport:
         """Open the training and held-out data here: in-memory fields from the object store, or a Dataset
@@ -386,7 +263,7 @@ class TrainWorker(WorkerProcess):
         weight = plan.shares[self.rank] / sum(plan.shares)  # for buffer averaging: this rank's part of the round
         sync = self.strategy.end_round(self.task, weight, plan.drift_tolerance)
         lr = learning_rates(self.task.optimizer)  # after end_round: a step read late has had its scheduler step
-        return ledger.close(plan, sync, self.kind.memory_in_use(index), self._state_bytes(), lr)
+        return ledger.close(plan, sync, self.kind.memory_in_use(index), state_bytes(self.task, self.strategy), lr)
 
     def _compute(
         self, segments: list[Segment], batches: Iterator[Any], step_total: int, pace: Pace, cpu: CpuShare
@@ -428,24 +305,6 @@ class TrainWorker(WorkerProcess):
             self._filler = to_device(sample, self.device)
         return self._filler
 
-    def _state_bytes(self) -> dict[str, int]:
-        """What this replica holds, by part: weights (and buffers), gradients, optimizer state, strategy state."""
-        model = self.task.model
-        tensors = [*model.parameters(), *model.buffers()]
-
-        def whole(t: torch.Tensor) -> int:
-            return t.numel() * t.element_size()
-
-        def held(t: torch.Tensor) -> int:  # sliced weights: what the storage holds now (0 for another's)
-            return t.untyped_storage().nbytes()
-
-        size = held if self.strategy.slices_weights else whole
-        return {
-            "weights": sum(size(t) for t in tensors),
-            "grads": sum(p.grad.numel() * p.grad.element_size() for p in model.parameters() if p.grad is not None),
-            **self.strategy.state_bytes(self.task),
-        }
-
     # ---- evaluation and results -------------------------------------------------------------
     @torch.no_grad()
     def evaluate(self, start: int, stop: int, batch: int) -> dict[str, float]:
@@ -455,63 +314,25 @@ class TrainWorker(WorkerProcess):
         `unevaluated_from`, the first sample left, and the driver hands the rest to the other workers."""
         assert self.data.eval is not None, "evaluate called without eval data"
         self.task.model.eval()
+        held_out = evaluation.HeldOut(self.task, self.data.eval, self.device, self.precision)
         if self._strategy is not None and self.strategy.lockstep:
-            return self._evaluate_lockstep(start, stop, batch)
+            return held_out.lockstep(
+                start,
+                stop,
+                batch,
+                lambda: idle_pass(self.task, self.device, self.precision, self._idle_sample(), backward=False),
+            )
         batch = max(1, min(batch, self._eval_batch or batch))
-        sums: dict[str, float] = defaultdict(float)
-        done = [start]  # the first sample not evaluated yet
-        while done[0] < stop:
-            try:
-                self._evaluate_from(done, stop, batch, sums)
-            except Exception as exc:
-                if not self.kind.is_oom(exc):
-                    raise
-                self._free_cached_memory()
-                if batch == 1:
-                    worker_log.log.warning("evaluation: out of memory at one sample from sample %d", done[0])
-                    sums["unevaluated_from"] = float(done[0])
-                    break
-                batch = self._eval_batch = batch // 2
-                worker_log.log.warning("evaluation: out of memory; batch halved to %d", batch)
-        return dict(sums)
-
-    def _evaluate_lockstep(self, start: int, stop: int, batch: int) -> dict[str, float]:
-        """Sliced state: every forward pass calls collectives, so every rank runs as many (the most any rank
-        needs; idle ones over a filler sample). No halving on out-of-memory here: the ranks would fall out of step."""
-        sums: dict[str, float] = defaultdict(float)
-        mine = -(-(stop - start) // batch)
-        most = torch.tensor([mine], dtype=torch.int64)
-        torch.distributed.all_reduce(most, op=torch.distributed.ReduceOp.MAX)
-        self._evaluate_from([start], stop, batch, sums)
-        for _ in range(int(most) - mine):
-            idle_pass(self.task, self.device, self.precision, self._idle_sample(), backward=False)
-        return dict(sums)
-
-    def _evaluate_from(self, done: list[int], stop: int, batch: int, sums: dict[str, float]) -> None:
-        """Evaluate [done[0], stop) in batches of `batch`: each finished batch is added to `sums` and moves done[0]."""
-        assert self.data.eval is not None
-        chunks = [np.arange(i, min(i + batch, stop)) for i in range(done[0], stop, batch)]
-        for chunk, samples in zip(chunks, self.data.eval.batches(EVAL_EPOCH, chunks)):
-            with precision.autocast(self.device, self.precision):
-                part = list(evaluation.batch_sums(self.task, to_device(samples, self.device), len(chunk)))
-            for name, value in part:  # only a batch that finished counts
-                sums[name] += value
-            done[0] = int(chunk[-1]) + 1
+        sums, halved = held_out.halving(start, stop, batch, self.kind.is_oom, self._free_cached_memory)
+        self._eval_batch = halved or self._eval_batch
+        return sums
 
     # ---- checkpoints, resume and recovery ---------------------------------------------------
     def training_state(self) -> dict:
         """Everything a step changes, packed for the object store (state_transfer): weights, optimizer (this
         rank's part where the strategy keeps it elsewhere: the driver merges the rest), scheduler, the job-wide
         loss scale and the strategy's own state. For checkpoints, replacements and survivors that fell behind."""
-        t = self.task
-        state = {
-            "model": self.strategy.model_state(t),
-            "optimizer": self.strategy.optimizer_state(t),
-            "scheduler": t.scheduler.state_dict() if t.scheduler is not None else None,
-            "loss_scale": self.strategy.loss_scale.state_dict(),
-            "strategy": self.strategy.state_dict(),
-        }
-        return pack(state)
+        return training_state.packed(self.task, self.strategy)
 
     # Streamed copies (state_transfer.stream) for the driver: in pieces small enough to travel in the replies, so
     # no second copy builds up in this process (GroupCalls.receive reads them).
@@ -539,24 +360,7 @@ class TrainWorker(WorkerProcess):
         loss scale and the strategy's own state when the group forms next (join), which always follows, so a
         sharded optimizer keeps only its slice. `rank_state`: what this rank held of its own when the checkpoint
         was written (local SGD's inner optimizer and error feedback), for a resume on as many workers."""
-        t = self.task
-        if self._strategy is not None and self.strategy.slices_weights:
-            self.strategy.close()  # every weight whole again, to be filled from `state` (sliced at the next join)
-        frozen_base.load_model_state(t.model, unpack(state["model"]))  # copies in; a checkpoint may lack the base
-        if t.scheduler is not None and state.get("scheduler") is not None:
-            t.scheduler.load_state_dict(unpack(state["scheduler"], copy=True))
-        self._loaded = {
-            "optimizer": state["optimizer"],
-            "loss_scale": state["loss_scale"],
-            "strategy": state.get("strategy") or {},
-            "rank": rank_state or {},
-        }
-        if rank_state and rank_state.get("optimizer") is not None:  # this replica's own inner optimizer
-            self._loaded["optimizer"] = rank_state["optimizer"]
-        if rng is not None:
-            torch.set_rng_state(rng["cpu"])
-            if self.kind.kind in rng:  # the device's own stream, when the checkpoint has one for this kind
-                self.kind.set_rng_state(rng[self.kind.kind])
+        self._loaded = training_state.load(self.task, self._strategy, self.kind, state, rng, rank_state)
 
     def recover(self) -> None:
         """After a failed round: back to this replica's last committed state, and out of the broken group."""
