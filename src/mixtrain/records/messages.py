@@ -114,10 +114,11 @@ class BuildReport:
     """The model is a transformers.PreTrainedModel: its class and config (the final weights get a save_pretrained
     folder too)."""
     frozen: FrozenBase | None = None
-    """The model's frozen parameters (a LoRA base), when it has some: checkpoints leave them out (frozen_base)."""
+    """The model's frozen parameters (a LoRA base), when it has some: checkpoints leave them out (frozen_base).
+    Rank 0's report only (the reference)."""
     shape: ModelShape | None = None
     """The training state's figures (weights, blocks, the optimizer's expected state): ScalingConfig(shard="auto")
-    weighs them against each worker's memory."""
+    weighs them against each worker's memory. Rank 0's report only (the reference)."""
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -25,8 +25,13 @@ def float64_problem(model: torch.nn.Module, kind: DeviceKind) -> str:
 
 
 def built(who: BuildReport, task: Task, info: DeviceInfo, precision: str) -> BuildReport:
-    """`who` (rank, host, request, versions) with the replica of `task` built on the device `info` describes."""
+    """`who` (rank, host, request, versions) with the replica of `task` built on the device `info` describes.
+
+    The frozen base's fingerprint and the state's shape are the reference worker's (rank 0 at the start) alone:
+    the driver reads them from there (the join makes every replica rank 0's bytes, frozen weights included), and
+    the fingerprint hashes the whole frozen base (seconds for a 1B base on every worker otherwise)."""
     model = task.model
+    reference = who.rank == 0
     return replace(
         who,
         device=info,
@@ -37,10 +42,12 @@ def built(who: BuildReport, task: Task, info: DeviceInfo, precision: str) -> Bui
             for n, t in (*model.named_parameters(), *model.named_buffers())
         ),
         num_params=sum(p.numel() for p in model.parameters()),
+        # what one exchange of the gradients moves (in fp32 whatever the weights' dtype); ModelShape.trainable_bytes
+        # is what the weights hold
         trainable_bytes=sum(p.numel() * 4 for p in model.parameters() if p.requires_grad),
         nccl=torch.distributed.is_nccl_available(),
         max_grad_norm=task.max_grad_norm,
         hf_model=pretrained.spec_of(model),
-        frozen=frozen_base.describe(model),
-        shape=model_shape.state_shape(model, task.optimizer),
+        frozen=frozen_base.describe(model) if reference else None,
+        shape=model_shape.state_shape(model, task.optimizer) if reference else None,
     )
