@@ -1,5 +1,5 @@
 """prepare_model(model, shard="gradients" | "full"): a loop's model with its state sliced by owner, through the Task
-path's engine (comm/sliced.py: the same hooks, owners, reduces to the owners and gathers).
+path's engine (shard/sliced.py: the same hooks, owners, reduces to the owners and gathers).
 
 The loop builds its optimizer after prepare_model, on what it returns, and steps it itself. After each backward,
 each owned parameter's `.grad` is the global gradient (the sum over the workers, each weighted by its batch's share
@@ -24,10 +24,10 @@ import torch.distributed as dist
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
 from mixtrain.comm.loop_grads import _queue_callback
-from mixtrain.comm.sliced import Level, SlicedStrategy, _tensors, clip_to, merge_weights
 from mixtrain.comm.strategy import JoinContext
 from mixtrain.config import StrategyConfig
 from mixtrain.errors import InputValueError
+from mixtrain.shard.sliced import Level, SlicedStrategy, _tensors, clip_to, merge_weights
 from mixtrain.train._session import LoopSession
 
 LEVELS = ("none", "gradients", "full")

@@ -13,7 +13,7 @@ import numpy as np
 import torch
 
 from mixtrain import compat, devices, frozen_base, pretrained
-from mixtrain.comm import process_group, registry, state_transfer
+from mixtrain.comm import process_group, state_transfer
 from mixtrain.comm.state_transfer import pack, unpack
 from mixtrain.comm.strategy import JoinContext, SyncStrategy
 from mixtrain.data.sampling import Arrays
@@ -34,7 +34,7 @@ from mixtrain.records.messages import (
     WorkerSetup,
 )
 from mixtrain.task import Task, build_task
-from mixtrain.worker import evaluation, probe, warm_workers
+from mixtrain.worker import evaluation, probe, strategies, warm_workers
 from mixtrain.worker.ledger import RoundLedger, learning_rates
 from mixtrain.worker.worker_data import PER_STEP, Pace, Segment, StepSegments, WorkerData
 from mixtrain.worker.worker_process import WorkerProcess
@@ -275,7 +275,7 @@ class TrainWorker(WorkerProcess):
         """Join the collective group at rank 0's rendezvous and set the strategy up on it, keeping what the
         strategy held (a re-formed group) unless a state was just loaded."""
         self._join_group(request)
-        previous, self._strategy = self._strategy, registry.make(request.strategy, request.shard_level)
+        previous, self._strategy = self._strategy, strategies.make(request.strategy, request.shard_level)
         loaded, self._loaded = self._loaded, None
         # A re-formed group keeps the strategy's state (the same on every rank), unless state was just loaded
         # (a resume, a replacement, a survivor that fell behind, a sharded optimizer re-split).

@@ -34,13 +34,13 @@ import torch
 import torch.distributed as dist
 
 from mixtrain.comm import replicas
-from mixtrain.comm.blocks import block_of_each_parameter, find_blocks
 from mixtrain.comm.link_measure import all_reduce_probe, exchange_seconds
 from mixtrain.comm.strategy import JoinContext, RoundSync, StepOutcome, StepResult, SyncStrategy
 from mixtrain.comm.zero import ShardedOptimizer, split_runs
 from mixtrain.config import StrategyConfig
 from mixtrain.devices.precision import LossScale
 from mixtrain.errors import InputValueError
+from mixtrain.shard.blocks import block_of_each_parameter, find_blocks
 from mixtrain.task import Task
 
 Level = Literal["gradients", "full"]
