@@ -23,7 +23,7 @@ from mixtrain.group.worker_group import WorkerError, WorkerGroup, WorkerTimeout
 from mixtrain.policies.decisions import recovery_source
 from mixtrain.records.messages import BuildReport, JoinRequest, RoundPlan
 from mixtrain.records.tunables import Tunables
-from mixtrain.shard.sliced import merge_weights
+from mixtrain.shard.state import merge_weights
 from mixtrain.task import Task
 
 
