@@ -9,9 +9,9 @@ import pytest
 import torch
 from torch import nn
 
-from mixtrain.comm.sliced import SlicedStrategy
 from mixtrain.comm.strategy import JoinContext
 from mixtrain.config import StrategyConfig
+from mixtrain.shard.sliced import SlicedStrategy
 from mixtrain.task import Task
 from tests.distributed.ranks import run_ranks
 

@@ -31,12 +31,14 @@ A step is committed at the exchange that averages it (with overlap: when that av
 peer is lost mid-round, a worker goes back to its common point (the weights, scheduler position and loss
 scale of its last applied exchange) and the steps since are redone; its inner optimizer state keeps what those steps
 added (local SGD makes no exactness promise; the common point is exact).
+
+Here: the inner steps, the windows, overlap and recovery. How an exchange travels and is summed:
+comm/delta_wire.py; the outer step on the sum, and plain averaging in pieces: comm/outer_step.py.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -46,8 +48,8 @@ import torch.distributed as dist
 from mixtrain import devices
 from mixtrain.comm import replicas
 from mixtrain.comm.buckets import grads_finite
-from mixtrain.comm.compress import QUANTIZED_BITS, ErrorFeedback, quantized_nbytes, wire_dtype
-from mixtrain.comm.link_measure import all_gather_probe, all_reduce_probe, exchange_seconds
+from mixtrain.comm.delta_wire import DeltaWire
+from mixtrain.comm.outer_step import average_in_pieces, outer_step, step_results, subtract_weights
 from mixtrain.comm.strategy import (
     JoinContext,
     RoundSync,
@@ -61,11 +63,6 @@ from mixtrain.comm.strategy import (
 )
 from mixtrain.devices.precision import LossScale
 from mixtrain.task import Task
-
-
-def _finite(delta: torch.Tensor) -> bool:
-    """No NaN or Inf in `delta`, by its sum first (no temporary as large as it unless the sum is not finite)."""
-    return bool(torch.isfinite(delta.sum())) or bool(torch.isfinite(delta).all())
 
 
 @dataclass
@@ -97,15 +94,15 @@ class LocalSGDStrategy(SyncStrategy):
         if self.config.local_sgd.outer_momentum and self.momentum.numel() != self.anchor.numel():
             self.momentum = torch.zeros_like(self.anchor)
         self.overlap = self.config.local_sgd.overlap and dist.get_world_size() > 1
-        bits = QUANTIZED_BITS.get(self.config.compress)
-        self.wire = torch.float32 if bits else (wire_dtype(self.config.compress) or torch.float32)
-        self.feedback = ErrorFeedback(bits) if bits else None  # int8/int4 deltas: an all-gather, not a sum
-        self.chunked = not (self.overlap or bits or self.config.local_sgd.outer_momentum) and all(
+        self.wire = DeltaWire(self.config.compress)
+        quantized = self.wire.feedback is not None
+        self.chunked = not (self.overlap or quantized or self.config.local_sgd.outer_momentum) and all(
             p.dtype == torch.float32 and p.is_contiguous() for p in self.params
         )
         """Plain averaging exchanges in pieces of one gradient bucket (MIXTRAIN_BUCKET_MB) through one buffer
         of that size, writing the new common point into the weights as it goes (_exchange_chunked): a buffer
-        as large as the model less. Overlap, outer momentum and int8/int4 need the whole delta at once."""
+        as large as the model less (outer_step.average_in_pieces). Overlap, outer momentum and int8/int4 need the
+        whole delta at once."""
         self.piece = max(1, ctx.bucket_bytes // 4)  # fp32 values per piece
         n, stats = self.anchor.numel(), 2 * self.config.local_sgd.local_steps
         size = (min(n, self.piece) if self.chunked else n) + stats
@@ -127,8 +124,8 @@ class LocalSGDStrategy(SyncStrategy):
     def recover(self, task: Task) -> None:
         self._inflight = None  # its group is gone; its steps are redone from the common point
         self._to_common_point()
-        if self.feedback is not None:  # the residual of a delta no survivor applied
-            self.feedback.reset()
+        if self.wire.feedback is not None:  # the residual of a delta no survivor applied
+            self.wire.feedback.reset()
         load_small_state(task, self.loss_scale, self._committed)
         self._pending, self._weights = [], []
         self._inner_finite, self._inner_norm = True, None
@@ -200,8 +197,12 @@ class LocalSGDStrategy(SyncStrategy):
         """Write this worker's progress since its base (base - params) and the pending per-step statistics
         into `buf`; return this rank's part of the samples since the last exchange (the delta's weight)."""
         n = self.base.numel()
-        self._subtract_weights(buf[:n].copy_(self.base), 0, n)
+        subtract_weights(self.params, buf[:n].copy_(self.base), 0, n)
         buf[n:].copy_(torch.stack(self._pending).reshape(-1))
+        return self._share()
+
+    def _share(self) -> float:
+        """This rank's part of the samples since the last exchange (the weight of its delta)."""
         return sum(self._weights) / len(self._weights)
 
     def _exchange(self, task: Task) -> tuple[list[StepResult], int]:
@@ -209,74 +210,20 @@ class LocalSGDStrategy(SyncStrategy):
         apply the outer step to the common point. Everything happens in one reused fp32 buffer: no
         temporary as large as the model besides a narrower wire copy when compressing."""
         if self.chunked:
-            done, sent = self._exchange_chunked()
+            pending, outer_lr = torch.stack(self._pending), self.config.local_sgd.outer_lr
+            done, sent = average_in_pieces(
+                self.params, self.anchor, self._work, pending, self._share(), self.piece, self.wire, outer_lr
+            )
         else:
             n, k = self.anchor.numel(), len(self._pending)
             buf = self._work[: n + 2 * k]
             buf[:n].mul_(self._pack(buf))
-            work, wire, sent = self._launch(buf, n, async_op=False)
+            work, wire, sent = self.wire.launch(buf, n, async_op=False)
             done = self._land(buf, n, k, wire, work)
             self._to_common_point()
         self._pending, self._weights = [], []
         self._committed = small_state(task, self.loss_scale)
         return done, sent
-
-    def _exchange_chunked(self) -> tuple[list[StepResult], int]:
-        """The same exchange (plain averaging: no outer momentum) in pieces of the flat weights, in order,
-        through the one small buffer: the statistics travel with the first piece; each piece's average moves
-        that part of the WEIGHTS to the new common point, and the common point itself (the anchor) takes the
-        weights only once every piece has landed. A peer lost part-way leaves the anchor as it was, and
-        recover() puts the weights back to it, as with one collective. Every rank sees the same sums, so a
-        non-finite one stops every rank at the same piece, and nobody applies the exchange."""
-        n, k = self.anchor.numel(), len(self._pending)
-        share = sum(self._weights) / len(self._weights)
-        applied, sent, stats = True, 0, torch.zeros(k, 2)
-        for start in range(0, max(n, 1), self.piece):
-            stop, head = min(n, start + self.piece), 2 * k if start == 0 else 0
-            buf = self._work[: head + stop - start]
-            if head:
-                buf[:head].copy_(torch.stack(self._pending).reshape(-1))
-            delta = buf[head:].copy_(self.anchor[start:stop])
-            self._subtract_weights(delta, start, stop)
-            delta.mul_(share)
-            _, wire, nbytes = self._launch(buf, buf.numel(), async_op=False)
-            sent += nbytes
-            if wire is not buf:
-                buf.copy_(wire)
-            if head:
-                stats = buf[:head].view(k, 2).clone()
-            if not _finite(delta):
-                applied = False
-                break
-            outer_lr = self.config.local_sgd.outer_lr
-            torch.sub(self.anchor[start:stop], delta, alpha=outer_lr, out=delta)  # in place: no temporary
-            with torch.no_grad():
-                for weights, at in self._pieces(start, stop):
-                    weights.copy_(delta[at : at + weights.numel()])
-        if applied:
-            for weights, at in self._pieces(0, n):
-                self.anchor[at : at + weights.numel()].copy_(weights.to("cpu"))
-        else:
-            self._to_common_point()
-        return [StepResult(applied and float(s[-1]) == 0.0, s[:-1]) for s in stats], sent
-
-    def _subtract_weights(self, delta: torch.Tensor, start: int, stop: int) -> None:
-        """delta -= the weights at flat positions [start, stop), one parameter at a time (no temporary as large
-        as the model)."""
-        for weights, at in self._pieces(start, stop):
-            delta[at : at + weights.numel()].sub_(weights.to("cpu", torch.float32))
-
-    def _pieces(self, start: int, stop: int) -> Iterator[tuple[torch.Tensor, int]]:
-        """The parts of the weights at flat positions [start, stop): (that part, where it begins relative to
-        `start`). A view of the parameter when it is contiguous (always, where `chunked` writes into it)."""
-        offset = 0
-        for p in self.params:
-            lo, hi = max(start, offset), min(stop, offset + p.numel())
-            if lo < hi:
-                yield p.detach().reshape(-1)[lo - offset : hi - offset], lo - start
-            offset += p.numel()
-            if offset >= stop:
-                return
 
     def _exchange_overlapped(self, task: Task) -> tuple[list[StepResult], int]:
         """Send this window's delta in the background; apply the previous window's average (waiting for it
@@ -291,7 +238,7 @@ class LocalSGDStrategy(SyncStrategy):
         if landed:  # (else A is where this window started: the weights are A - d already)
             replicas.unflatten_into(self.base, self.params)
         buf[:n].mul_(share)
-        work, wire, sent = self._launch(buf, n, async_op=True)
+        work, wire, sent = self.wire.launch(buf, n, async_op=True)
         committed = small_state(task, self.loss_scale)
         self._inflight = _InFlight(work, buf, wire, k, committed)
         self._work, self._spare = self._spare, self._work  # the next window packs into the other buffer
@@ -306,52 +253,13 @@ class LocalSGDStrategy(SyncStrategy):
         self._committed = flight.committed
         return done
 
-    def _launch(self, buf: torch.Tensor, n: int, async_op: bool) -> tuple[Any, Any, int]:
-        """Start the collective over `buf` (the weighted delta, then the statistics). Returns its handle (None
-        when it ran to the end), what travels, and the bytes this rank sent."""
-        if self.feedback is not None:
-            codes = self.feedback.encode(buf[:n])
-            mine = torch.cat([codes, buf[n:].contiguous().view(torch.uint8)]).to(replicas.comm_device())
-            everyone = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
-            return dist.all_gather(everyone, mine, async_op=async_op), (everyone, codes.numel()), mine.numel()
-        wire = buf if self.wire == torch.float32 and replicas.comm_device().type == "cpu" else None
-        if wire is None:
-            wire = buf.to(self.wire).to(replicas.comm_device())
-        work = dist.all_reduce(wire, op=dist.ReduceOp.SUM, async_op=async_op)
-        return work, wire, wire.numel() * wire.element_size()
-
     def _land(self, buf: torch.Tensor, n: int, k: int, wire: Any, work: Any) -> list[StepResult]:
         """Wait for the collective, put the sum into `buf` and apply the outer step to the common point."""
-        if work is not None:
-            work.wait()
-        if self.feedback is not None:
-            self._sum_quantized(buf, n, *wire)
-        elif wire is not buf:
-            buf.copy_(wire)
-        delta = buf[:n]
+        self.wire.receive(buf, n, wire, work)
         stats = buf[n:].view(k, 2).clone()
-        applied = _finite(delta)
-        if applied:  # SGD with Nesterov momentum on the pseudo-gradient, as torch.optim.SGD computes it
-            mu = self.config.local_sgd.outer_momentum
-            if mu:
-                self.momentum.mul_(mu).add_(delta)
-                delta.add_(self.momentum, alpha=mu)
-            self.anchor.sub_(delta, alpha=self.config.local_sgd.outer_lr)  # (without momentum: SGD's own update)
-        return [StepResult(applied and float(s[-1]) == 0.0, s[:-1]) for s in stats]
-
-    def _sum_quantized(self, buf: torch.Tensor, n: int, everyone: list[torch.Tensor], size: int) -> None:
-        """int8/int4: quantized sums do not add up across ranks (each block has its own scale), so every rank
-        gathers every rank's codes and scales (plus its fp32 statistics) and adds them up itself, in rank
-        order: the same sum, bit for bit, on every rank. Writes the sum into `buf`."""
-        assert self.feedback is not None
-        for rank, theirs in enumerate(everyone):  # (the first copied, not added to zeros: the same sum)
-            theirs = theirs.to("cpu")
-            self.feedback.quantizer.add_decoded(theirs[:size], buf[:n], first=rank == 0)
-            stats = theirs[size:].view(torch.float32)
-            if rank == 0:
-                buf[n:].copy_(stats)
-            else:
-                buf[n:].add_(stats)
+        config = self.config.local_sgd
+        applied = outer_step(self.anchor, buf[:n], self.momentum, config.outer_lr, config.outer_momentum)
+        return step_results(stats, applied)
 
     def end_round(self, task: Task, weight: float, drift_tolerance: float) -> RoundSync:
         t0 = time.perf_counter()
@@ -384,27 +292,15 @@ class LocalSGDStrategy(SyncStrategy):
     def state_bytes(self, task: Task) -> dict[str, int]:
         own = tensor_bytes([self.anchor, self.momentum, self._work, self._spare])
         own += tensor_bytes([self.base]) if self.overlap else 0
-        own += tensor_bytes([self.feedback.residual]) if self.feedback is not None else 0
+        own += tensor_bytes([self.wire.feedback.residual]) if self.wire.feedback is not None else 0
         return {"optimizer": tensor_bytes(task.optimizer.state), "strategy": own}
 
     def measure_comm(self, task: Task, repeats: int) -> float:
-        nbytes = self.exchange_bytes(task)
-        if self.feedback is not None:  # (the exchange's traffic: every rank's codes to every rank)
-            return exchange_seconds(all_gather_probe(nbytes), all_gather_probe, nbytes, repeats)
         pieces = -(-self.anchor.numel() // self.piece) if self.chunked else 1  # the same collectives as an exchange
-        buf = torch.zeros(self._work.numel(), dtype=self.wire, device=replicas.comm_device())
-
-        def exchange() -> None:
-            for _ in range(pieces):
-                dist.all_reduce(buf, op=dist.ReduceOp.SUM)
-
-        return exchange_seconds(exchange, all_reduce_probe, nbytes, repeats)
+        return self.wire.measure(self.exchange_bytes(task), self._work.numel(), pieces, repeats)
 
     def exchange_bytes(self, task: Task) -> int:
-        stats = 2 * self.config.local_sgd.local_steps  # a loss term and a non-finite flag per step
-        if self.feedback is not None:  # codes and scales, then the statistics in fp32
-            return quantized_nbytes(self.anchor.numel(), self.feedback.bits) + 4 * stats
-        return (self.anchor.numel() + stats) * self.wire.itemsize
+        return self.wire.nbytes(self.anchor.numel(), 2 * self.config.local_sgd.local_steps)  # 2: loss, non-finite
 
     def state_dict(self) -> dict[str, Any]:
         return {"momentum": self.momentum.clone()}
@@ -413,14 +309,14 @@ class LocalSGDStrategy(SyncStrategy):
         """Each replica steps its inner optimizer on its own samples, so its state (momentum, Adam's moments)
         is its own, and so is what quantization dropped from its last delta (the error feedback)."""
         out: dict[str, Any] = {"optimizer": self.optimizer_state(task)}
-        if self.feedback is not None:
-            out["residual"] = self.feedback.residual.clone()
+        if self.wire.feedback is not None:
+            out["residual"] = self.wire.feedback.residual.clone()
         return out
 
     def load_rank_state(self, task: Task, state: dict[str, Any]) -> None:
         residual = state.get("residual")
-        if self.feedback is not None and isinstance(residual, torch.Tensor):
-            self.feedback.residual = residual.to("cpu", torch.float32).clone()
+        if self.wire.feedback is not None and isinstance(residual, torch.Tensor):
+            self.wire.feedback.residual = residual.to("cpu", torch.float32).clone()
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if "momentum" in state:

@@ -94,7 +94,7 @@ class ShardedOptimizer:
 
     def step(self, broadcast: bool = True) -> None:
         """Step this rank's run, then (`broadcast`) every owner broadcasts its run (one collective per rank);
-        without, each run stays with its owner (weights sliced too: comm/sliced.py)."""
+        without, each run stays with its owner (weights sliced too: shard/sliced.py)."""
         for mine, theirs in zip(self.local.param_groups, self.user.param_groups):
             for key, value in theirs.items():  # what the LR scheduler (or the user) changed since
                 if key != "params":

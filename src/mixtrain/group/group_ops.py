@@ -13,7 +13,6 @@ from typing import Any
 import ray
 
 from mixtrain.comm import ps_server
-from mixtrain.comm.sliced import merge_weights
 from mixtrain.comm.state_transfer import pack, unpack
 from mixtrain.config import ScalingConfig, StrategyConfig
 from mixtrain.group.admission import Admission
@@ -24,6 +23,7 @@ from mixtrain.group.worker_group import WorkerError, WorkerGroup, WorkerTimeout
 from mixtrain.policies.decisions import recovery_source
 from mixtrain.records.messages import BuildReport, JoinRequest, RoundPlan
 from mixtrain.records.tunables import Tunables
+from mixtrain.shard.state import merge_weights
 from mixtrain.task import Task
 
 

@@ -21,8 +21,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from mixtrain.comm.blocks import block_class as find_block
 from mixtrain.errors import InputValueError
+from mixtrain.shard.blocks import block_class as find_block
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -55,7 +55,7 @@ class PreparedModel(torch.nn.Module):
         if session.context.world_size > 1:
             replicas.broadcast_state(self.module)  # every replica starts from rank 0's weights (as DDP)
             self._buffers_sync = [b for b in self.module.buffers() if b.is_floating_point()]
-            if shard != "none":  # the Task path's engine (comm/sliced.py), stepped by the loop's own optimizer
+            if shard != "none":  # the Task path's engine (shard/sliced.py), stepped by the loop's own optimizer
                 self._sliced = SlicedLoop(self.module, session, shard, weights)  # type: ignore[arg-type]
                 session.grads.append(self._sliced)
                 return

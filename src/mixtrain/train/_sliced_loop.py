@@ -1,5 +1,5 @@
 """prepare_model(model, shard="gradients" | "full"): a loop's model with its state sliced by owner, through the Task
-path's engine (comm/sliced.py: the same hooks, owners, reduces to the owners and gathers).
+path's engine (shard/sliced.py: the same hooks, owners, reduces to the owners and gathers).
 
 The loop builds its optimizer after prepare_model, on what it returns, and steps it itself. After each backward,
 each owned parameter's `.grad` is the global gradient (the sum over the workers, each weighted by its batch's share
@@ -24,10 +24,12 @@ import torch.distributed as dist
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
 from mixtrain.comm.loop_grads import _queue_callback
-from mixtrain.comm.sliced import Level, SlicedStrategy, _tensors, clip_to, merge_weights
 from mixtrain.comm.strategy import JoinContext
 from mixtrain.config import StrategyConfig
 from mixtrain.errors import InputValueError
+from mixtrain.shard.sliced import Level, SlicedStrategy
+from mixtrain.shard.state import clip_to, merge_weights
+from mixtrain.shard.units import tensors
 from mixtrain.train._session import LoopSession
 
 LEVELS = ("none", "gradients", "full")
@@ -87,7 +89,7 @@ class SlicedLoop:
     @property
     def comm_s(self) -> float:
         """Seconds in the collectives so far (the session's speed measurement leaves them out)."""
-        return self.strategy._comm_s
+        return self.strategy.clock.seconds
 
     # ---- forward and backward -----------------------------------------------------------------------
     def before_forward(self) -> None:
@@ -98,7 +100,7 @@ class SlicedLoop:
         """The gradient into `output` times this batch's share of its step (0 for a batch of no samples): each
         worker's mean loss becomes its part of the global batch's mean, as LoopGrads weighs its buckets."""
         weight = self.session.weight
-        for t in _tensors(output):
+        for t in tensors(output):
             if t.requires_grad:
                 t.register_hook(self._weighted(weight))
         return output

@@ -11,7 +11,7 @@ import numpy as np
 import torch
 
 from mixtrain import compat, devices
-from mixtrain.comm import process_group, registry, state_transfer
+from mixtrain.comm import process_group, state_transfer
 from mixtrain.comm.state_transfer import pack, unpack
 from mixtrain.comm.strategy import SyncStrategy
 from mixtrain.data.sampling import Arrays
@@ -31,7 +31,7 @@ from mixtrain.records.messages import (
     WorkerSetup,
 )
 from mixtrain.task import Task, build_task
-from mixtrain.worker import build_report, evaluation, probe, training_state, warm_workers
+from mixtrain.worker import build_report, evaluation, probe, strategies, training_state, warm_workers
 from mixtrain.worker.join_context import join_context
 from mixtrain.worker.ledger import RoundLedger, learning_rates, state_bytes
 from mixtrain.worker.probe import DeviceProbe
@@ -188,7 +188,7 @@ class TrainWorker(WorkerProcess):
         """Join the collective group at rank 0's rendezvous and set the strategy up on it, keeping what the
         strategy held (a re-formed group) unless a state was just loaded."""
         self._join_group(request)
-        previous, self._strategy = self._strategy, registry.make(request.strategy, request.shard_level)
+        previous, self._strategy = self._strategy, strategies.make(request.strategy, request.shard_level)
         loaded, self._loaded = self._loaded, None
         training_state.before_setup(self.task, self.strategy, loaded, previous)
         ctx = join_context(request, self.rank, self.world_size, self.kind, self.device)
