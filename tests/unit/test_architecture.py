@@ -124,12 +124,32 @@ def test_every_file_the_map_names_exists():
     assert len(named) > 40 and gone == [], gone
 
 
-def test_no_function_in_the_package_is_over_60_lines():
+def longer_than(kinds: tuple[type, ...], limit: int) -> list[str]:
+    """Definitions of `kinds` (functions, classes) in the package over `limit` lines."""
     long = []
     for path in sorted(SRC.rglob("*.py")):
         for node in ast.walk(ast.parse(path.read_text())):
-            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            if isinstance(node, kinds):
                 lines = (node.end_lineno or node.lineno) - node.lineno + 1
-                if lines > 60:
+                if lines > limit:
                     long.append(f"{path.relative_to(ROOT)}:{node.lineno} {node.name} ({lines} lines)")
-    assert long == [], long
+    return long
+
+
+def test_no_function_in_the_package_is_over_60_lines():
+    assert longer_than((ast.FunctionDef, ast.AsyncFunctionDef), 60) == []
+
+
+def test_no_class_in_the_package_is_over_300_lines():
+    assert longer_than((ast.ClassDef,), 300) == []
+
+
+def test_no_room_holds_over_15_percent_of_the_package():
+    lines: dict[str, int] = {}
+    for path in SRC.rglob("*.py"):
+        parts = path.relative_to(SRC).parts
+        if len(parts) > 1:  # the top-level files are no room
+            lines[parts[0]] = lines.get(parts[0], 0) + len(path.read_text().splitlines())
+    total = sum(len(p.read_text().splitlines()) for p in SRC.rglob("*.py"))
+    over = {room: f"{n / total:.1%}" for room, n in lines.items() if n > 0.15 * total}
+    assert over == {}, over
