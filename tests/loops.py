@@ -350,7 +350,8 @@ def sliced_loop(config: dict[str, Any]) -> None:
     """AdamW with a cosine schedule and clipping on a model prepared with shard=config["shard"]; every worker gathers
     the whole weights and optimizer state, as a checkpoint would, and rank 0 saves them with what each holds."""
     x, y = config["data"]
-    model = prepare_model(net(), shard=config["shard"], slices=config.get("slices"))
+    blocks = tuple(config.get("blocks", ()))
+    model = prepare_model(net(), shard=config["shard"], slices=config.get("slices"), blocks=blocks)
     loader = prepare_data_loader(DataLoader(TensorDataset(x, y), batch_size=config["batch"], shuffle=True))
     opt, sched = _opt("adamw", model.parameters())
     for epoch in range(config["epochs"]):

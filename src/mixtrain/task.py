@@ -49,6 +49,11 @@ class Task:
     e.g. (nn.TransformerEncoderLayer,): less memory for some more compute, the same gradients (dropout
     masks are replayed). Applied to the model when the Task is made; only in training with gradients."""
 
+    shard_blocks: tuple[type[torch.nn.Module] | str, ...] = ()
+    """With ScalingConfig(shard="full"): the module classes (or class names) whose instances are the blocks whose
+    weights are gathered one block at a time, e.g. (GPT2Block,), as FSDP's auto-wrap by class. Empty: the class
+    that repeats most heavily is found by itself (what the start-up log names)."""
+
     def __post_init__(self) -> None:
         if not isinstance(self.model, torch.nn.Module):
             raise InputTypeError(f"Task.model must be a torch.nn.Module, got {type(self.model).__name__}")
@@ -69,6 +74,7 @@ class Task:
             )
         if self.activation_checkpointing:
             recompute_activations(self.model, tuple(self.activation_checkpointing))
+        _check_shard_blocks(self.model, self.shard_blocks)
 
     def batch_problem(self, batch: Batch) -> str | None:
         """Why this task cannot take `batch` (one the data makes), or None. `loss_fn` takes samples (inputs...,
@@ -141,6 +147,25 @@ def recompute_activations(model: torch.nn.Module, types: tuple[type[torch.nn.Mod
         )
     for module in found:
         module.__class__ = _recomputed_class(type(module))
+
+
+def _check_shard_blocks(model: torch.nn.Module, blocks: Any) -> None:
+    """Task.shard_blocks: a tuple of module classes or names, each held by the model."""
+    if not isinstance(blocks, (tuple, list)) or not all(isinstance(b, str) or _is_module_class(b) for b in blocks):
+        raise InputTypeError(
+            f"Task.shard_blocks={blocks!r}: a tuple of module classes or class names, e.g. (GPT2Block,)"
+        )
+    if blocks:
+        from mixtrain.shard.blocks import find_blocks  # (a floor up: the block rule is the engine's)
+
+        try:
+            find_blocks(model, blocks)
+        except InputValueError as exc:
+            raise InputValueError(f"Task.shard_blocks: {exc}") from None
+
+
+def _is_module_class(value: Any) -> bool:
+    return isinstance(value, type) and issubclass(value, torch.nn.Module)
 
 
 def build_task(factory: Callable[[], Task]) -> Task:

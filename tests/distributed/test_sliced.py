@@ -51,13 +51,13 @@ class TinyLM(nn.Module):
         return self.head(x)
 
 
-def _task(opt: str, checkpointing: bool) -> Task:
+def _task(opt: str, checkpointing: bool, blocks: tuple = ()) -> Task:
     torch.manual_seed(0)
     model = TinyLM()
     trainable = [p for p in model.parameters() if p.requires_grad]
     if opt == "sgd":
         optimizer: torch.optim.Optimizer = torch.optim.SGD(trainable, lr=0.1, momentum=0.9)
-        return Task(model=model, optimizer=optimizer, loss_fn=_loss)
+        return Task(model=model, optimizer=optimizer, loss_fn=_loss, shard_blocks=blocks)
     optimizer = torch.optim.AdamW(trainable, lr=1e-2, weight_decay=0.01)
     return Task(
         model=model,
@@ -66,6 +66,7 @@ def _task(opt: str, checkpointing: bool) -> Task:
         max_grad_norm=0.5,
         scheduler=torch.optim.lr_scheduler.StepLR(optimizer, step_size=2, gamma=0.5),
         activation_checkpointing=(Block,) if checkpointing else (),
+        shard_blocks=blocks,
     )
 
 
@@ -86,9 +87,9 @@ def _even_chunks(rank: int) -> list[torch.Tensor]:
     return list(torch.arange(lo, lo + SHARES[rank]).tensor_split(max(counts)))
 
 
-def _sliced(rank, world, level, opt, checkpointing, offload):
+def _sliced(rank, world, level, opt, checkpointing, offload, blocks=()):
     torch.set_num_threads(1)
-    task = _task(opt, checkpointing)
+    task = _task(opt, checkpointing, blocks)
     strategy = SlicedStrategy(StrategyConfig(), level)
     ctx = JoinContext(
         bucket_bytes=1 << 20,
@@ -127,6 +128,7 @@ def _sliced(rank, world, level, opt, checkpointing, offload):
         "prefetched": strategy.prefetched,
         "masters": len(strategy.shard.master) if strategy.shard is not None else 0,
         "losses": losses,
+        "blocks": [type(u.module).__name__ for u in strategy.units if u.module is not None],
     }
 
 
@@ -148,17 +150,23 @@ def _reference(opt: str) -> tuple[dict[str, torch.Tensor], list[float]]:
 
 
 @pytest.mark.parametrize(
-    "level,opt,checkpointing,offload",
+    "level,opt,checkpointing,offload,blocks",
     [
-        ("full", "sgd", False, False),
-        ("full", "adamw", True, True),  # the optimizer's slice stepped from a host copy (offload="optimizer")
-        ("gradients", "adamw", False, False),
-        ("gradients", "sgd", True, True),
+        ("full", "sgd", False, False, ()),
+        ("full", "adamw", True, True, ()),  # the optimizer's slice stepped from a host copy (offload="optimizer")
+        ("gradients", "adamw", False, False, ()),
+        ("gradients", "sgd", True, True, ()),
+        # blocks named (Task.shard_blocks): each Block's MLP, its LayerNorm left to the root; by class and by name
+        ("full", "adamw", False, False, (nn.Sequential,)),
+        ("full", "sgd", True, False, ("Sequential",)),
     ],
 )
-def test_sliced_training_equals_one_process_and_each_rank_holds_its_slice(level, opt, checkpointing, offload):
-    out = run_ranks(_sliced, 3, level, opt, checkpointing, offload, timeout_s=30.0)
+def test_sliced_training_equals_one_process_and_each_rank_holds_its_slice(level, opt, checkpointing, offload, blocks):
+    out = run_ranks(_sliced, 3, level, opt, checkpointing, offload, blocks, timeout_s=30.0)
     assert all(status == "ok" for status, _ in out.values()), out
+    named = "Sequential" if blocks else "Block"  # (RecomputedBlock under activation checkpointing)
+    found = [out[r][1]["blocks"] for r in range(3)]
+    assert all(len(f) == 3 and all(b.endswith(named) for b in f) for f in found), found
     want, want_losses = _reference(opt)
     results = [out[r][1] for r in range(3)]
     merged = dict(results[0]["state"])

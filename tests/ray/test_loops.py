@@ -233,6 +233,8 @@ def test_a_loop_with_sliced_state_trains_what_one_process_trains_and_gathers_the
     # batch of none (its gradient counts for nothing), so both run as many passes; slices 2:1 of the state (rank 0
     # owns the first weight, rank 1 the rest)
     config = {"data": loops.data(49), "batch": 6, "epochs": 2, "shard": shard, "slices": [2, 1]}
+    if shard == "full":
+        config["blocks"] = ["Linear"]  # named, as prepare_model(blocks=) takes them (the class it would find)
     _fit(loops.sliced_loop, config, tmp_path, workers=2, shares=(9, 3))
     got = torch.load(tmp_path / "sliced.pt")
     want_model, want_opt = loops.sliced_reference(config, workers=2)

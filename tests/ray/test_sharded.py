@@ -2,6 +2,7 @@
 worker holding only its slice; a checkpoint holds the whole state and resumes on another number of workers;
 a lost worker's slice is recovered from the last checkpoint."""
 
+import dataclasses
 import functools
 import json
 
@@ -10,6 +11,7 @@ import torch
 
 from mixtrain import DeviceGroup, RunConfig, ScalingConfig, Trainer
 from mixtrain.errors import InputValueError
+from mixtrain.group.group_calls import WorkerError
 from mixtrain.policies.memory_plan import PROCESS_BYTES
 from tests.conftest import run_records
 from tests.models import data, factory, faulty_task, make_task
@@ -151,3 +153,17 @@ def test_auto_keeps_everything_whole_where_it_fits_and_refuses_to_start_where_no
     trainer, _ = capped(factory("mlp", "adamw"), tmp_path / "tight", 10_000)
     with pytest.raises(InputValueError, match=r"ScalingConfig.shard='auto': no level's training state fits"):
         trainer.fit(epochs=1)
+
+
+def _named_blocks_task(blocks):
+    return dataclasses.replace(make_task("mlp", "adamw"), shard_blocks=blocks)
+
+
+def test_blocks_named_on_the_task_train_exactly_and_a_block_the_model_lacks_stops_before_training(tmp_path):
+    result, (x, y) = fit(
+        functools.partial(_named_blocks_task, (torch.nn.Linear,)), tmp_path / "run", shard="full", slices=[1, 2, 1]
+    )
+    assert_same_weights(result.state_dict, reference("mlp", "adamw", x, y))
+    with pytest.raises(WorkerError, match=r"Task.shard_blocks: block='GPT2Block': the model has no module class"):
+        fit(functools.partial(_named_blocks_task, ("GPT2Block",)), tmp_path / "bad", shard="full")
+    assert not (tmp_path / "bad" / "model.safetensors").exists()

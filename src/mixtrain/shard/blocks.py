@@ -20,16 +20,31 @@ CONTAINERS = (nn.ModuleList, nn.ModuleDict)
 """Never a block: they only hold other modules."""
 
 
-def find_blocks(model: torch.nn.Module, names: Sequence[str] = ()) -> list[torch.nn.Module]:
+def find_blocks(model: torch.nn.Module, names: Sequence[str | type[nn.Module]] = ()) -> list[torch.nn.Module]:
     """The model's blocks, outermost instances only, in module order: the instances of the classes `names`
-    (e.g. ("GPT2Block",)), or of `block_class(model)`; none where nothing repeats."""
-    classes = [block_class(model, n) for n in names] if names else [block_class(model)]
+    (classes, or class names: e.g. (GPT2Block,) or ("GPT2Block",)), or of `block_class(model)`; none where nothing
+    repeats. A named class the model does not hold is refused, naming the classes it does."""
+    classes = [_named_class(model, n) for n in names] if names else [block_class(model)]
     chosen = tuple(c for c in classes if c is not None)
     if not chosen:
         return []
     found = [m for m in model.modules() if m is not model and isinstance(m, chosen)]
     inner = {id(sub) for m in found for sub in m.modules() if sub is not m}
     return [m for m in found if id(m) not in inner]  # a block inside another block belongs to the outer one
+
+
+def _named_class(model: nn.Module, name: str | type[nn.Module]) -> type[nn.Module] | None:
+    if isinstance(name, str):
+        return block_class(model, name)
+    if not any(isinstance(m, name) for m in model.modules() if m is not model):
+        kinds = ", ".join(sorted({type(m).__name__ for m in model.modules() if m is not model}))
+        raise InputValueError(f"block={name.__name__}: the model holds no module of that class; its classes: {kinds}")
+    return name
+
+
+def block_name(names: Sequence[str | type[nn.Module]]) -> str | None:
+    """The first named block class's name (what the memory figures take), None when none is named."""
+    return next((n if isinstance(n, str) else n.__name__ for n in names), None)
 
 
 def block_class(model: nn.Module, name: str | None = None) -> type[nn.Module] | None:
@@ -43,7 +58,8 @@ def block_class(model: nn.Module, name: str | None = None) -> type[nn.Module] | 
         if module is not model and not isinstance(module, CONTAINERS):
             classes.setdefault(type(module), []).append(module)
     if name is not None:
-        found = [c for c in classes if c.__name__ == name]
+        # a class of that name, or made from one (activation checkpointing's Recomputed subclass of a block)
+        found = [c for c in classes if name in {k.__name__ for k in c.__mro__}]
         if not found:
             kinds = ", ".join(sorted({c.__name__ for c in classes}))
             raise InputValueError(f"block={name!r}: the model has no module class of that name; its classes: {kinds}")

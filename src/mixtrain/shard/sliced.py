@@ -25,6 +25,7 @@ only), and the clipping norm is the global one (the owners' squared sums, summed
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from typing import Any, Literal
 
 import torch
@@ -95,7 +96,7 @@ class SlicedStrategy(SyncStrategy):
             for p in ordered:
                 check_sliceable(names.get(id(p), "?"), p)
         self.owned = [p for p in ordered if self.owner[id(p)] == ctx.rank]
-        self.units = make_units(model, ordered, self.owner)
+        self.units = make_units(model, ordered, self.owner, task.shard_blocks)
         self.gathers = WeightGather(ctx.rank, self.slices_weights, self.clock)
         self.reduces = GradReduce(ctx.rank, self.clock, self.gathers.release)
         self._hooks = register_hooks(model, self.units, self.gathers, self.reduces)
@@ -219,13 +220,17 @@ class SlicedStrategy(SyncStrategy):
         self.reduces.acc.clear()
 
     # ---- a user's own loop (train/_sliced_loop.py): it builds and steps its optimizer itself, after this -------
-    def setup_loop(self, model: torch.nn.Module, ctx: JoinContext) -> None:
+    def setup_loop(
+        self, model: torch.nn.Module, ctx: JoinContext, blocks: Sequence[str | type[torch.nn.Module]] = ()
+    ) -> None:
         """setup() before the loop's optimizer exists: owners by the model's trainable parameters in order, through
         a stand-in optimizer over them that never steps (the loop's own steps only what has a gradient: what this
         rank owns, see finish_backward)."""
         trainable = [p for p in model.parameters() if p.requires_grad]
         stand_in = torch.optim.SGD(trainable, lr=0.0)
-        self.setup(Task(model=model, optimizer=stand_in, loss_fn=torch.nn.functional.mse_loss), ctx)
+        self.setup(
+            Task(model=model, optimizer=stand_in, loss_fn=torch.nn.functional.mse_loss, shard_blocks=tuple(blocks)), ctx
+        )
 
     def finish_backward(self) -> list[torch.nn.Parameter]:
         """A loop's backward has ended: the step's gradients to their owners (an owned .grad held before this

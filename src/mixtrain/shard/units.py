@@ -4,7 +4,7 @@ owner, and the clock their seconds and bytes are counted on."""
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
@@ -53,10 +53,16 @@ class CommClock:
         return out
 
 
-def make_units(model: torch.nn.Module, ordered: list[torch.nn.Parameter], owner: dict[int, int]) -> list[Unit]:
-    """The root first, then each block, with the trainable parameters each holds (a parameter shared by two
-    blocks, or by a block and the root, belongs to the root), grouped by `owner` (id(parameter) -> rank)."""
-    blocks = find_blocks(model)
+def make_units(
+    model: torch.nn.Module,
+    ordered: list[torch.nn.Parameter],
+    owner: dict[int, int],
+    names: Sequence[str | type[torch.nn.Module]] = (),
+) -> list[Unit]:
+    """The root first, then each block (the classes `names`, else the one found), with the trainable parameters
+    each holds (a parameter shared by two blocks, or by a block and the root, belongs to the root), grouped by
+    `owner` (id(parameter) -> rank)."""
+    blocks = find_blocks(model, names)
     block_of = block_of_each_parameter(model, blocks)
     units = [Unit(None, [p for p in ordered if id(p) not in block_of])]
     for i, block in enumerate(blocks):

@@ -42,9 +42,11 @@ from mixtrain.train._step_reads import DatasetReads, EpochCut, TensorReads
 class PreparedModel(torch.nn.Module):
     """The user's model on this worker's device, its gradients exchanged during backward (`.module` is the model)."""
 
-    def __init__(self, module: torch.nn.Module, session: LoopSession, shard: str = "none", slices: Any = None) -> None:
+    def __init__(
+        self, module: torch.nn.Module, session: LoopSession, shard: str = "none", slices: Any = None, blocks: Any = ()
+    ) -> None:
         super().__init__()
-        weights = check_shard(shard, slices, session.context.world_size)
+        weights = check_shard(shard, slices, session.context.world_size, blocks)
         self.module = module.to(session.context.device)
         self.shard = shard
         self._session = session
@@ -56,7 +58,7 @@ class PreparedModel(torch.nn.Module):
             replicas.broadcast_state(self.module)  # every replica starts from rank 0's weights (as DDP)
             self._buffers_sync = [b for b in self.module.buffers() if b.is_floating_point()]
             if shard != "none":  # the Task path's engine (shard/sliced.py), stepped by the loop's own optimizer
-                self._sliced = SlicedLoop(self.module, session, shard, weights)  # type: ignore[arg-type]
+                self._sliced = SlicedLoop(self.module, session, shard, weights, blocks)  # type: ignore[arg-type]
                 session.grads.append(self._sliced)
                 return
             params = [p for p in self.module.parameters() if p.requires_grad]

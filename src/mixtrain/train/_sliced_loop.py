@@ -35,13 +35,18 @@ from mixtrain.train._session import LoopSession
 LEVELS = ("none", "gradients", "full")
 
 
-def check_shard(shard: Any, slices: Any, world_size: int) -> tuple[float, ...] | None:
-    """prepare_model's shard= and slices=, checked: the slices' relative sizes (None: equal)."""
+def check_shard(shard: Any, slices: Any, world_size: int, blocks: Any = ()) -> tuple[float, ...] | None:
+    """prepare_model's shard=, slices= and blocks=, checked: the slices' relative sizes (None: equal)."""
     if shard not in LEVELS:
         also = " ('optimizer' alone is not offered: 'gradients' moves the same bytes and holds less)"
         raise InputValueError(
             f"prepare_model(shard={shard!r}): give 'none', 'gradients' (each worker keeps the optimizer state and "
             f"gradients of its slice) or 'full' (its slice of the weights too){also if shard == 'optimizer' else ''}"
+        )
+    if blocks and shard != "full":
+        raise InputValueError(
+            f"prepare_model(blocks={blocks!r}, shard={shard!r}): blocks name what shard='full' gathers one at a "
+            "time; give shard='full' or no blocks"
         )
     if slices is None:
         return None
@@ -61,7 +66,14 @@ def check_shard(shard: Any, slices: Any, world_size: int) -> tuple[float, ...] |
 class SlicedLoop:
     """The prepared model's sliced state on this worker: the engine, the loop's backward end, its optimizer's step."""
 
-    def __init__(self, module: torch.nn.Module, session: LoopSession, level: Level, slices: tuple[float, ...] | None):
+    def __init__(
+        self,
+        module: torch.nn.Module,
+        session: LoopSession,
+        level: Level,
+        slices: tuple[float, ...] | None,
+        blocks: tuple[str | type[torch.nn.Module], ...] = (),
+    ):
         self.session = session
         self.strategy = SlicedStrategy(StrategyConfig(), level)
         ctx = JoinContext(
@@ -72,7 +84,7 @@ class SlicedLoop:
             timeout_s=0.0,  # (read by the parameter-server strategies only)
             shard_weights=slices,
         )
-        self.strategy.setup_loop(module, ctx)
+        self.strategy.setup_loop(module, ctx, blocks)
         if level == "full":  # torch would write into freed memory (a crash, not an error)
             module.register_load_state_dict_pre_hook(_refuse_load)
         self.params = {id(p) for unit in self.strategy.units for p in unit.params}

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from mixtrain.train._api import get_device
@@ -31,6 +32,7 @@ def prepare_model(
     *,
     shard: str = "none",
     slices: list[float] | None = None,
+    blocks: Sequence[str | type[torch.nn.Module]] = (),
 ) -> PreparedModel:
     """`model` on this worker's device, wrapped so that `loss.backward()` sums the gradients over the workers,
     each weighted by its share of the step's global batch: `.grad` afterwards is what one process training the
@@ -43,13 +45,15 @@ def prepare_model(
     (`slices`: each worker's relative share of it, equal by default). Build the optimizer after this, on what it
     returns: after `backward()` only this worker's parameters have a `.grad` (the global one), so
     `optimizer.step()` steps and keeps state for this worker's slice; clip with `model.clip_grad_norm_(max_norm)`
-    and save `model.full_state_dict()` and `model.full_optimizer_state_dict(optimizer)`, called on every worker."""
+    and save `model.full_state_dict()` and `model.full_optimizer_state_dict(optimizer)`, called on every worker.
+    `blocks` (with `shard="full"`): the module classes or class names whose instances are gathered one at a time,
+    e.g. (GPT2Block,), as Task.shard_blocks; found by themselves when not given."""
     from mixtrain.train import _session
     from mixtrain.train._prepare import PreparedModel
     from mixtrain.train._settings import check_prepare_model_options
 
     check_prepare_model_options(move_to_device, parallel_strategy, parallel_strategy_kwargs)
-    return PreparedModel(model, _session.current("prepare_model"), shard, slices)
+    return PreparedModel(model, _session.current("prepare_model"), shard, slices, tuple(blocks))
 
 
 def prepare_data_loader(

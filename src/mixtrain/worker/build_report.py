@@ -11,6 +11,7 @@ from mixtrain import compat, frozen_base, pretrained
 from mixtrain.devices import DeviceInfo, DeviceKind
 from mixtrain.policies import model_shape
 from mixtrain.records.messages import BuildReport
+from mixtrain.shard.blocks import block_name
 from mixtrain.task import Task
 
 
@@ -32,6 +33,7 @@ def built(who: BuildReport, task: Task, info: DeviceInfo, precision: str) -> Bui
     the fingerprint hashes the whole frozen base (seconds for a 1B base on every worker otherwise)."""
     model = task.model
     reference = who.rank == 0
+    block = block_name(task.shard_blocks)
     return replace(
         who,
         device=info,
@@ -49,5 +51,5 @@ def built(who: BuildReport, task: Task, info: DeviceInfo, precision: str) -> Bui
         max_grad_norm=task.max_grad_norm,
         hf_model=pretrained.spec_of(model),
         frozen=frozen_base.describe(model) if reference else None,
-        shape=model_shape.state_shape(model, task.optimizer) if reference else None,
+        shape=model_shape.state_shape(model, task.optimizer, block=block) if reference else None,
     )
