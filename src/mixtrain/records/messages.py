@@ -55,9 +55,9 @@ class JoinRequest:
     shard_optimizer: tuple[float, ...] | None = None
     """None: not sharded; (): slices by each worker's free memory; else relative sizes per rank."""
     shard_level: str = "none"
+    """ScalingConfig.shard: "optimizer" (all-reduce with a sliced optimizer), "gradients" or "full"."""
     offload: bool = False
     """ScalingConfig.offload="optimizer": the optimizer's slice steps in host memory."""
-    """ScalingConfig.shard: "optimizer" (all-reduce with a sliced optimizer), "gradients" or "full"."""
     store_pages_bytes: int = 0
 
 
