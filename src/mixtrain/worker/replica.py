@@ -296,7 +296,11 @@ class TrainWorker(WorkerProcess):
             offload=request.offload,
             store_pages_bytes=request.store_pages_bytes,
         )
+        sliced = request.shard_level in ("gradients", "full")
+        host_allocator.sliced_state(sliced)  # before setup: its buffers come and go as the steps' will
         self.strategy.setup(self.task, ctx)
+        if sliced:  # the weights others own, built whole in the heap and freed by setup: back to the system
+            host_allocator.trim()
         if loaded is not None and loaded.get("rank"):
             self.strategy.load_rank_state(self.task, unpack(loaded["rank"], copy=True))
         if getattr(self.strategy, "gate", None) is not None:
