@@ -30,9 +30,10 @@ threshold is 1 MB throughout (MIXTRAIN_SLICED_MMAP_THRESHOLD_MB), forward passes
 910-1,062 MB (1.02-1.06x the plan), RSS within 50-130 MB of what is in use. The price is a page fault per 4 KB of
 every such block: 520,000 a step against 30,000-100,000, and 2.5 CPU s a step against 1.5 there. A threshold of
 4 MB (or 1 MB outside the forward pass) faulted 150,000-300,000 a step but kept 1.17-1.20x; a lower one set only
-around the exchange's buffers did nothing, for glibc serves a large block from a free chunk of the heap whatever
-the threshold, mapping only when none fits. The weights the whole-model build left in the heap, freed by slicing,
-go back at once (`trim`).
+around the gathers, the reduces or the backward pass changed little, for glibc serves a large block from a free
+chunk of the heap whatever the threshold, mapping only when none fits. The weights the whole-model build left in
+the heap, freed by slicing, go back at once (`trim`). The 10.3M GPT-2 of that benchmark's speed part ran 0.8x
+the samples/s it runs with the heap (benchmarks.md).
 
 Linux with glibc only: macOS's allocator returns large blocks on its own; elsewhere this does nothing.
 """
