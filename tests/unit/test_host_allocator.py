@@ -88,3 +88,35 @@ def test_activations_stay_in_the_heap_for_the_next_step_and_the_threshold_comes_
     got = json.loads(out.stdout.strip().splitlines()[-1])
     assert got["kept_after_forward"] > 20, got  # the forward's block: in the heap, ready for the next step
     assert got["kept_after_two"] < 40, got  # the second block went back: 16 MB again outside the forward
+
+
+# Sliced state: a 4 MB block (a block's gathered weight, its gradient) freed inside a forward pass goes back to the
+# system too, where activations() would keep it in the heap; a worker whose next fit is not sliced keeps them again.
+SLICED_PROBE = """
+import json, torch
+from mixtrain.devices import host_allocator
+
+def anon_mb():
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) / 1024 for line in f if line.startswith("RssAnon:"))
+
+def kept_after_forward():
+    before = anon_mb()
+    with host_allocator.activations():
+        block = torch.empty(2**20).fill_(1.0)  # 4 MB
+        del block
+    return anon_mb() - before
+
+assert host_allocator.release_large_blocks()
+host_allocator.sliced_state(True)
+sliced = kept_after_forward()
+host_allocator.trim()
+host_allocator.sliced_state(False)
+print(json.dumps({"sliced": sliced, "replicated": kept_after_forward()}))
+"""
+
+
+def test_sliced_state_returns_blocks_of_1_mb_and_more_even_inside_a_forward_pass():
+    out = subprocess.run([sys.executable, "-c", SLICED_PROBE], capture_output=True, text=True, check=True)
+    kept = json.loads(out.stdout.strip().splitlines()[-1])
+    assert kept["sliced"] < 2 and kept["replicated"] > 3, kept

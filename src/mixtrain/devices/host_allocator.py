@@ -21,6 +21,20 @@ weight) too. Holding 32 MB through backward as well kept such blocks in the heap
 12.6M-parameter MLP peaked at 845 / 709 MB, against 689 / 670 with the forward only (DDP 658-679).
 MIXTRAIN_HOST_MMAP_THRESHOLD_MB sets the threshold; 0 keeps glibc's rising threshold throughout.
 
+Sliced state (shard="gradients" or "full", `sliced_state`) churns blocks of 1-16 MB at every pass: each block's
+gathered weights and the broadcasts that carry them (allocated inside the forward pass), its gradients and the
+buffers that take them to their owners. From the heap, interleaved with activations and the optimizer's state, they
+left 300-450 MB free but resident per worker (glibc's mallinfo2: 370-690 MB in use, RSS 1,100-1,330 MB on a
+67.3M GPT-2 over 3 CPU workers, benchmarks/sliced.py), and the peak RSS did not follow the slice. So there the
+threshold is 1 MB throughout (MIXTRAIN_SLICED_MMAP_THRESHOLD_MB), forward passes included: the peaks fell to
+910-1,062 MB (1.02-1.06x the plan), RSS within 50-130 MB of what is in use. The price is a page fault per 4 KB of
+every such block: 520,000 a step against 30,000-100,000, and 2.5 CPU s a step against 1.5 there. A threshold of
+4 MB (or 1 MB outside the forward pass) faulted 150,000-300,000 a step but kept 1.17-1.20x; a lower one set only
+around the gathers, the reduces or the backward pass changed little, for glibc serves a large block from a free
+chunk of the heap whatever the threshold, mapping only when none fits. The weights the whole-model build left in
+the heap, freed by slicing, go back at once (`trim`). The 10.3M GPT-2 of that benchmark's speed part ran 0.8x
+the samples/s it runs with the heap (benchmarks.md).
+
 Linux with glibc only: macOS's allocator returns large blocks on its own; elsewhere this does nothing.
 """
 
@@ -32,7 +46,7 @@ import platform
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-from mixtrain._constants import HOST_MMAP_THRESHOLD_MB, env_float
+from mixtrain._constants import HOST_MMAP_THRESHOLD_MB, SLICED_MMAP_THRESHOLD_MB, env_float
 from mixtrain.errors import InputValueError
 
 M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3  # glibc's mallopt parameters (malloc.h)
@@ -58,13 +72,34 @@ def release_large_blocks() -> bool:
 
 _threshold_mb = 0.0
 """The threshold set by release_large_blocks (MB; 0: not set, glibc's own)."""
+_sliced_mb = 0.0
+"""The threshold while the state is sliced (sliced_state; MB; 0: not sliced, _threshold_mb and activations' 32)."""
 _libc: ctypes.CDLL | None = None
+
+
+def sliced_state(sliced: bool) -> None:
+    """A worker's state is sliced (True) from now on, or no longer (False): the threshold for it (see the module's
+    docstring), or back to release_large_blocks' own. Nothing where release_large_blocks set nothing."""
+    global _sliced_mb
+    if not _threshold_mb:
+        return
+    _sliced_mb = env_float(SLICED_MMAP_THRESHOLD_MB, zero_allowed=True) if sliced else 0.0
+    if _sliced_mb > MAX_MB:
+        name = SLICED_MMAP_THRESHOLD_MB[0]
+        raise InputValueError(f"{name}={_sliced_mb:g} is above glibc's limit of {MAX_MB} MB; set it to 0-{MAX_MB}")
+    _set(_sliced_mb or _threshold_mb)
+
+
+def trim() -> None:
+    """Give the heap's free pages back to the system (glibc's malloc_trim): after freeing much at once."""
+    if _libc is not None:
+        _libc.malloc_trim(0)
 
 
 @contextmanager
 def activations() -> Iterator[None]:
     """A forward pass: blocks up to 32 MB (the activations) stay in the heap for the next step."""
-    if not _threshold_mb:
+    if not _threshold_mb or _sliced_mb:
         yield
         return
     _set(MAX_MB)

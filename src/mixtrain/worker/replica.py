@@ -192,7 +192,11 @@ class TrainWorker(WorkerProcess):
         loaded, self._loaded = self._loaded, None
         training_state.before_setup(self.task, self.strategy, loaded, previous)
         ctx = join_context(request, self.rank, self.world_size, self.kind, self.device)
+        sliced = request.shard_level in ("gradients", "full")
+        host_allocator.sliced_state(sliced)  # before setup: its buffers come and go as the steps' will
         self.strategy.setup(self.task, ctx)
+        if sliced:  # the weights others own, built whole in the heap and freed by setup: back to the system
+            host_allocator.trim()
         training_state.after_setup(self.task, self.strategy, loaded, previous)
 
     def load_data(self, train: Arrays | Loader, evaluation: Arrays | Loader | None) -> DataReport:
