@@ -268,6 +268,7 @@ class Trainer:
             max_steps=self.run.max_steps,
             eval_every=self.run.eval_every,
             keep_best=self.run.keep_best,
+            memory_caps=tuple(caps) if (caps := scaling.memory_caps()) else None,
         )
 
     def plan(self) -> Bringup:

@@ -167,3 +167,22 @@ def test_blocks_named_on_the_task_train_exactly_and_a_block_the_model_lacks_stop
     with pytest.raises(WorkerError, match=r"Task.shard_blocks: block='GPT2Block': the model has no module class"):
         fit(functools.partial(_named_blocks_task, ("GPT2Block",)), tmp_path / "bad", shard="full")
     assert not (tmp_path / "bad" / "model.safetensors").exists()
+
+
+def test_a_cpu_worker_whose_peak_passes_its_memory_cap_is_named_once_and_trains_on_exactly(tmp_path):
+    """Nothing holds a CPU process to DeviceGroup(memory=...): 150 MB is below any worker's resident set, so each
+    worker is named once (a record and a line), and the slices still follow the caps (equal here)."""
+    x, y = data("mlp", NUM_SAMPLES)
+    group = DeviceGroup(num_workers=2, resources_per_worker={"CPU": 0.5}, memory="150MB")
+    result = Trainer(
+        factory("mlp", "adamw"),
+        (x, y),
+        global_batch=GLOBAL_BATCH,
+        scaling=ScalingConfig(groups=[group], shard="gradients", leave_out_slow=False),
+        run=RunConfig(run_dir=str(tmp_path / "run"), seed=SEED, steps_per_round=2, progress=False),
+    ).fit(epochs=1)
+    assert_same_weights(result.state_dict, reference("mlp", "adamw", x, y))
+    over = run_records(result.run_dir, "memory_over_cap")
+    assert sorted(r["bundle"] for r in over) == [0, 1], over  # once each, over several rounds
+    assert all(r["cap_bytes"] == 150 * 2**20 < r["peak_bytes"] for r in over), over
+    assert len(result.history) > 2

@@ -99,6 +99,13 @@ class DeviceKind(ABC):
     def is_oom(self, exc: BaseException) -> bool:
         """True when `exc` is this device's out-of-memory error."""
 
+    def cap_memory(self, cap_bytes: int | None, index: int = 0) -> bool:
+        """Hold this process's tensors on the device to `cap_bytes` (DeviceGroup.memory), where the device's allocator
+        can: past it, an allocation fails as out-of-memory, which the step's halving of the micro-batch meets. None:
+        no cap (a kept worker's next fit). False where nothing can hold a process to a figure (the CPU: the driver
+        says when a worker's peak passes it)."""
+        return False
+
     def uuid(self, index: int = 0) -> str:
         """The physical device's identity (see DeviceInfo.uuid); empty where the platform gives none."""
         return ""

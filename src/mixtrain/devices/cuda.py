@@ -22,6 +22,11 @@ class CudaDevice(DeviceKind):
     def name(self, index: int = 0) -> str:
         return torch.cuda.get_device_name(index)
 
+    def cap_memory(self, cap_bytes: int | None, index: int = 0) -> bool:
+        total = torch.cuda.get_device_properties(index).total_memory
+        torch.cuda.set_per_process_memory_fraction(min(1.0, (cap_bytes or total) / total), index)
+        return True
+
     def uuid(self, index: int = 0) -> str:
         # the same card seen from two processes (Ray gives each half a GPU) has one UUID; NCCL refuses that pair
         return str(getattr(torch.cuda.get_device_properties(index), "uuid", "") or "")

@@ -46,6 +46,14 @@ class MpsDevice(DeviceKind):
         total = int(torch.mps.recommended_max_memory())
         return total, max(0, total - int(torch.mps.driver_allocated_memory()))
 
+    def cap_memory(self, cap_bytes: int | None, index: int = 0) -> bool:
+        if cap_bytes is None:  # MPS's own limit stays (a kept worker's earlier cap is not lifted: it has no reader)
+            return False
+        # a fraction of the recommended working set, which MPS takes up to 2.0 (0 would lift every limit)
+        fraction = cap_bytes / int(torch.mps.recommended_max_memory())
+        torch.mps.set_per_process_memory_fraction(min(2.0, max(fraction, 1e-6)))
+        return True
+
     def memory_in_use(self, index: int = 0) -> int | None:
         return int(torch.mps.driver_allocated_memory())  # what Metal holds for this process, caches included
 

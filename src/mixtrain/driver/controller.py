@@ -24,6 +24,7 @@ from typing import Any
 from mixtrain.checkpoint import CheckpointStore
 from mixtrain.data.sampling import steps_per_epoch
 from mixtrain.driver.balancing import Balancing
+from mixtrain.driver.caps import CapWatch
 from mixtrain.driver.changes import Changes, TrainingStopped
 from mixtrain.driver.checkpointing import Checkpointer, Checkpoints
 from mixtrain.driver.evaluator import Evaluator
@@ -113,6 +114,7 @@ class Controller:
         self.evals: list[dict[str, Any]] = self.evaluator.evals
         self.checkpointer = Checkpointer(port, self.checkpoints, self.steps, self.changes, self.hooks)
         self.nonfinite = NonFiniteGuard(policies.nonfinite, port, self.checkpoints, log)
+        self.caps = CapWatch(settings.memory_caps, log, view)
         self.stopped_early: str | None = None
         self.round_steps = round_steps(settings, tunables.round_target_s)
         self.started_at = 0.0
@@ -183,6 +185,7 @@ class Controller:
         """After a good round: the NaN streak, pacing and shares, a checkpoint when due, replacements."""
         record, plan = done.record, done.plan
         self.nonfinite.after_round(record)
+        self.caps.after_round(record, [m.spec.rank for m in self.members.active])
         if len(self.history) == 1:  # the optimizer state exists now: say what each replica holds
             self.view.log(state_memory_line(record.as_dict()))
         if len(self.history) > 1:  # the first round is warm-up (allocations, caches), not a measurement

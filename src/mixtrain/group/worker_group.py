@@ -156,6 +156,7 @@ class WorkerGroup(GroupCalls):
         return self.calls_cls(actor)
 
     def _setup(self, spec: placement.WorkerSpec, rank: int, world_size: int) -> WorkerSetup:
+        caps = self.scaling.memory_caps()  # per starting rank: the bundle's
         return WorkerSetup(
             rank=rank,
             world_size=world_size,
@@ -165,6 +166,7 @@ class WorkerGroup(GroupCalls):
             precision_request=spec.precision,
             log_to=self._log_to(),
             bundle=spec.rank,
+            memory_cap=caps[spec.rank] if caps else None,
         )
 
     def _log_to(self) -> tuple[str, str] | None:

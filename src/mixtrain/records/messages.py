@@ -29,6 +29,8 @@ class WorkerSetup:
     """(the run's log folder, the driver's node id); see worker_log."""
     bundle: int = -1
     """Its placement-group bundle: the rank it started with, which stays when ranks renumber."""
+    memory_cap: int | None = None
+    """Bytes its DeviceGroup(memory=...) gives it; held on CUDA and MPS by the allocator (DeviceKind.cap_memory)."""
 
 
 @dataclass(frozen=True, kw_only=True)

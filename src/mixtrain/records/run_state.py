@@ -41,3 +41,5 @@ class RunSettings:
     """(metric, mode): keep the checkpoint with the best held-out value (RunConfig.keep_best)."""
     plan_tables: bool = False
     """A re-plan prints its whole table (RunConfig.plan_tables); else one line."""
+    memory_caps: tuple[int, ...] | None = None
+    """Per starting rank, the bytes its DeviceGroup(memory=...) gives it; None where no group gives memory."""

@@ -101,6 +101,7 @@ class TrainWorker(WorkerProcess):
         super()._setup(setup)
         self.precision_request = setup.precision_request
         self.precision = "fp32"
+        self.memory_cap = setup.memory_cap
         self._filler: Any = None  # one training sample on the device, for a sliced run's idle passes
         # Set by the driver's calls, in this order: build, load_data, open_rendezvous (rank 0), join.
         self._task: Task | None = None
@@ -132,6 +133,10 @@ class TrainWorker(WorkerProcess):
             return replace(who, problem=str(exc))
         self.device = self.kind.torch_device(0)
         info = self.kind.info(0)
+        if self.kind.cap_memory(self.memory_cap) and self.memory_cap is not None:
+            worker_log.log.info(
+                "memory: tensors held to %d bytes on %s (DeviceGroup.memory)", self.memory_cap, self.device
+            )
         self.precision = precision.choose(self.precision_request, self.kind.kind, info.bf16, info.fp16)
         torch.manual_seed(self.seed)
         self._task = build_task(factory)
