@@ -114,9 +114,10 @@ HOST_MMAP_THRESHOLD_MB = ("MIXTRAIN_HOST_MMAP_THRESHOLD_MB", 16.0)
 (glibc's mmap threshold; 32 MB during a forward pass, for its activations; 0 keeps glibc's own rising threshold).
 See devices/host_allocator.py."""
 SLICED_MMAP_THRESHOLD_MB = ("MIXTRAIN_SLICED_MMAP_THRESHOLD_MB", 1.0)
-"""The same threshold while a worker's state is sliced (shard="gradients" or "full"), forward passes included: the
-gathered weights, gradients and exchange buffers of 1 MB and more come and go at every pass, and in the heap they
-left 300-450 MB free but resident (devices/host_allocator.py). 0: the threshold above."""
+"""The same threshold while a worker's state is sliced (shard="gradients" or "full", on a Task or through the loop's
+prepare_model(shard=)), forward passes included: the gathered weights, gradients and exchange buffers of 1 MB and
+more come and go at every pass, and in the heap they left 300-450 MB free but resident (devices/host_allocator.py).
+0: the threshold above."""
 
 RUN_FILE_MAX_MB = ("MIXTRAIN_RUN_FILE_MAX_MB", 256.0)
 """The most a run folder's file read whole may hold (metrics.jsonl, config.json, the report's

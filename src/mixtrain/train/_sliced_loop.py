@@ -26,6 +26,7 @@ from torch.optim.optimizer import register_optimizer_step_post_hook, register_op
 from mixtrain.comm.loop_grads import _queue_callback
 from mixtrain.comm.strategy import JoinContext
 from mixtrain.config import StrategyConfig
+from mixtrain.devices import host_allocator
 from mixtrain.errors import InputValueError
 from mixtrain.shard.sliced import Level, SlicedStrategy
 from mixtrain.shard.state import clip_to, merge_weights
@@ -84,7 +85,9 @@ class SlicedLoop:
             timeout_s=0.0,  # (read by the parameter-server strategies only)
             shard_weights=slices,
         )
+        host_allocator.sliced_state(True)  # as a Task's sliced worker (TrainWorker.join): freed blocks go back
         self.strategy.setup_loop(module, ctx, blocks)
+        host_allocator.trim()  # the weights others own, built whole and freed by the setup
         if level == "full":  # torch would write into freed memory (a crash, not an error)
             module.register_load_state_dict_pre_hook(_refuse_load)
         self.params = {id(p) for unit in self.strategy.units for p in unit.params}
