@@ -74,7 +74,9 @@ class Task:
             )
         if self.activation_checkpointing:
             recompute_activations(self.model, tuple(self.activation_checkpointing))
-        _check_shard_blocks(self.model, self.shard_blocks)
+        from mixtrain.shard.blocks import check_named  # (a floor up: the block rule is the engine's)
+
+        check_named(self.model, self.shard_blocks, "Task.shard_blocks")
 
     def batch_problem(self, batch: Batch) -> str | None:
         """Why this task cannot take `batch` (one the data makes), or None. `loss_fn` takes samples (inputs...,
@@ -147,25 +149,6 @@ def recompute_activations(model: torch.nn.Module, types: tuple[type[torch.nn.Mod
         )
     for module in found:
         module.__class__ = _recomputed_class(type(module))
-
-
-def _check_shard_blocks(model: torch.nn.Module, blocks: Any) -> None:
-    """Task.shard_blocks: a tuple of module classes or names, each held by the model."""
-    if not isinstance(blocks, (tuple, list)) or not all(isinstance(b, str) or _is_module_class(b) for b in blocks):
-        raise InputTypeError(
-            f"Task.shard_blocks={blocks!r}: a tuple of module classes or class names, e.g. (GPT2Block,)"
-        )
-    if blocks:
-        from mixtrain.shard.blocks import find_blocks  # (a floor up: the block rule is the engine's)
-
-        try:
-            find_blocks(model, blocks)
-        except InputValueError as exc:
-            raise InputValueError(f"Task.shard_blocks: {exc}") from None
-
-
-def _is_module_class(value: Any) -> bool:
-    return isinstance(value, type) and issubclass(value, torch.nn.Module)
 
 
 def build_task(factory: Callable[[], Task]) -> Task:

@@ -10,6 +10,7 @@ from torch import nn
 from mixtrain.errors import InputTypeError, InputValueError
 from mixtrain.shard.blocks import block_name, find_blocks
 from mixtrain.task import Task
+from mixtrain.train._prepare import PreparedModel
 from mixtrain.train._sliced_loop import check_shard
 
 
@@ -73,6 +74,19 @@ def test_task_shard_blocks_takes_a_tuple_of_module_classes_or_names(bad):
 def test_a_task_naming_a_block_its_model_lacks_is_refused_when_made():
     with pytest.raises(InputValueError, match=r"Task.shard_blocks: block='GPT2Block': the model has no module class"):
         _task(Net(), shard_blocks=("GPT2Block",))
+
+
+@pytest.mark.parametrize(
+    "blocks,error",
+    [(("GPT2Block",), r"prepare_model's blocks: block='GPT2Block': the model has no module class"),
+     ("Block", r"prepare_model's blocks='Block': a tuple of module classes or class names")],
+)  # fmt: skip
+def test_the_loop_checks_named_blocks_in_its_own_words_on_one_worker_too(blocks, error):
+    from tests.unit.test_loop_session import _session
+
+    with pytest.raises((InputTypeError, InputValueError), match=error):
+        PreparedModel(Net(), _session(), "full", None, blocks)
+    assert PreparedModel(Net(), _session(), "full", None, [Block]).module is not None
 
 
 def test_the_loop_takes_blocks_only_with_full_slicing():

@@ -14,7 +14,7 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-from mixtrain.errors import InputValueError
+from mixtrain.errors import InputTypeError, InputValueError
 
 CONTAINERS = (nn.ModuleList, nn.ModuleDict)
 """Never a block: they only hold other modules."""
@@ -31,6 +31,23 @@ def find_blocks(model: torch.nn.Module, names: Sequence[str | type[nn.Module]] =
     found = [m for m in model.modules() if m is not model and isinstance(m, chosen)]
     inner = {id(sub) for m in found for sub in m.modules() if sub is not m}
     return [m for m in found if id(m) not in inner]  # a block inside another block belongs to the outer one
+
+
+def check_named(model: nn.Module, names: object, where: str) -> tuple[str | type[nn.Module], ...]:
+    """Named blocks as a Task (`where`="Task.shard_blocks") or prepare_model(blocks=) takes them: a tuple or list of
+    module classes or class names, each held by the model; returned as a tuple, else refused in one line."""
+    if not isinstance(names, (tuple, list)) or not all(isinstance(n, str) or _is_module_class(n) for n in names):
+        raise InputTypeError(f"{where}={names!r}: a tuple of module classes or class names, e.g. (GPT2Block,)")
+    if names:
+        try:
+            find_blocks(model, names)
+        except InputValueError as exc:
+            raise InputValueError(f"{where}: {exc}") from None
+    return tuple(names)
+
+
+def _is_module_class(value: object) -> bool:
+    return isinstance(value, type) and issubclass(value, nn.Module)
 
 
 def _named_class(model: nn.Module, name: str | type[nn.Module]) -> type[nn.Module] | None:

@@ -34,6 +34,7 @@ from mixtrain.data.sources import _Seeded, to_device
 from mixtrain.errors import InputTypeError, InputValueError
 from mixtrain.policies.decisions import Adopt
 from mixtrain.policies.planner import equal_shares, largest_remainder
+from mixtrain.shard.blocks import check_named
 from mixtrain.train._session import LoopSession
 from mixtrain.train._sliced_loop import SlicedLoop, check_shard
 from mixtrain.train._step_reads import DatasetReads, EpochCut, TensorReads
@@ -47,6 +48,7 @@ class PreparedModel(torch.nn.Module):
     ) -> None:
         super().__init__()
         weights = check_shard(shard, slices, session.context.world_size, blocks)
+        blocks = check_named(module, blocks, "prepare_model's blocks")  # on one worker too
         self.module = module.to(session.context.device)
         self.shard = shard
         self._session = session

@@ -53,7 +53,7 @@ def prepare_model(
     from mixtrain.train._settings import check_prepare_model_options
 
     check_prepare_model_options(move_to_device, parallel_strategy, parallel_strategy_kwargs)
-    return PreparedModel(model, _session.current("prepare_model"), shard, slices, tuple(blocks))
+    return PreparedModel(model, _session.current("prepare_model"), shard, slices, blocks)
 
 
 def prepare_data_loader(
