@@ -15,6 +15,7 @@ import argparse
 import ctypes
 import json
 import os
+import sys
 import tempfile
 import threading
 import time
@@ -22,8 +23,17 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from ray import cloudpickle as ray_cloudpickle
 
-FIT_MODEL = {"vocab": 8192, "n_embd": 512, "n_layer": 20, "n_head": 8, "seq": 64}  # benchmarks/sliced.py's
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+import benchmarks.sliced  # noqa: E402
+from benchmarks.sliced import FIT_MODEL, make_model  # noqa: E402  (its "fit" run's model, the one profiled)
+
+# the workers get make_model with the task (pickled by value), whatever folder this runs from
+ray_cloudpickle.register_pickle_by_value(benchmarks.sliced)
+
 CAPS = [1.46, 0.91, 1.09]
 """benchmarks/sliced.py's caps for FIT_MODEL (what its plan part prints), as shard_slices."""
 
@@ -68,26 +78,11 @@ class Recorder:
         return model(input_ids=batch[0], labels=batch[1]).loss
 
     def task(self) -> Any:
-        from transformers import GPT2Config, GPT2LMHeadModel
-
         from mixtrain import Task
 
         threading.Thread(target=self.sample_forever, daemon=True).start()
         self.log("build")
-        c = FIT_MODEL
-        config = GPT2Config(
-            vocab_size=c["vocab"],
-            n_positions=c["seq"],
-            n_embd=c["n_embd"],
-            n_layer=c["n_layer"],
-            n_head=c["n_head"],
-            bos_token_id=0,
-            eos_token_id=0,
-            resid_pdrop=0.0,
-            embd_pdrop=0.0,
-            attn_pdrop=0.0,
-        )
-        model = GPT2LMHeadModel(config)
+        model = make_model(FIT_MODEL)
         return Task(model=model, optimizer=torch.optim.AdamW(model.parameters(), lr=1e-3), compute_loss=self.loss)
 
 
