@@ -6,6 +6,7 @@ Command lines:
     python benchmarks/sliced.py --quick    # fewer steps, about 4 minutes
     python benchmarks/sliced.py --parts speed      # FSDP2 vs shard="full" vs shard="none" only
     python benchmarks/sliced.py --parts fit        # the 3-worker "fits no single capped worker" run only
+    python benchmarks/sliced.py --parts fit --size issue --quick   # the same at the issue's 150M and 2.0/1.25/1.5 GB
 
 1. speed: one GPT-2 (transformers.GPT2LMHeadModel from a config, nothing downloaded), the same batches and AdamW,
    on 2 equal CPU worker processes x 1 thread over gloo: torch FSDP2 (`fully_shard` on each GPT2Block, then on the
@@ -16,7 +17,8 @@ Command lines:
    neither "none" nor "optimizer" fits caps in the proportion 2.0 : 1.25 : 1.5, but "full" fits on all three; it
    trains a few steps on 3 CPU workers with shard="full" and shard_slices in the caps' proportion, and each
    worker's peak RSS is printed beside the plan's prediction for that worker. Mixtrain does not enforce a cap:
-   the caps are only what the plan is asked about.
+   the caps are only what the plan is asked about. `--size issue` runs the issue's own example instead: a
+   152.8M-parameter decoder (18 layers x 768, vocabulary 32,768) on caps of exactly 2.0 / 1.25 / 1.5 GB.
 
 Peak memory is each process's own VmHWM (/proc/self/status) read in that process: FSDP2's ranks at the end,
 mixtrain's workers inside Task.compute_loss at every forward (so it includes Ray's own worker memory and the
@@ -44,7 +46,14 @@ MIB = 2**20
 LR = 1e-3
 SPEED_MODEL = {"vocab": 8192, "n_embd": 384, "n_layer": 4, "n_head": 6, "seq": 128}
 FIT_MODEL = {"vocab": 8192, "n_embd": 512, "n_layer": 20, "n_head": 8, "seq": 64}
-SPEED_BATCH, FIT_BATCH = 16, 6
+ISSUE_MODEL = {"vocab": 8192, "n_embd": 768, "n_layer": 20, "n_head": 12, "seq": 64}
+"""The issue's own example (--size issue): a 152.8M-parameter decoder, 2.4 GB of fp32 AdamW state, on caps of
+exactly CAP_RATIOS GB."""
+FIT_MODELS = {"fit": FIT_MODEL, "issue": ISSUE_MODEL}
+SPEED_BATCH = 16
+FIT_BATCHES = {"fit": 6, "issue": 3}
+"""The fit part's global batch, equal shares: micro-batch 2 per worker, 1 at the issue's size (the plan fits no
+more on its 1.25 GB worker)."""
 CAP_RATIOS = (2.0, 1.25, 1.5)
 """The issue's caps (GB) in proportion, scaled to FIT_MODEL: their sum halfway between the least at which "full"
 fits every worker and the most at which "none" still fits no single worker."""
@@ -188,27 +197,29 @@ def run_mixtrain(level: str, steps: Steps) -> dict:
 
 
 # ---- the 3-worker fit --------------------------------------------------------------------------------------
-def fit_plan() -> dict:
-    """The plan on caps in CAP_RATIOS' proportion, scaled so that "full" fits every worker and "none" none alone."""
+def fit_plan(size: str) -> dict:
+    """The plan on caps in CAP_RATIOS' proportion, scaled so that "full" fits every worker and "none" none alone
+    (--size issue: caps of CAP_RATIOS GB as they are)."""
     from mixtrain.policies.memory_plan import GIB, Device, holding, plan_memory
     from mixtrain.policies.model_shape import measure_shape
 
+    cfg = FIT_MODELS[size]
     torch.manual_seed(0)
-    model = make_model(FIT_MODEL)
-    x, y = make_data(FIT_MODEL, 2)
+    model = make_model(cfg)
+    x, y = make_data(cfg, 2)
     shape = measure_shape(model, torch.optim.AdamW(model.parameters(), lr=LR), lambda m, b: lm_loss(m, (x[:b], y[:b])))
     del model
     fractions = [c / sum(CAP_RATIOS) for c in CAP_RATIOS]
-    micro = FIT_BATCH // len(CAP_RATIOS)
+    micro = FIT_BATCHES[size] // len(CAP_RATIOS)
     full = [sum(holding(shape, "full", False, f, micro, "cpu").values()) for f in fractions]
     none = sum(holding(shape, "none", False, 1.0, micro, "cpu").values())
     least, most = max(h / f for h, f in zip(full, fractions, strict=True)), none / max(fractions)
     if least >= most:
         raise RuntimeError(f"{shape.describe()}: no caps fit 'full' but not 'none'; add blocks to FIT_MODEL")
-    total = (least + most) / 2
+    total = (least + most) / 2 if size == "fit" else sum(CAP_RATIOS) * GIB
     caps = [round(f * total / GIB, 2) for f in fractions]
     devices = [Device("cpu", int(c * GIB)) for c in caps]
-    plan = plan_memory(shape, devices, 10e9 / 8, FIT_BATCH)
+    plan = plan_memory(shape, devices, 10e9 / 8, FIT_BATCHES[size])
     group = {o.level: o for o in plan.options if len(o.devices) > 1 and not o.offload}
     alone = [o for o in plan.options if len(o.devices) == 1 and not o.offload]
     return {
@@ -222,7 +233,7 @@ def fit_plan() -> dict:
     }
 
 
-def run_fit(caps: list[float], num_steps: int) -> dict:
+def run_fit(size: str, caps: list[float], num_steps: int) -> dict:
     import functools
 
     from mixtrain import RunConfig, ScalingConfig, Trainer
@@ -230,9 +241,9 @@ def run_fit(caps: list[float], num_steps: int) -> dict:
     with tempfile.TemporaryDirectory() as tmp, tempfile.TemporaryDirectory() as peaks:
         t0 = time.perf_counter()
         result = Trainer(
-            functools.partial(_task, FIT_MODEL, peaks),
-            make_data(FIT_MODEL, FIT_BATCH * num_steps),
-            global_batch=FIT_BATCH,
+            functools.partial(_task, FIT_MODELS[size], peaks),
+            make_data(FIT_MODELS[size], FIT_BATCHES[size] * num_steps),
+            global_batch=FIT_BATCHES[size],
             scaling=ScalingConfig(
                 num_workers=3,
                 cpus_per_worker=0.5,
@@ -285,15 +296,17 @@ def speed(quick: bool) -> None:
         print(f"| {runner} | {out['samples_per_s']:.1f} | {ratio:.2f}x | {mib(out['peaks'])} | {peak:.2f}x |")
 
 
-def fit(quick: bool) -> None:
-    plan = in_subprocess("plan", quick)
-    print(f"## fit: {plan['shape']}, seq {FIT_MODEL['seq']}, global batch {FIT_BATCH} (micro-batch 2 per worker)")
+def fit(quick: bool, size: str) -> None:
+    plan = in_subprocess("plan", quick, ["--size", size])
+    seq = FIT_MODELS[size]["seq"]
+    batch = FIT_BATCHES[size]
+    print(f"## fit: {plan['shape']}, seq {seq}, global batch {batch} (micro-batch {batch // 3} per worker)")
     print(f"caps (GB, plan only; nothing enforces them): {plan['caps_gb']}")
     print(plan["table"])
     print(f"plan: fits per level on all three: {plan['fits']}; any single worker alone: {plan['fits_alone']}")
     print(f"plan needs per worker (GB): {plan['needs_gb']}")
     caps = ",".join(str(c) for c in plan["caps_gb"])
-    out = in_subprocess("fit", quick, ["--caps", caps])
+    out = in_subprocess("fit", quick, ["--caps", caps, "--size", size])
     print(f"trained {FIT_STEPS[quick]} steps, shard='full', shard_slices={plan['caps_gb']}: {out['wall_s']:.0f} s")
     print(f"final loss {out['loss']:.3f}, {out['samples_per_s']:.2f} samples/s")
     print(
@@ -312,6 +325,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="fewer steps")
     parser.add_argument("--parts", default="speed,fit", help="speed, fit or both")
+    parser.add_argument("--size", choices=sorted(FIT_MODELS), default="fit", help="the fit part's model and caps")
     parser.add_argument("--runner", help=argparse.SUPPRESS)
     parser.add_argument("--caps", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -321,14 +335,17 @@ def main() -> None:
             "fsdp2": lambda: run_fsdp(steps),
             "mixtrain-full": lambda: run_mixtrain("full", steps),
             "mixtrain-none": lambda: run_mixtrain("none", steps),
-            "plan": fit_plan,
-            "fit": lambda: run_fit([float(c) for c in args.caps.split(",")], FIT_STEPS[args.quick]),
+            "plan": lambda: fit_plan(args.size),
+            "fit": lambda: run_fit(args.size, [float(c) for c in args.caps.split(",")], FIT_STEPS[args.quick]),
         }
         print(json.dumps(runners[args.runner]()))
         return
     t0 = time.perf_counter()
     for part in args.parts.split(","):
-        {"speed": speed, "fit": fit}[part](args.quick)
+        if part == "fit":
+            fit(args.quick, args.size)
+        else:
+            speed(args.quick)
     print(f"({time.perf_counter() - t0:.0f} s in all)")
 
 

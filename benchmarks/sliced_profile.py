@@ -6,6 +6,7 @@ probe and the group's forming, each step). docs/benchmarks.md's "where the peak 
 Command lines (Linux with glibc; about 2 minutes on 2 busy cores):
     python benchmarks/sliced_profile.py                       # shard="full", 6 steps
     python benchmarks/sliced_profile.py --level gradients
+    python benchmarks/sliced_profile.py --size issue --steps 4   # the issue's 148M decoder, caps 2.0/1.25/1.5 GB
     MIXTRAIN_SLICED_MMAP_THRESHOLD_MB=0 python benchmarks/sliced_profile.py    # the heap as before (issue 48)
 """
 
@@ -29,13 +30,13 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 import benchmarks.sliced  # noqa: E402
-from benchmarks.sliced import FIT_MODEL, make_model  # noqa: E402  (its "fit" run's model, the one profiled)
+from benchmarks.sliced import CAP_RATIOS, FIT_BATCHES, FIT_MODELS, make_model  # noqa: E402  (its "fit" run's)
 
 # the workers get make_model with the task (pickled by value), whatever folder this runs from
 ray_cloudpickle.register_pickle_by_value(benchmarks.sliced)
 
-CAPS = [1.46, 0.91, 1.09]
-"""benchmarks/sliced.py's caps for FIT_MODEL (what its plan part prints), as shard_slices."""
+CAPS = {"fit": [1.46, 0.91, 1.09], "issue": list(CAP_RATIOS)}
+"""benchmarks/sliced.py's caps for each --size (what its plan part prints), as shard_slices."""
 
 
 MALLINFO2 = ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks", "keepcost")
@@ -60,8 +61,9 @@ def sample() -> dict[str, Any]:
 class Recorder:
     """Appends samples and events to one file per worker process (folder/PID.jsonl)."""
 
-    def __init__(self, folder: str) -> None:
+    def __init__(self, folder: str, size: str) -> None:
         self.folder = folder
+        self.size = size
 
     def log(self, event: str, **extra: Any) -> None:
         line = json.dumps({"t": time.time(), "ev": event, **sample(), **extra})
@@ -82,7 +84,7 @@ class Recorder:
 
         threading.Thread(target=self.sample_forever, daemon=True).start()
         self.log("build")
-        model = make_model(FIT_MODEL)
+        model = make_model(FIT_MODELS[self.size])
         return Task(model=model, optimizer=torch.optim.AdamW(model.parameters(), lr=1e-3), compute_loss=self.loss)
 
 
@@ -122,21 +124,23 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--level", default="full", choices=["gradients", "full"])
     parser.add_argument("--steps", type=int, default=6)
+    parser.add_argument("--size", choices=sorted(FIT_MODELS), default="fit", help="benchmarks/sliced.py's --size")
     args = parser.parse_args()
     from mixtrain import RunConfig, ScalingConfig, Trainer
 
     seeded = torch.Generator().manual_seed(0)
-    ids = torch.randint(0, FIT_MODEL["vocab"], (6 * args.steps, FIT_MODEL["seq"]), generator=seeded)
+    cfg, batch = FIT_MODELS[args.size], FIT_BATCHES[args.size]
+    ids = torch.randint(0, cfg["vocab"], (batch * args.steps, cfg["seq"]), generator=seeded)
     with tempfile.TemporaryDirectory() as run_dir, tempfile.TemporaryDirectory() as folder:
         Trainer(
-            Recorder(folder).task,
+            Recorder(folder, args.size).task,
             (ids, ids),
-            global_batch=6,
+            global_batch=batch,
             scaling=ScalingConfig(
                 num_workers=3,
                 cpus_per_worker=0.5,
                 shard=args.level,
-                shard_slices=CAPS,
+                shard_slices=CAPS[args.size],
                 shares="equal",
                 leave_out_slow=False,
             ),

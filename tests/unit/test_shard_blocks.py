@@ -93,3 +93,17 @@ def test_the_loop_takes_blocks_only_with_full_slicing():
     assert check_shard("full", None, 2, (Block,)) is None
     with pytest.raises(InputValueError, match=r"blocks name what shard='full' gathers.*give shard='full'"):
         check_shard("gradients", None, 2, (Block,))
+
+
+@pytest.mark.parametrize(
+    ("shard", "says"),
+    [
+        ("auto", r"shard='auto'.*'auto' is the Task path's.*mixtrain plan"),
+        ("optimizer", r"shard='optimizer'.*'gradients' moves the same bytes"),
+        ("Full", r"shard='Full'\): give 'none', 'gradients'"),
+        (3, r"shard=3\): give 'none', 'gradients'"),
+    ],
+)
+def test_the_loops_shard_level_refused_in_one_line_that_says_why(shard, says):
+    with pytest.raises(InputValueError, match=says):
+        check_shard(shard, None, 2)

@@ -39,10 +39,15 @@ LEVELS = ("none", "gradients", "full")
 def check_shard(shard: Any, slices: Any, world_size: int, blocks: Any = ()) -> tuple[float, ...] | None:
     """prepare_model's shard=, slices= and blocks=, checked: the slices' relative sizes (None: equal)."""
     if shard not in LEVELS:
-        also = " ('optimizer' alone is not offered: 'gradients' moves the same bytes and holds less)"
+        why = {
+            "optimizer": " ('optimizer' alone is not offered: 'gradients' moves the same bytes and holds less)",
+            "auto": " ('auto' is the Task path's: it weighs the optimizer's state, which a loop builds after "
+            "prepare_model; `mixtrain plan` says which level fits)",
+        }
+        also = why.get(shard, "") if isinstance(shard, str) else ""
         raise InputValueError(
             f"prepare_model(shard={shard!r}): give 'none', 'gradients' (each worker keeps the optimizer state and "
-            f"gradients of its slice) or 'full' (its slice of the weights too){also if shard == 'optimizer' else ''}"
+            f"gradients of its slice) or 'full' (its slice of the weights too){also}"
         )
     if blocks and shard != "full":
         raise InputValueError(
