@@ -29,7 +29,7 @@ def _entry(fn, rank, world, port_q, out_q, outsider_q, timeout_s, formations, ar
                     q.put((rdv.port, rdv.prefix))
                 port, prefix = rdv.port, rdv.prefix
             else:
-                port, prefix = port_q.get(timeout=30)
+                port, prefix = port_q.get(timeout=60)
             process_group.join_group(
                 rank=rank,
                 world_size=world,
@@ -53,7 +53,7 @@ def run_ranks(
     fn: Callable[..., Any],
     world: int,
     *args: Any,
-    timeout_s: float = 20.0,
+    timeout_s: float = 60.0,
     ranks: list[int] | None = None,
     formations: int = 1,
     outsider: Callable[[int], None] | None = None,

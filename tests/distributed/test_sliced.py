@@ -162,7 +162,7 @@ def _reference(opt: str) -> tuple[dict[str, torch.Tensor], list[float]]:
     ],
 )
 def test_sliced_training_equals_one_process_and_each_rank_holds_its_slice(level, opt, checkpointing, offload, blocks):
-    out = run_ranks(_sliced, 3, level, opt, checkpointing, offload, blocks, timeout_s=30.0)
+    out = run_ranks(_sliced, 3, level, opt, checkpointing, offload, blocks, timeout_s=60.0)
     assert all(status == "ok" for status, _ in out.values()), out
     named = "Sequential" if blocks else "Block"  # (RecomputedBlock under activation checkpointing)
     found = [out[r][1]["blocks"] for r in range(3)]
