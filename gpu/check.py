@@ -399,6 +399,14 @@ STEPS = [
         180,
     ),
     Step(
+        "caps-cuda-cpu",
+        "DeviceGroup(memory=96MB) on the CUDA worker: its tensors stay under the cap while it trains a share whose "
+        "activations pass it, in smaller micro-batches, with one process's weights",
+        lambda c: c.api_step("caps", "caps-cuda-cpu", "--devices", "cuda"),
+        True,
+        180,
+    ),
+    Step(
         "loop-cuda-cpu",
         "your own loop (mixtrain.train: AdamW, a schedule, clipping) over CUDA + 2 CPU workers equals one process",
         lambda c: c.api_step("loop", "loop-cuda-cpu", "--devices", "cuda"),

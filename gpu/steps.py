@@ -1,6 +1,6 @@
 """The check's steps that need the Python API; `gpu/check.py` runs each as its own process:
 
-    python -m gpu.steps env|exactness|sliced|loop|overhead|nccl|lost-worker [--devices cpu|cuda] --out RESULT.json
+    python -m gpu.steps env|exactness|sliced|caps|loop|overhead|nccl|lost-worker [--devices cpu|cuda] --out RESULT.json
 
 Only mixtrain's public API (`from mixtrain import ...`), its built-in examples and the tests' task
 factories (tests/models.py) are used, so this keeps working while mixtrain's modules move. Each step
@@ -91,15 +91,18 @@ def _exact_run(
     run_dir: Path,
     backend: Backend = "auto",
     shard: Any = "none",
+    model: str = "mlp",
+    steps: int = EXACT_STEPS,
 ) -> tuple[dict, list[dict]]:
     from mixtrain import RunConfig, ScalingConfig, Trainer
     from tests.models import data, factory
 
-    x, y = data("mlp", EXACT_SAMPLES)
+    samples = EXACT_SAMPLES if shares in ("auto", "equal") else sum(shares)  # type: ignore[arg-type]
+    x, y = data(model, samples)
     trainer = Trainer(
-        factory("mlp", opt),
+        factory(model, opt),
         (x, y),
-        global_batch=EXACT_SAMPLES,
+        global_batch=samples,
         scaling=ScalingConfig(
             groups=groups,
             shares=shares,
@@ -109,18 +112,20 @@ def _exact_run(
         ),
         run=RunConfig(run_dir=str(run_dir), seed=7, progress=False, tensorboard=False),
     )
-    result = trainer.fit(epochs=EXACT_STEPS)
+    result = trainer.fit(epochs=steps)
     return result.state_dict, result.workers
 
 
-def _reference(opt: str) -> dict[str, torch.Tensor]:
-    """Plain single-process PyTorch on the CPU: EXACT_STEPS steps of the whole data set."""
+def _reference(
+    opt: str, model: str = "mlp", steps: int = EXACT_STEPS, samples: int = EXACT_SAMPLES
+) -> dict[str, torch.Tensor]:
+    """Plain single-process PyTorch on the CPU: `steps` steps of the whole data set."""
     from tests.models import data, make_task
 
-    x, y = data("mlp", EXACT_SAMPLES)
+    x, y = data(model, samples)
     torch.manual_seed(7)
-    task = make_task("mlp", opt)
-    for _ in range(EXACT_STEPS):
+    task = make_task(model, opt)
+    for _ in range(steps):
         task.optimizer.zero_grad()
         task.batch_loss(task.model, (x, y)).backward()
         task.optimizer.step()
@@ -183,6 +188,51 @@ def sliced_exactness(devices: str, work: Path) -> dict[str, Any]:
         held = [w.get("device") for w in sorted(workers, key=lambda w: w["rank"])]
         detail.append(f"shard={shard} + mlp + {opt} on {held}, slices 3:1:2: max relative difference {err:.2e}")
     return _difference_verdict(worst, tol, detail)
+
+
+CAP_MB = {"cuda": 96, "cpu": 150}
+"""caps: the capped worker's DeviceGroup(memory=...): on CUDA below the activations of its share of the "wide"
+model (2,400 samples x 4,096 hidden units, about 200 MB with their gradients), so its micro-batch must shrink; on
+the CPU below any process's resident set, so each worker is named over it."""
+CAP_STEPS = 5
+
+
+def caps(devices: str, work: Path) -> dict[str, Any]:
+    """DeviceGroup(memory=...) kept to. CUDA: the capped worker's tensors stay under the cap (its round peaks,
+    torch's max_memory_allocated) while it trains its share in smaller micro-batches, and the weights equal one
+    process's. CPU (nothing holds a process to a figure): each worker over its cap is named once, weights exact."""
+    from mixtrain import DeviceGroup
+
+    cap = CAP_MB[devices] * 2**20
+    if devices == "cuda":
+        groups = [DeviceGroup(device="cuda", num_workers=1, memory=cap), DeviceGroup(device="cpu", num_workers=2)]
+        shares = [2400, 80, 80]
+    else:
+        groups, shares = [DeviceGroup(device="cpu", num_workers=2, memory=cap)], [400, 240]
+    run_dir = work / f"caps-{devices}"
+    got, _ = _exact_run(groups, shares, "adamw", run_dir, model="wide", steps=CAP_STEPS)
+    err = _max_rel_diff(got, _reference("adamw", "wide", CAP_STEPS, sum(shares)))
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    records = [r for r in map(json.loads, filter(None, lines))]
+    rounds = [r for r in records if r.get("kind") == "round"]
+    over = [r for r in records if r.get("kind") == "memory_over_cap"]
+    capped = [w for r in rounds for w in r["workers"] if w.get("device", "").startswith(devices)]
+    peak = max((w["memory_bytes"] or 0 for w in capped), default=0)
+    plans = [r for r in records if r.get("kind") == "plan"]
+    micro = plans[-1].get("micro_batches") if plans else None
+    detail = [
+        f"wide model + adamw, shares {shares}, {CAP_STEPS} steps, {devices} worker(s) capped at {CAP_MB[devices]} MB",
+        f"max relative difference from one process {err:.2e} (tolerance {EXACT_TOL[devices]:g})",
+        f"capped worker's round peak {peak / 2**20:.1f} MB; micro-batches {micro}; memory_over_cap records {len(over)}",
+    ]
+    if devices == "cuda":
+        ok = 0 < peak <= cap and not over
+        figure = f"CUDA peak {peak / 2**20:.1f} MB under a {CAP_MB[devices]} MB cap, difference {err:.1e}"
+    else:
+        ok = sorted(r["bundle"] for r in over) == [0, 1]
+        figure = f"{len(over)} of 2 CPU workers named over a {CAP_MB[devices]} MB cap, difference {err:.1e}"
+    verdict = _difference_verdict(err, EXACT_TOL[devices], detail)
+    return {**verdict, "result": "pass" if ok and verdict["result"] == "pass" else "fail", "figure": figure}
 
 
 def loop_exactness(devices: str, work: Path) -> dict[str, Any]:
@@ -531,7 +581,7 @@ def _gpu_lost_runs() -> list[tuple[str, list, list[int], int, str]]:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="gpu.steps")
-    ap.add_argument("step", choices=["env", "exactness", "sliced", "loop", "overhead", "nccl", "lost-worker"])
+    ap.add_argument("step", choices=["env", "exactness", "sliced", "caps", "loop", "overhead", "nccl", "lost-worker"])
     ap.add_argument("--devices", choices=["cpu", "cuda"], default="cpu")
     ap.add_argument("--epochs", type=int, default=OVERHEAD_EPOCHS, help="overhead: epochs (the first untimed)")
     ap.add_argument("--work", type=Path, default=Path("."))
@@ -544,6 +594,8 @@ def main(argv: list[str] | None = None) -> int:
             out = exactness(args.devices, args.work)
         elif args.step == "sliced":
             out = sliced_exactness(args.devices, args.work)
+        elif args.step == "caps":
+            out = caps(args.devices, args.work)
         elif args.step == "loop":
             out = loop_exactness(args.devices, args.work / f"loop-{args.devices}")
         elif args.step == "overhead":

@@ -88,7 +88,7 @@ def test_the_bundle_installs_offline_and_the_checks_cpu_path_runs(tmp_path):
     assert any(line.strip().startswith("predicted:") for line in steps["digits-cpu"]["detail"]), "the plan table"
     assert steps["exact-cpu"]["result"] == "pass"
     gpu_steps = [n for n in steps if "cuda" in n or n in ("precision-auto", "overhead", "nccl")]
-    assert len(gpu_steps) == 10 and {"loop-cuda-cpu", "sliced-cuda-cpu"} <= set(gpu_steps), gpu_steps
+    assert len(gpu_steps) == 11 and {"loop-cuda-cpu", "sliced-cuda-cpu", "caps-cuda-cpu"} <= set(gpu_steps), gpu_steps
     if not torch.cuda.is_available():
         assert report["device"].startswith("no CUDA device")
         for name in gpu_steps:
