@@ -348,7 +348,8 @@ def one_cycle_reference(config: dict[str, Any]) -> tuple[dict[str, torch.Tensor]
 # ---- state sliced by owner (prepare_model(shard=...)): AdamW, a schedule and the prepared model's clipping ------
 def sliced_loop(config: dict[str, Any]) -> None:
     """AdamW with a cosine schedule and clipping on a model prepared with shard=config["shard"]; every worker gathers
-    the whole weights and optimizer state, as a checkpoint would, and rank 0 saves them with what each holds."""
+    the whole weights and optimizer state (config["rank0_only"]: worker 0 alone), as a checkpoint would, and rank 0
+    saves them with what each holds."""
     x, y = config["data"]
     blocks = tuple(config.get("blocks", ()))
     model = prepare_model(net(), shard=config["shard"], slices=config.get("slices"), blocks=blocks)
@@ -363,11 +364,13 @@ def sliced_loop(config: dict[str, Any]) -> None:
             opt.step()
             sched.step()
         mixtrain.train.report({"epoch": epoch})
-    weights, state = model.full_state_dict(), model.full_optimizer_state_dict(opt)
+    first = config.get("rank0_only", False)
+    weights, state = model.full_state_dict(rank0_only=first), model.full_optimizer_state_dict(opt, rank0_only=first)
     held = {
         "grads": sorted(n for n, p in model.module.named_parameters() if p.grad is not None),
         "state": sorted(opt.state_dict()["state"]),
         "bytes": sum(p.untyped_storage().nbytes() for p in model.module.parameters()),
+        "gathered": (len(weights), len(state)),
     }
     rank = mixtrain.train.get_context().get_world_rank()
     torch.save(held, Path(config["out"]) / f"held{rank}.pt")

@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from tests.doc_pages import block_tagged
 
@@ -39,6 +40,20 @@ def test_your_own_loop_script_trains_as_written(tmp_path):
     stdout = _run_block("own-loop", tmp_path)
     accuracy = float(re.search(r"held-out accuracy (\d\.\d+)", stdout).group(1))
     assert accuracy > 0.9, stdout
+
+
+def test_the_sliced_loop_script_trains_and_saves_as_written(tmp_path):
+    stdout = _run_block("sliced-loop", tmp_path)
+    match = re.search(r"loss (\d\.\d+), (\d+) tensors saved", stdout)
+    assert match and float(match.group(1)) < 0.5 and match.group(2) == "4", stdout
+    saved = torch.load(tmp_path / "sliced.pt")
+    assert saved["epoch"] == 3 and len(saved["optimizer"]["state"]) == 4, saved["optimizer"]["state"].keys()
+    assert {k: tuple(v.shape) for k, v in saved["model"].items()} == {
+        "0.weight": (32, 2),
+        "0.bias": (32,),
+        "2.weight": (2, 32),
+        "2.bias": (2,),
+    }
 
 
 def test_a_sweep_with_kept_workers_runs_as_written(tmp_path, monkeypatch, capsys, ray_session):

@@ -235,6 +235,7 @@ def test_a_loop_with_sliced_state_trains_what_one_process_trains_and_gathers_the
     config = {"data": loops.data(49), "batch": 6, "epochs": 2, "shard": shard, "slices": [2, 1]}
     if shard == "full":
         config["blocks"] = ["Linear"]  # named, as prepare_model(blocks=) takes them (the class it would find)
+        config["rank0_only"] = True  # the whole state gathered on worker 0 alone
     _fit(loops.sliced_loop, config, tmp_path, workers=2, shares=(9, 3))
     got = torch.load(tmp_path / "sliced.pt")
     want_model, want_opt = loops.sliced_reference(config, workers=2)
@@ -248,3 +249,7 @@ def test_a_loop_with_sliced_state_trains_what_one_process_trains_and_gathers_the
     assert sorted(held[0]["state"] + held[1]["state"]) == sorted(want_opt["state"])  # each entry on one worker
     whole = sum(p.numel() * p.element_size() for p in loops.net().parameters())
     assert all((h["bytes"] < whole) == (shard == "full") for h in held), [h["bytes"] for h in held]
+    # worker 1 got the whole state too, or (rank0_only) nothing: it never held the whole
+    assert held[0]["gathered"] == (len(want_model), 2) and held[1]["gathered"] == (
+        (0, 0) if shard == "full" else (len(want_model), 2)
+    )

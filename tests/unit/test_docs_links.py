@@ -78,7 +78,9 @@ def test_the_readme_is_a_front_door():
 
 def test_every_tested_snippet_is_tagged_once_and_is_a_code_block():
     found = tags()
-    assert {"own-code", "own-loop", "keep-workers"} <= set(found)  # the tags tests/e2e/test_doc_snippets.py runs
+    assert {"own-code", "own-loop", "keep-workers", "sliced-loop"} <= set(
+        found
+    )  # the tags tests/e2e/test_doc_snippets.py runs
     for tag, where in found.items():
         assert len(where) == 1, f"tag {tag!r} occurs {len(where)} times: {[p.name for p in where]}"
         assert re.search(TAGGED_BLOCK.format(re.escape(tag)), where[0].read_text(), re.S | re.M), tag

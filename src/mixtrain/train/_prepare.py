@@ -90,15 +90,22 @@ class PreparedModel(torch.nn.Module):
             raise InputValueError(f"clip_grad_norm_(norm_type={norm_type!r}) with shard=: only the 2-norm (2.0)")
         return self._sliced.clip_grad_norm_(max_norm)
 
-    def full_state_dict(self) -> dict[str, Any]:
+    def full_state_dict(self, rank0_only: bool = False) -> dict[str, Any]:
         """`self.module.state_dict()`, whole (with shard="full", each owner's weights gathered): what a checkpoint
-        saves. Call it on every worker (it is a collective with shard="full")."""
-        return self.module.state_dict() if self._sliced is None else self._sliced.full_state_dict(self.module)
+        saves. Call it on every worker (it is a collective with shard="full"). `rank0_only=True`: the whole state
+        on worker 0 alone, every other worker gets {} (as FSDP's full state dict with rank0_only): what a sliced
+        model larger than one worker's memory needs."""
+        if self._sliced is not None:
+            return self._sliced.full_state_dict(self.module, rank0_only)
+        return {} if rank0_only and self._session.context.world_rank != 0 else self.module.state_dict()
 
-    def full_optimizer_state_dict(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    def full_optimizer_state_dict(self, optimizer: torch.optim.Optimizer, rank0_only: bool = False) -> dict[str, Any]:
         """`optimizer.state_dict()`, whole (with shard=, each worker's slice gathered): what a checkpoint saves.
-        Call it on every worker (it is a collective with shard=)."""
-        return optimizer.state_dict() if self._sliced is None else self._sliced.full_optimizer_state_dict(optimizer)
+        Call it on every worker (it is a collective with shard=). `rank0_only=True`: on worker 0 alone ({} on the
+        others)."""
+        if self._sliced is not None:
+            return self._sliced.full_optimizer_state_dict(optimizer, rank0_only)
+        return {} if rank0_only and self._session.context.world_rank != 0 else optimizer.state_dict()
 
     @contextmanager
     def no_sync(self) -> Iterator[None]:

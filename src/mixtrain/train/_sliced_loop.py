@@ -167,27 +167,41 @@ class SlicedLoop:
         clip_to([p.grad for p in owned if p.grad is not None], max_norm, norm)
         return torch.tensor(norm)
 
-    def full_state_dict(self, module: torch.nn.Module) -> dict[str, Any]:
-        """The module's whole state_dict on every worker (with "full", each owner's weights gathered)."""
+    def full_state_dict(self, module: torch.nn.Module, rank0_only: bool = False) -> dict[str, Any]:
+        """The module's whole state_dict on every worker (with "full", each owner's weights gathered); with
+        `rank0_only`, on worker 0 alone (every other worker gets {} and never holds the whole)."""
+        rank = self.session.context.world_rank
         if self.strategy.level != "full":
-            return module.state_dict()
+            return {} if rank0_only and rank != 0 else module.state_dict()
         view = _ModelOnly(module)
         state = self.strategy.model_state(view)  # type: ignore[arg-type]
-        parts: list[dict[str, torch.Tensor] | None] = [None] * self.session.context.world_size
-        dist.all_gather_object(parts, {k: v.detach().cpu() for k, v in self.strategy.model_part(view).items()})  # type: ignore[arg-type]
-        return merge_weights(state, [part or {} for part in parts])
+        mine = {k: v.detach().cpu() for k, v in self.strategy.model_part(view).items()}  # type: ignore[arg-type]
+        parts = self._gather(mine, rank0_only)
+        return {} if parts is None else merge_weights(state, [part or {} for part in parts])
 
-    def full_optimizer_state_dict(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
-        """The optimizer's whole state_dict on every worker: each worker's entries (its own slice) gathered."""
+    def full_optimizer_state_dict(self, optimizer: torch.optim.Optimizer, rank0_only: bool = False) -> dict[str, Any]:
+        """The optimizer's whole state_dict on every worker (each worker's entries, its own slice, gathered); with
+        `rank0_only`, on worker 0 alone (every other worker gets {})."""
         sd = optimizer.state_dict()
-        parts: list[dict[int, Any] | None] = [None] * self.session.context.world_size
         mine = {i: {k: v.cpu() if torch.is_tensor(v) else v for k, v in s.items()} for i, s in sd["state"].items()}
-        dist.all_gather_object(parts, mine)
+        parts = self._gather(mine, rank0_only)
+        if parts is None:
+            return {}
         merged: dict[int, Any] = {}
         for part in parts:
             merged.update(part or {})
         sd["state"] = dict(sorted(merged.items()))
         return sd
+
+    def _gather(self, mine: dict[Any, Any], rank0_only: bool) -> list[Any] | None:
+        """Every worker's `mine`, in rank order: on every worker, or (rank0_only) on worker 0 alone (None elsewhere)."""
+        world, rank = self.session.context.world_size, self.session.context.world_rank
+        parts: list[Any] = [None] * world
+        if not rank0_only:
+            dist.all_gather_object(parts, mine)
+            return parts
+        dist.gather_object(mine, parts if rank == 0 else None, dst=0)
+        return parts if rank == 0 else None
 
 
 class _ModelOnly:

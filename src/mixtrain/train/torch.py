@@ -45,7 +45,8 @@ def prepare_model(
     (`slices`: each worker's relative share of it, equal by default). Build the optimizer after this, on what it
     returns: after `backward()` only this worker's parameters have a `.grad` (the global one), so
     `optimizer.step()` steps and keeps state for this worker's slice; clip with `model.clip_grad_norm_(max_norm)`
-    and save `model.full_state_dict()` and `model.full_optimizer_state_dict(optimizer)`, called on every worker.
+    and save `model.full_state_dict()` and `model.full_optimizer_state_dict(optimizer)`, called on every worker
+    (`rank0_only=True`: the whole on worker 0 alone, {} on the others).
     `blocks` (with `shard="full"`): the module classes or class names whose instances are gathered one at a time,
     e.g. (GPT2Block,), as Task.shard_blocks; found by themselves when not given."""
     from mixtrain.train import _session
