@@ -119,7 +119,15 @@ def _sliced(rank, world, level, opt, checkpointing, offload, blocks=()):
         held.append(strategy.held_bytes(task))
     state = strategy.model_state(task)
     part = strategy.model_part(task)
+    storages = _gathered_storages(strategy, rank)
+    strategy.close()
+    own = all(
+        p.storage_offset() == 0 and p.untyped_storage().nbytes() == p.numel() * p.element_size()
+        for p in task.model.parameters()
+    )
     return {
+        "storages": storages,
+        "own_storage": own,
         "state": {k: v.clone() for k, v in state.items() if v is not None},
         "foreign": sorted(k for k, v in state.items() if v is None),
         "part": {k: v.clone() for k, v in part.items()},
@@ -130,6 +138,17 @@ def _sliced(rank, world, level, opt, checkpointing, offload, blocks=()):
         "losses": losses,
         "blocks": [type(u.module).__name__ for u in strategy.units if u.module is not None],
     }
+
+
+def _gathered_storages(strategy: SlicedStrategy, rank: int) -> tuple[int, int]:
+    """(groups of another owner's weights, distinct storages they hold) in the first block, gathered (a collective:
+    every rank calls this alike)."""
+    unit = strategy.units[1]
+    strategy.gathers.gather(unit)
+    groups = [params for owner, _, params in unit.groups if owner != rank]
+    ptrs = {p.untyped_storage().data_ptr() for params in groups for p in params}
+    strategy.gathers.release(unit)
+    return len(groups), len(ptrs)
 
 
 def _reference(opt: str) -> tuple[dict[str, torch.Tensor], list[float]]:
@@ -191,9 +210,12 @@ def test_sliced_training_equals_one_process_and_each_rank_holds_its_slice(level,
         assert not parts[0] & parts[1] and not parts[1] & parts[2] and not parts[0] & parts[2]
         assert all(res["held"] < whole for res in results), [res["held"] for res in results]
         assert all(res["foreign"] for res in results)
+        # another owner's weights of a block, gathered: one storage per owner (views of one flat tensor)
+        assert all(res["storages"][0] == res["storages"][1] for res in results), [r["storages"] for r in results]
         # blocks 2 and 3 of each forward were gathered while the one before computed (after the first forward)
         passes = (STEPS - 1) * max(-(-s // m) for s, m in zip(SHARES, MICRO))
         assert all(res["prefetched"] >= 2 * passes for res in results), [res["prefetched"] for res in results]
     else:
         assert all(res["held"] == whole for res in results)
         assert all(not res["foreign"] for res in results)
+    assert all(res["own_storage"] for res in results), "close() gives every weight its own storage back"

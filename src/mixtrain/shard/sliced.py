@@ -99,6 +99,7 @@ class SlicedStrategy(SyncStrategy):
         self.units = make_units(model, ordered, self.owner, task.shard_blocks)
         self.gathers = WeightGather(ctx.rank, self.slices_weights, self.clock)
         self.reduces = GradReduce(ctx.rank, self.clock, self.gathers.release)
+        self.gathers.flatten(self.units)
         self._hooks = register_hooks(model, self.units, self.gathers, self.reduces)
         for unit in self.units:
             self.gathers.release(unit)
@@ -183,7 +184,8 @@ class SlicedStrategy(SyncStrategy):
 
     def held_bytes(self, task: Task) -> int:
         """Bytes of weights this rank holds right now (between steps: what it owns, and what is not sliced)."""
-        return sum(p.untyped_storage().nbytes() for p in task.model.parameters())
+        storages = {p.untyped_storage().data_ptr() or id(p): p.untyped_storage() for p in task.model.parameters()}
+        return sum(s.nbytes() for s in storages.values())  # (a gathered group's views share one storage)
 
     # ---- measuring -----------------------------------------------------------------------------
     def measure_comm(self, task: Task, repeats: int) -> float:

@@ -134,6 +134,8 @@ def state_bytes(task: Task, strategy: SyncStrategy) -> dict[str, int]:
     def held(t: torch.Tensor) -> int:  # sliced weights: what the storage holds now (0 for another's)
         return t.untyped_storage().nbytes()
 
+    if strategy.slices_weights:  # a gathered group's weights are views of one storage: count it once
+        tensors = list({t.untyped_storage().data_ptr() or id(t): t for t in tensors}.values())
     size = held if strategy.slices_weights else whole
     return {
         "weights": sum(size(t) for t in tensors),
