@@ -26,6 +26,9 @@ def test_the_embedded_ray_starts_without_the_api_server_and_the_monitors_and_run
     assert not {"monitor", "log_monitor", "dashboard"} & set(out["processes"]), out
     assert out["answer"] == 49
     assert out["restored"], out
+    # the node's agent starts as Ray would start it here (ray[default] installed: not --minimal), yet the driver
+    # found Ray's dashboard packages without importing them
+    assert out["agents"] and not out["agent_minimal"] and not out["deps_imported"], out
 
 
 def _listening() -> list[dict]:

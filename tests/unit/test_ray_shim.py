@@ -10,7 +10,7 @@ import pathlib
 import pytest
 import ray
 import ray._raylet
-from ray._private import node, parameter, services
+from ray._private import node, parameter, services, utils
 
 from mixtrain.cluster import ray_shim
 
@@ -52,6 +52,30 @@ def test_loopback_is_kept_as_given_only_in_the_block_and_without_the_internal_no
     monkeypatch.delattr(services, "resolve_ip_for_localhost")
     with ray_shim.loopback_as_given():
         assert not hasattr(services, "resolve_ip_for_localhost")
+
+
+def test_dashboard_deps_are_found_not_imported_with_rays_answer_and_without_the_internals_rays_own(monkeypatch):
+    check = utils.get_dashboard_dependency_error
+    packages = ray_shim._dashboard_packages()
+    assert {"aiohttp", "grpc", "prometheus_client"} <= set(packages)  # read from Ray's own list
+    with ray_shim.dashboard_deps_found():
+        assert utils.get_dashboard_dependency_error() is None  # installed here (ray[default]), as Ray's check says
+    assert utils.get_dashboard_dependency_error is check
+    monkeypatch.setattr(ray_shim, "_dashboard_packages", lambda: [*packages, "aiohttp.no_such_module"])
+    with ray_shim.dashboard_deps_found():
+        error = utils.get_dashboard_dependency_error()
+        assert isinstance(error, ImportError) and "aiohttp.no_such_module" in str(error)  # the agent: --minimal
+    monkeypatch.setattr(ray_shim, "_dashboard_packages", list)  # Ray's list unreadable: Ray's own check
+    with ray_shim.dashboard_deps_found():
+        assert utils.get_dashboard_dependency_error is check
+    monkeypatch.delattr(utils, "get_dashboard_dependency_error")  # a Ray without it: nothing is patched
+    with ray_shim.dashboard_deps_found():
+        assert not hasattr(utils, "get_dashboard_dependency_error")
+
+
+def test_installed_finds_modules_without_importing_them():
+    assert ray_shim._installed("json.decoder") and not ray_shim._installed("json.no_such_module")
+    assert not ray_shim._installed("no_such_package_here.sub") and not ray_shim._installed("json.decoder.deeper")
 
 
 def test_the_gcs_client_uses_the_connect_timeout_and_falls_back_to_rays_own(monkeypatch):

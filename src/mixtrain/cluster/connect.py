@@ -95,6 +95,7 @@ def start_embedded(**init_args: Any) -> None:
         _signals_ignored(signal.SIGINT),
         ray_shim.node_params(LOCAL_NODE_IP, LEAN_HEAD),
         ray_shim.lean_head(REGISTER_POLL_S),
+        ray_shim.dashboard_deps_found(),
     ):
         ray.init(
             address="local",  # a new embedded Ray, even where a `ray start` cluster runs on this machine

@@ -10,6 +10,7 @@ taken away (the behaviour of a Ray without it).
 | node_params | ray._private.parameter.RayParams (2.x) | required: an embedded Ray could not be kept on loopback |
 | lean_head | node.Node.start_api_server, services.get_node, state.GlobalState (2.4x-2.6x) | Ray's own start |
 | loopback_as_given | services.resolve_ip_for_localhost (2.x) | Ray's own resolution |
+| dashboard_deps_found | utils.get_dashboard_dependency_error, dashboard/optional_deps.py (2.x) | Ray's own check |
 | gcs_client | ray._raylet.InnerGcsClient (2.5x-2.6x), else ray._raylet.GcsClient | Ray's client (30 s connect) |
 | token_auth_available, reload_auth_config | ray._raylet AuthenticationTokenLoader, Config (2.52+) | refused |
 | streaming | the actor option _generator_backpressure_num_objects (2.10+) | unbounded streaming |
@@ -19,6 +20,9 @@ taken away (the behaviour of a Ray without it).
 
 from __future__ import annotations
 
+import ast
+import importlib.machinery
+import importlib.util
 import inspect
 import time
 from collections.abc import Callable, Iterator
@@ -99,6 +103,60 @@ def loopback_as_given() -> Iterator[None]:
         return
     with _patched([(services, "resolve_ip_for_localhost", lambda host: host)]):
         yield
+
+
+@contextmanager
+def dashboard_deps_found() -> Iterator[None]:
+    """Whether Ray's dashboard packages are installed (which decides whether the node's agent starts `--minimal`)
+    answered in this block by finding each package that ray/dashboard/optional_deps.py imports, not by importing
+    them all as Ray does: aiohttp, grpc, opentelemetry, prometheus_client, pydantic and more, 0.3-0.4 s of the
+    driver's CPU before the raylet even starts, and none of them used by the driver afterwards. The same answer
+    for a package installed or missing. Without either internal (or a list it can read), Ray's own check."""
+    from ray._private import utils
+
+    original = getattr(utils, "get_dashboard_dependency_error", None)
+    packages = _dashboard_packages()
+    if original is None or not packages:
+        yield
+        return
+
+    def found() -> ImportError | None:
+        missing = [name for name in packages if not _installed(name)]
+        return ImportError(f"No module named {missing[0]!r}") if missing else None
+
+    with _patched([(utils, "get_dashboard_dependency_error", found)]):
+        yield
+
+
+def _dashboard_packages() -> list[str]:
+    """The modules ray/dashboard/optional_deps.py imports (read, not run); [] where it cannot be read."""
+    try:
+        spec = importlib.util.find_spec("ray.dashboard.optional_deps")
+        if spec is None or spec.origin is None:
+            return []
+        with open(spec.origin, encoding="utf-8") as f:
+            tree = ast.parse(f.read())
+    except (ImportError, OSError, SyntaxError, ValueError):
+        return []
+    names: list[str] = []
+    for stmt in tree.body:
+        if isinstance(stmt, ast.Import):
+            names += [alias.name for alias in stmt.names]
+        elif isinstance(stmt, ast.ImportFrom) and stmt.module and not stmt.level:
+            names.append(stmt.module)
+    return sorted(set(names))
+
+
+def _installed(dotted: str) -> bool:
+    """Module `dotted` can be found, without importing it or its packages (the top level by every finder, the
+    rest on the package's own path)."""
+    first, *rest = dotted.split(".")
+    spec = importlib.util.find_spec(first)
+    for part in rest:
+        if spec is None or spec.submodule_search_locations is None:
+            return False
+        spec = importlib.machinery.PathFinder.find_spec(part, list(spec.submodule_search_locations))
+    return spec is not None
 
 
 @contextmanager
