@@ -14,8 +14,6 @@ from mixtrain.shard.units import CommClock, Unit, storage_bytes
 Pieces = list[tuple[Any, torch.Tensor, int, list[torch.nn.Parameter]]]
 """One broadcast per owner and dtype of a unit's weights: (work or None, host buffer, owner, parameters)."""
 
-Group = tuple[int, torch.dtype, list[torch.nn.Parameter]]
-
 
 class WeightGather:
     """The gathers and frees of this rank's units; at "gradients" (every rank holds the whole weights) none."""
