@@ -111,7 +111,9 @@ def dashboard_deps_found() -> Iterator[None]:
     answered in this block by finding each package that ray/dashboard/optional_deps.py imports, not by importing
     them all as Ray does: aiohttp, grpc, opentelemetry, prometheus_client, pydantic and more, 0.3-0.4 s of the
     driver's CPU before the raylet even starts, and none of them used by the driver afterwards. The same answer
-    for a package installed or missing. Without either internal (or a list it can read), Ray's own check."""
+    for a package installed or missing; one installed but broken (its import fails) counts as found here, where
+    Ray's check would start the agent --minimal. Without either internal (or a list it can read), Ray's own
+    check."""
     from ray._private import utils
 
     original = getattr(utils, "get_dashboard_dependency_error", None)
