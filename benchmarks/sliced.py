@@ -18,7 +18,7 @@ Command lines:
    trains a few steps on 3 CPU workers with shard="full" and shard_slices in the caps' proportion, and each
    worker's peak RSS is printed beside the plan's prediction for that worker. Mixtrain does not enforce a cap:
    the caps are only what the plan is asked about. `--size issue` runs the issue's own example instead: a
-   152.8M-parameter decoder (18 layers x 768, vocabulary 32,768) on caps of exactly 2.0 / 1.25 / 1.5 GB.
+   148.1M-parameter decoder (20 layers x 768, vocabulary 8,192) on caps of exactly 2.0 / 1.25 / 1.5 GB.
 
 Peak memory is each process's own VmHWM (/proc/self/status) read in that process: FSDP2's ranks at the end,
 mixtrain's workers inside Task.compute_loss at every forward (so it includes Ray's own worker memory and the
@@ -47,8 +47,8 @@ LR = 1e-3
 SPEED_MODEL = {"vocab": 8192, "n_embd": 384, "n_layer": 4, "n_head": 6, "seq": 128}
 FIT_MODEL = {"vocab": 8192, "n_embd": 512, "n_layer": 20, "n_head": 8, "seq": 64}
 ISSUE_MODEL = {"vocab": 8192, "n_embd": 768, "n_layer": 20, "n_head": 12, "seq": 64}
-"""The issue's own example (--size issue): a 152.8M-parameter decoder, 2.4 GB of fp32 AdamW state, on caps of
-exactly CAP_RATIOS GB."""
+"""The issue's own example (--size issue): a 148.1M-parameter decoder, 2.2 GB of fp32 weights, gradients and AdamW
+state, on caps of exactly CAP_RATIOS GB."""
 FIT_MODELS = {"fit": FIT_MODEL, "issue": ISSUE_MODEL}
 SPEED_BATCH = 16
 FIT_BATCHES = {"fit": 6, "issue": 3}

@@ -132,6 +132,12 @@ def _reference(
     return task.model.state_dict()
 
 
+def _run_records(run_dir: Path) -> list[dict[str, Any]]:
+    """Every record of a run folder's metrics.jsonl (docs/run-folder.md), in order."""
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    return [json.loads(line) for line in lines if line.strip()]
+
+
 def _max_rel_diff(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> float:
     assert got.keys() == want.keys(), (sorted(got), sorted(want))
     return max(
@@ -212,8 +218,7 @@ def caps(devices: str, work: Path) -> dict[str, Any]:
     run_dir = work / f"caps-{devices}"
     got, _ = _exact_run(groups, shares, "adamw", run_dir, model="wide", steps=CAP_STEPS)
     err = _max_rel_diff(got, _reference("adamw", "wide", CAP_STEPS, sum(shares)))
-    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
-    records = [r for r in map(json.loads, filter(None, lines))]
+    records = _run_records(run_dir)
     rounds = [r for r in records if r.get("kind") == "round"]
     over = [r for r in records if r.get("kind") == "memory_over_cap"]
     capped = [w for r in rounds for w in r["workers"] if w.get("device", "").startswith(devices)]
@@ -382,8 +387,7 @@ def overhead(work: Path, devices: DeviceKind = "cuda", epochs: int = OVERHEAD_EP
     result = trainer.fit(epochs=epochs)
     fit_s = time.perf_counter() - t0
     # the run folder's round records carry the time each round ended (Result.history has no clock)
-    lines = (Path(result.run_dir) / "metrics.jsonl").read_text().splitlines()
-    rounds = [r for r in map(json.loads, filter(None, lines)) if r.get("kind") == "round"]
+    rounds = [r for r in _run_records(Path(result.run_dir)) if r.get("kind") == "round"]
     first_epoch = [r for r in rounds if r["epoch"] == 0]
     later = [r for r in rounds if r["epoch"] > 0]
     samples = sum(r["samples"] for r in later)
@@ -497,8 +501,7 @@ def _lost_run(what: str, groups: list, shares: list[int], lost_rank: int, backen
         result = trainer.fit(epochs=EXACT_STEPS)
     except Exception as e:
         return f"refused|{what}: {' '.join(f'{type(e).__name__}: {e}'.split())[:500]}"
-    lines = (Path(result.run_dir) / "metrics.jsonl").read_text().splitlines()
-    records = [json.loads(line) for line in lines if line.strip()]
+    records = _run_records(Path(result.run_dir))
     started = next(r["workers"] for r in records if r.get("kind") == "workers")
     failures = [r for r in records if r.get("kind") == "failure"]
     lost = sorted(w["worker"]["rank"] for f in failures for w in f["lost"])

@@ -36,7 +36,7 @@ from mixtrain.comm.strategy import JoinContext, RoundSync, StepOutcome, StepResu
 from mixtrain.comm.zero import ShardedOptimizer, split_runs
 from mixtrain.config import StrategyConfig
 from mixtrain.devices.precision import LossScale
-from mixtrain.shard import state
+from mixtrain.shard import state, units
 from mixtrain.shard.gather import WeightGather
 from mixtrain.shard.hooks import register_hooks
 from mixtrain.shard.reduce import GradReduce
@@ -184,8 +184,7 @@ class SlicedStrategy(SyncStrategy):
 
     def held_bytes(self, task: Task) -> int:
         """Bytes of weights this rank holds right now (between steps: what it owns, and what is not sliced)."""
-        storages = {p.untyped_storage().data_ptr() or id(p): p.untyped_storage() for p in task.model.parameters()}
-        return sum(s.nbytes() for s in storages.values())  # (a gathered group's views share one storage)
+        return units.held_bytes(task.model.parameters())
 
     # ---- measuring -----------------------------------------------------------------------------
     def measure_comm(self, task: Task, repeats: int) -> float:

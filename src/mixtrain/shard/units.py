@@ -4,7 +4,7 @@ owner, and the clock their seconds and bytes are counted on."""
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
@@ -79,6 +79,13 @@ def make_units(
 
 def storage_bytes(p: torch.Tensor) -> int:
     return p.numel() * p.element_size()
+
+
+def held_bytes(tensors: Iterable[torch.Tensor]) -> int:
+    """Bytes the storages of `tensors` hold now, each storage once (a gathered group's weights are views of one;
+    another owner's weights hold 0)."""
+    storages = {t.untyped_storage().data_ptr() or id(t): t.untyped_storage() for t in tensors}
+    return sum(s.nbytes() for s in storages.values())
 
 
 def check_sliceable(name: str, p: torch.nn.Parameter) -> None:

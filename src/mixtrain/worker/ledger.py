@@ -16,6 +16,7 @@ import torch
 from mixtrain.comm.strategy import RoundSync, StepOutcome, StepResult, SyncStrategy
 from mixtrain.observe import worker_log
 from mixtrain.records.messages import RoundPlan, WorkerReport
+from mixtrain.shard.units import held_bytes
 from mixtrain.task import Task
 
 
@@ -128,17 +129,10 @@ def state_bytes(task: Task, strategy: SyncStrategy) -> dict[str, int]:
     model = task.model
     tensors = [*model.parameters(), *model.buffers()]
 
-    def whole(t: torch.Tensor) -> int:
-        return t.numel() * t.element_size()
-
-    def held(t: torch.Tensor) -> int:  # sliced weights: what the storage holds now (0 for another's)
-        return t.untyped_storage().nbytes()
-
-    if strategy.slices_weights:  # a gathered group's weights are views of one storage: count it once
-        tensors = list({t.untyped_storage().data_ptr() or id(t): t for t in tensors}.values())
-    size = held if strategy.slices_weights else whole
+    # sliced weights: what their storages hold now (0 for another's; a gathered group's views share one)
+    weights = held_bytes(tensors) if strategy.slices_weights else sum(t.numel() * t.element_size() for t in tensors)
     return {
-        "weights": sum(size(t) for t in tensors),
+        "weights": weights,
         "grads": sum(p.grad.numel() * p.grad.element_size() for p in model.parameters() if p.grad is not None),
         **strategy.state_bytes(task),
     }
