@@ -166,6 +166,10 @@ def test_every_node_starts_without_the_parts_mixtrain_does_not_use(monkeypatch):
     assert env["RAY_free_objects_period_milliseconds"] == "10"
     assert headnode.node_env(None, head=False)["RAY_free_objects_period_milliseconds"] == "10"
     assert "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER" not in env
+    # `cluster down` stops the node at once: no drain on SIGTERM (a value the user set is kept)
+    assert env["RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S"] == "0"
+    monkeypatch.setenv("RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S", "5")
+    assert headnode.node_env(None, head=False)["RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S"] == "5"
     assert exposure.ray_start_args(head=True) == [
         "--include-dashboard=false",
         "--dashboard-host=127.0.0.1",

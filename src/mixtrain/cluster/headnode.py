@@ -218,9 +218,15 @@ def _refuse_if_running() -> None:
     forget()
 
 
+_DRAIN_ENV = "RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S"
+
+
 def node_env(interface: str | None, *, head: bool) -> dict[str, str]:
     """Environment of this node's Ray processes (and so of the workers on it)."""
     env = {**exposure.ray_start_env(head=head), **platform_env(), **system_env()}
+    # On SIGTERM Ray 2.60's `ray start --block` drains the node for up to 30 s first (for Ray Serve's proxies,
+    # which mixtrain does not run), so `cluster down` waited out its 20 s and killed: 22 s a node, 4 s without
+    env[_DRAIN_ENV] = os.environ.get(_DRAIN_ENV, "0")  # a value the user set is kept
     if interface:
         env.update(GLOO_SOCKET_IFNAME=interface, NCCL_SOCKET_IFNAME=interface)
     return env
