@@ -284,7 +284,8 @@ def test_train_on_an_existing_ray_cluster_via_address(tmp_path):
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
         start_new_session=True,
-        env={**os.environ, **auth},
+        # as `cluster up` starts its nodes: no 30 s drain on SIGTERM (Ray 2.60), so the head stops at once below
+        env={**os.environ, **auth, "RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S": "0"},
     )
     try:
         # the CLI waits up to MIXTRAIN_CONNECT_TIMEOUT_S for the head to come up
