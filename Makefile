@@ -24,7 +24,7 @@ demo: install
 	$(BIN)/mixtrain train digits --workers auto
 
 test: install-dev
-	$(BIN)/python -m pytest -q -n 2 --dist loadgroup --durations=25 tests
+	$(BIN)/python -m pytest -q -n 2 --dist load --durations=25 tests
 
 lint: install-dev
 	$(BIN)/ruff check src tests benchmarks gpu
