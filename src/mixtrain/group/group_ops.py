@@ -161,8 +161,11 @@ class GroupOps:
     def rank_states(self) -> list[dict[str, Any]]:
         if self.strategy.name != "local-sgd":  # the only strategy whose replicas hold state of their own
             return []
-        with self._losses("checkpoint"):
-            states = self.group.each(lambda w: w.rank_state(), timeout_s=self.state_transfer_s())
+        stall_s = self.tunables.collective_timeout_s
+        with self._losses("checkpoint"):  # streamed: a whole optimizer state per rank (see stream_rank_state)
+            states = [
+                self.group.receive(r, WorkerCalls.stream_rank_state, stall_s=stall_s) for r in range(len(self.members))
+            ]
         return [unpack(s) for s in states]
 
     def evaluate(

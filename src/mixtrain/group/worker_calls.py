@@ -90,9 +90,6 @@ class WorkerCalls:
     def rng_state(self) -> Pending[dict[str, Any]]:
         return Pending(self.actor.rng_state.remote(), "rng_state")
 
-    def rank_state(self) -> Pending[dict[str, Any]]:
-        return Pending(self.actor.rank_state.remote(), "rank_state")
-
     def load_training_state(
         self, state: Any, rng: dict[str, Any] | None = None, rank_state: dict[str, Any] | None = None
     ) -> Pending[None]:
@@ -120,3 +117,6 @@ class WorkerCalls:
 
     def stream_state_dict(self, ahead: int) -> Iterator[Any]:
         return ray_shim.streaming(self.actor.stream_state_dict, ahead).remote()
+
+    def stream_rank_state(self, ahead: int) -> Iterator[Any]:
+        return ray_shim.streaming(self.actor.stream_rank_state, ahead).remote()

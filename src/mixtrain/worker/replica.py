@@ -354,15 +354,17 @@ class TrainWorker(WorkerProcess):
     def stream_state_dict(self) -> Iterator[Any]:
         yield from state_transfer.stream(unpack(self.state_dict()))
 
+    def stream_rank_state(self) -> Iterator[Any]:
+        """What this replica holds that the others do not (SyncStrategy.rank_state: local SGD's inner optimizer),
+        streamed like the training state: returned whole, it went through the object store, whose pages stayed in
+        this worker's resident memory after every checkpoint (197 MB at the peak, 12.6M-parameter AdamW model)."""
+        yield from state_transfer.stream(self.strategy.rank_state(self.task))
+
     def optimizer_part(self) -> dict:
         """This rank's slice of a sharded optimizer's state (by the optimizer's parameter numbers) and of sliced
         weights (by state_dict key), packed."""
         t = self.task
         return pack({"optimizer": self.strategy.optimizer_state(t)["state"], "model": self.strategy.model_part(t)})
-
-    def rank_state(self) -> dict:
-        """What this replica holds that the others do not (SyncStrategy.rank_state), packed; empty for most."""
-        return pack(self.strategy.rank_state(self.task))
 
     def load_training_state(self, state: dict, rng: dict | None = None, rank_state: dict | None = None) -> None:
         """Continue from `state` (a checkpoint's, or another replica's): weights and scheduler now; optimizer,
