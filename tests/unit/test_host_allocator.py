@@ -120,3 +120,53 @@ def test_sliced_state_returns_blocks_of_1_mb_and_more_even_inside_a_forward_pass
     out = subprocess.run([sys.executable, "-c", SLICED_PROBE], capture_output=True, text=True, check=True)
     kept = json.loads(out.stdout.strip().splitlines()[-1])
     assert kept["sliced"] < 2 and kept["replicated"] > 3, kept
+
+
+# A model whose trainable weights are all under the threshold: the blocks of 16-32 MB its steps allocate are the
+# steps' own (activations, their gradients in backward), so a 24 MB block freed outside a forward pass stays in the
+# heap too; a model with one weight of 16 MB or more keeps the 16 MB threshold outside forward passes (its
+# gradients' and the optimizer's weight-sized temporaries go back), and a frozen weight as large does not count.
+WEIGHTS_PROBE = """
+import json, sys, torch
+from mixtrain.devices import host_allocator
+
+def anon_mb():
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) / 1024 for line in f if line.startswith("RssAnon:"))
+
+assert host_allocator.release_large_blocks()
+small = lambda: torch.nn.Linear(1024, 1024)  # 4 MB
+large = lambda: torch.nn.Linear(2048, 2100)  # 17.2 MB
+models = {
+    "small": lambda: [small()],
+    "large": lambda: [large()],
+    "large-frozen": lambda: [large().requires_grad_(False)],
+    "small-and-large": lambda: [small(), large()],  # a loop's two prepared models (a GAN's): the largest counts
+}[sys.argv[1]]()
+host_allocator.weights_are(*models)
+before = anon_mb()
+for _ in range(2):
+    block = torch.empty(6 * 2**20).fill_(1.0)  # 24 MB: a backward's gradient of an activation
+    del block
+kept = anon_mb() - before
+host_allocator.sliced_state(True)  # sliced state's 1 MB wins over the steps' threshold, and gives it back after
+block = torch.empty(2**20).fill_(1.0)
+del block
+sliced = anon_mb() - before - kept
+host_allocator.sliced_state(False)
+block = torch.empty(6 * 2**20).fill_(1.0)
+del block
+print(json.dumps({"kept": kept, "sliced": sliced, "after": anon_mb() - before}))
+"""
+
+
+@pytest.mark.parametrize(
+    "model, stays", [("small", True), ("large", False), ("large-frozen", True), ("small-and-large", False)]
+)
+def test_a_model_of_small_weights_keeps_its_steps_blocks_in_the_heap_throughout(model, stays):
+    env = {**os.environ, HOST_MMAP_THRESHOLD_MB[0]: "16"}
+    out = subprocess.run([sys.executable, "-c", WEIGHTS_PROBE, model], env=env, capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    assert (got["kept"] > 20) is stays and (got["after"] > 20) is stays, got
+    assert got["sliced"] < 2, got

@@ -21,6 +21,16 @@ weight) too. Holding 32 MB through backward as well kept such blocks in the heap
 12.6M-parameter MLP peaked at 845 / 709 MB, against 689 / 670 with the forward only (DDP 658-679).
 MIXTRAIN_HOST_MMAP_THRESHOLD_MB sets the threshold; 0 keeps glibc's rising threshold throughout.
 
+That held the forward pass only; a backward pass allocates blocks as large (the activations' gradients, a
+convolution's buffers), and at 16 MB those were mapped and faulted in at every step: one CNN worker of 128 samples
+ran at 0.66-0.98x a plain process (2026-12-06, benchmarks.md), and a loop worker, whose forward pass had no such
+window, the same. What the MLP above kept in its heap at 32 MB through backward were its weights' sizes: the
+temporaries of its 21.5 MB weights' gradients and of the optimizer. So the threshold follows the model
+(`weights_are`, both doors): when every trainable weight is under the threshold, no step allocates a weight-sized
+block of 16 MB or more, and glibc's largest threshold holds through the steps, as in a plain process once its own
+has risen (the CNN worker: 0.95-1.14x the plain process; an MLP of 13 MB weights peaked at 583-662 MB against
+623-675 before); a weight as large keeps 16 MB outside forward passes.
+
 Sliced state (shard="gradients" or "full", `sliced_state`) churns blocks of 1-16 MB at every pass: each block's
 gathered weights and the broadcasts that carry them (allocated inside the forward pass), its gradients and the
 buffers that take them to their owners. From the heap, interleaved with activations and the optimizer's state, they
@@ -45,6 +55,8 @@ import os
 import platform
 from collections.abc import Iterator
 from contextlib import contextmanager
+
+import torch
 
 from mixtrain._constants import HOST_MMAP_THRESHOLD_MB, SLICED_MMAP_THRESHOLD_MB, env_float
 from mixtrain.errors import InputValueError
@@ -73,7 +85,10 @@ def release_large_blocks() -> bool:
 _threshold_mb = 0.0
 """The threshold set by release_large_blocks (MB; 0: not set, glibc's own)."""
 _sliced_mb = 0.0
-"""The threshold while the state is sliced (sliced_state; MB; 0: not sliced, _threshold_mb and activations' 32)."""
+"""The threshold while the state is sliced (sliced_state; MB; 0: not sliced, _steps_mb or _threshold_mb)."""
+_steps_mb = 0.0
+"""The threshold for the steps of a model whose weights are all smaller than _threshold_mb (weights_are; MB; 0: a
+weight as large, _threshold_mb with activations' 32 in forward passes)."""
 _libc: ctypes.CDLL | None = None
 
 
@@ -87,7 +102,23 @@ def sliced_state(sliced: bool) -> None:
     if _sliced_mb > MAX_MB:
         name = SLICED_MMAP_THRESHOLD_MB[0]
         raise InputValueError(f"{name}={_sliced_mb:g} is above glibc's limit of {MAX_MB} MB; set it to 0-{MAX_MB}")
-    _set(_sliced_mb or _threshold_mb)
+    _set(_sliced_mb or _steps_mb or _threshold_mb)
+
+
+def weights_are(*models: torch.nn.Module) -> None:
+    """`models` are what this worker trains next. When their largest trainable weight is under the threshold,
+    the blocks of 16-32 MB its steps allocate are the steps' own (activations, their gradients, convolutions'
+    buffers), reused at every step: glibc's largest threshold then holds through the steps (see the module's
+    docstring). A weight as large keeps the threshold, and 32 MB in forward passes only. Nothing where
+    release_large_blocks set nothing."""
+    global _steps_mb
+    if not _threshold_mb:
+        return
+    weights = (p for model in models for p in model.parameters() if p.requires_grad)
+    largest_bytes = max((p.numel() * p.element_size() for p in weights), default=0)
+    _steps_mb = MAX_MB if largest_bytes < _threshold_mb * 2**20 else 0.0
+    if not _sliced_mb:
+        _set(_steps_mb or _threshold_mb)
 
 
 def trim() -> None:
@@ -99,7 +130,7 @@ def trim() -> None:
 @contextmanager
 def activations() -> Iterator[None]:
     """A forward pass: blocks up to 32 MB (the activations) stay in the heap for the next step."""
-    if not _threshold_mb or _sliced_mb:
+    if not _threshold_mb or _sliced_mb or _steps_mb:
         yield
         return
     _set(MAX_MB)

@@ -31,6 +31,7 @@ from mixtrain.comm import replicas
 from mixtrain.comm.loop_grads import LoopGrads
 from mixtrain.data.sampling import epoch_permutation, step_size
 from mixtrain.data.sources import _Seeded, to_device
+from mixtrain.devices import host_allocator
 from mixtrain.errors import InputTypeError, InputValueError
 from mixtrain.policies.decisions import Adopt
 from mixtrain.policies.planner import equal_shares, largest_remainder
@@ -50,6 +51,8 @@ class PreparedModel(torch.nn.Module):
         weights = check_shard(shard, slices, session.context.world_size, blocks)
         blocks = check_named(module, blocks, "prepare_model's blocks")  # on one worker too
         self.module = module.to(session.context.device)
+        session.models.append(self.module)
+        host_allocator.weights_are(*session.models)
         self.shard = shard
         self._session = session
         self._sync = True
@@ -78,7 +81,8 @@ class PreparedModel(torch.nn.Module):
         if self._sliced is not None and torch.is_grad_enabled():
             self._sliced.before_forward()
             return self._sliced.weigh(self.module(*args, **kwargs))
-        return self.module(*args, **kwargs)
+        with host_allocator.activations():  # as a Task's forward pass (worker/replica.py)
+            return self.module(*args, **kwargs)
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Clip the whole gradient to `max_norm` (torch.nn.utils.clip_grad_norm_ on every parameter, as FSDP's

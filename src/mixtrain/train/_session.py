@@ -106,6 +106,8 @@ class LoopSession:
     share: int = 0
     grads: list[Any] = field(default_factory=list)
     """The prepared models' LoopGrads (their time in the exchange is not compute)."""
+    models: list[torch.nn.Module] = field(default_factory=list)
+    """The prepared models (a GAN's two): the host allocator's threshold follows the largest weight of them all."""
     _reports: int = 0
     _last_batch: tuple[float, float, int] | None = None  # (perf_counter, exchange seconds so far, samples)
     _compute_s: float = 0.0

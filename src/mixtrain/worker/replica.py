@@ -145,6 +145,7 @@ class TrainWorker(WorkerProcess):
         if problem:
             return replace(who, problem=problem)
         self.task.model.to(self.device)
+        host_allocator.weights_are(self.task.model)
         return build_report.built(who, self.task, info, self.precision)
 
     def check_numerics(self, tolerance: float | None = None, count: int = 8) -> NumericsResult:
