@@ -11,6 +11,9 @@ Command lines:
         # EMULATION: worker 1 computes 3x slower in DDP and mixtrain (mixtrain: default, which may leave
         # a worker out; balanced with every worker kept; fixed equal split);
         # "ideal" = one worker alone + the slow worker alone = single1 x (1 + 1/3)
+    python benchmarks/compare.py --runners ddp-sliced,ddp,mixtrain-all --workloads mlp,cnn   # DDP at its cheapest
+        # (ddp-sliced: each rank reads a contiguous slice of the tensors, a view, where every other runner gathers
+        # its samples from the epoch's permutation)
     python benchmarks/compare.py --runners ddp,raytrain,mixtrain-all,mxloop --workloads mlp,cnn   # your own loop
         # (mxloop: the same step loop through mixtrain.train's prepare_model and prepare_data_loader)
     python benchmarks/compare.py --workloads newcomer --runners single,single1,mxloop1,mxloop-default,mxloop,mixtrain1
@@ -61,6 +64,7 @@ WORKLOADS = {
 NEWCOMER_BATCH = 64  # the newcomer's DataLoader(batch_size=64): the global batch on every runner
 RUNNERS = ("single", "ddp", "raytrain", "mixtrain")
 EMULATE_ENV = "MIXTRAIN_EMULATE_SLOWDOWN"  # the same variable mixtrain's workers read
+PRESLICED_ENV = "MIXTRAIN_BENCH_PRESLICED"  # ddp-sliced: the ranks read contiguous slices (views), no gather
 
 
 def t0() -> float:
@@ -135,12 +139,14 @@ def timed_loop(model, opt, x, y, workload: str, rank: int, world: int) -> dict:
     sleep_s = (factor - 1.0) * calibrate_step_s(workload, local) if factor > 1 else 0.0
     first_step = time.time() - t0()
     steps, t_measure = 0, 0.0
+    presliced = os.environ.get(PRESLICED_ENV) == "1"
     for epoch in range(epochs):
         order = torch.randperm(n, generator=torch.Generator().manual_seed(epoch))
         for start in range(0, n, GLOBAL_BATCH):
             if steps == warmup:
                 t_measure = time.perf_counter()
-            idx = order[start + rank * local : start + (rank + 1) * local]
+            begin = start + rank * local
+            idx = slice(begin, begin + local) if presliced else order[begin : begin + local]
             if sleep_s:
                 time.sleep(sleep_s)
             opt.zero_grad()
@@ -179,7 +185,7 @@ def run_ddp_rank(workload: str) -> dict:
     return out
 
 
-def run_ddp(workload: str) -> dict:
+def run_ddp(workload: str, presliced: bool = False) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         out_file = Path(tmp) / "out.json"
         cmd = [
@@ -196,7 +202,8 @@ def run_ddp(workload: str) -> dict:
             "--out",
             str(out_file),
         ]
-        subprocess.run(cmd, check=True, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True)
+        env = {**os.environ, "OMP_NUM_THREADS": "1", PRESLICED_ENV: "1" if presliced else "0"}
+        subprocess.run(cmd, check=True, env=env, capture_output=True)
         return json.loads(out_file.read_text())
 
 
@@ -555,8 +562,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument(
         "--runner",
-        help=f"one of {', '.join(RUNNERS)}, single1, mixtrain1, mixtrain-default, mixtrain-equal, mixtrain-all, "
-        "mx:NAME[+bf16]",
+        help=f"one of {', '.join(RUNNERS)}, ddp-sliced, single1, mixtrain1, mixtrain-default, mixtrain-equal, "
+        "mixtrain-all, mx:NAME[+bf16]",
     )
     parser.add_argument("--workload", choices=list(WORKLOADS))
     parser.add_argument("--out", help="(ddp-rank) where rank 0 writes its result")
@@ -580,6 +587,7 @@ def main() -> None:
         runner = {
             "single": run_single,
             "ddp": run_ddp,
+            "ddp-sliced": lambda w: run_ddp(w, presliced=True),
             "raytrain": run_raytrain,
             "mixtrain": run_mixtrain,
             "single1": lambda w: run_single(w, threads=1),
