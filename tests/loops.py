@@ -25,9 +25,9 @@ def data(num: int = 150, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.randn(num, 12, generator=g), torch.randint(0, 4, (num,), generator=g)
 
 
-def net() -> nn.Module:
+def net(width: int = 24) -> nn.Module:
     torch.manual_seed(11)
-    return nn.Sequential(nn.Linear(12, 24), nn.Tanh(), nn.Linear(24, 4))
+    return nn.Sequential(nn.Linear(12, width), nn.Tanh(), nn.Linear(width, 4))
 
 
 def _opt(kind: str, params: Any) -> tuple[torch.optim.Optimizer, Any]:
@@ -54,7 +54,7 @@ def _step(
 def classifier_loop(config: dict[str, Any]) -> None:
     """A plain loop: prepare, iterate, step, report; rank 0 saves the weights it ended with."""
     x, y = config["data"]
-    model = prepare_model(net())
+    model = prepare_model(net(config.get("width", 24)))
     loader = prepare_data_loader(DataLoader(TensorDataset(x, y), batch_size=config["batch"], shuffle=True))
     opt, sched = _opt(config["opt"], model.parameters())
     for epoch in range(config["epochs"]):
@@ -76,7 +76,7 @@ def classifier_loop(config: dict[str, Any]) -> None:
 def reference(config: dict[str, Any], workers: int) -> dict[str, torch.Tensor]:
     """One process, each step the whole global batch (batch x workers) in the same order."""
     x, y = config["data"]
-    model = net()
+    model = net(config.get("width", 24))
     opt, sched = _opt(config["opt"], model.parameters())
     big = config["batch"] * workers
     for epoch in range(config["epochs"]):

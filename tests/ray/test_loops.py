@@ -126,7 +126,9 @@ def test_a_worker_killed_mid_epoch_restarts_the_loop_from_its_last_checkpoint_an
 
 
 def test_shares_move_toward_the_fast_worker_under_an_emulated_1_to_3_slowdown(tmp_path):
-    config = {"data": loops.data(240), "batch": 16, "epochs": 3, "opt": "sgd"}  # global batch 32
+    # A hidden layer of 8,192: the forward and backward the emulation stretches are most of a step (of the 24-wide
+    # net's 0.3 ms step, half was the loop's own Python, and under a loaded suite the slow worker was no slower).
+    config = {"data": loops.data(240), "batch": 16, "epochs": 3, "opt": "sgd", "width": 8192}  # global batch 32
     result = _fit(loops.classifier_loop, config, tmp_path, workers=2, shares=None, emulate_slowdown={1: 3.0})
     records = _records(result)
     plans = [r["shares"] for r in records if r["kind"] == "plan" and r["moved"]]

@@ -4,6 +4,7 @@ loaders ask, for the one loop that runs in this worker process. Set by LoopWorke
 from __future__ import annotations
 
 import math
+import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -15,6 +16,13 @@ import torch.distributed as dist
 from mixtrain.errors import InputValueError
 from mixtrain.policies.decisions import Decision, LeaveOut, Rebalancer
 from mixtrain.train.checkpoint import Checkpoint
+
+MEASURE_WINDOW_S = 0.1
+"""A plan's speeds come from at least this much of a worker's compute since the last window closed (a window of
+fewer seconds goes on growing): steps of a millisecond, measured two at a time, were mostly the scheduler's noise on
+a loaded machine, and moved a 3x-slow worker's shares above the fast one's (a CI run)."""
+MEASURE_STEPS = 3
+"""Steps with samples a window holds before its median speaks (of 2, one stretched step would be half of it)."""
 
 
 class LoopStopped(BaseException):
@@ -119,8 +127,11 @@ class LoopSession:
     """The shares each prepared loader's global batch was last cut by (an epoch starts from its last one's)."""
     _kept_told: bool = False  # the driver was told that a worker is kept, as leaving it out would repeat training
     _loaders: int = 0  # prepare_data_loader calls so far
-    _mark: tuple[int, float, int, float, float] = (0, 0.0, 0, 0.0, 0.0)
-    """(samples, compute s, steps, exchange s, perf_counter) at the last plan point."""
+    _mark: tuple[int, float, float] = (0, 0.0, 0.0)
+    """(steps, exchange s, perf_counter) at the last plan point."""
+    _window: list[tuple[int, float]] = field(default_factory=list)
+    """(samples, compute s) of each step since the measuring window opened."""
+    _rate: float = 0.0  # the speed the last plan was told (0: nothing measured yet)
 
     def __post_init__(self) -> None:
         self.weight = 1.0 / self.context.world_size
@@ -150,6 +161,7 @@ class LoopSession:
         self._compute_s += compute  # what the hooks took included: the planner sees it
         self._samples += done
         self._steps += 1
+        self._window.append((done, compute))
         if not self.grads:  # no prepared model told its work: the step's compute, less what the hooks took
             t1 = time.perf_counter()
             self.work_done(max(0.0, compute - self._hooks_s))
@@ -169,22 +181,24 @@ class LoopSession:
         return self._exchange_s() / self._steps if self._steps else 0.0
 
     def measured(self) -> tuple[float, float, float]:
-        """(samples per compute second, exchange seconds per step, wall seconds per step) since the last call: what
-        a new plan is made from; over the whole run where fewer than 2 steps were measured since (the wall clock
-        then 0: unknown)."""
-        samples0, compute0, steps0, exchange0, wall0 = self._mark
+        """(samples per compute second, exchange seconds per step, wall seconds per step): what a new plan is made
+        from. The speed is the median of the measuring window's steps' own, once it holds MEASURE_STEPS of them (a
+        step the scheduler, the garbage collector or a first step's warm-up stretched moves it little; until then
+        the last window's, 0 before any: nothing measured yet); the window closes, and the next one opens, once it
+        holds MEASURE_WINDOW_S of compute. The exchange and the wall clock are since the last call (the wall clock
+        0, unknown, where that was under 2 steps)."""
+        steps0, exchange0, wall0 = self._mark
         exchange, now = self._exchange_s(), time.perf_counter()
-        if self._steps - steps0 >= 2 and self._compute_s > compute0:
-            steps = self._steps - steps0
-            out = (
-                (self._samples - samples0) / (self._compute_s - compute0),
-                (exchange - exchange0) / steps,
-                (now - wall0) / steps,
-            )
-        else:
-            out = (self.speed(), self.exchange_per_step(), 0.0)
-        self._mark = (self._samples, self._compute_s, self._steps, exchange, now)
-        return out
+        rates = [samples / compute for samples, compute in self._window if samples and compute > 0]
+        if len(rates) >= MEASURE_STEPS:
+            self._rate = statistics.median(rates)
+            if sum(compute for _, compute in self._window) >= MEASURE_WINDOW_S:
+                self._window = []
+        steps = self._steps - steps0
+        self._mark = (self._steps, exchange, now)
+        if steps >= 2:
+            return self._rate, (exchange - exchange0) / steps, (now - wall0) / steps
+        return self._rate, self.exchange_per_step(), 0.0
 
     def _exchange_s(self) -> float:
         return sum(g.comm_s for g in self.grads)
