@@ -102,7 +102,7 @@ def sliced_state(sliced: bool) -> None:
     if _sliced_mb > MAX_MB:
         name = SLICED_MMAP_THRESHOLD_MB[0]
         raise InputValueError(f"{name}={_sliced_mb:g} is above glibc's limit of {MAX_MB} MB; set it to 0-{MAX_MB}")
-    _set(_sliced_mb or _steps_mb or _threshold_mb)
+    _set(_in_force())
 
 
 def weights_are(*models: torch.nn.Module) -> None:
@@ -117,8 +117,7 @@ def weights_are(*models: torch.nn.Module) -> None:
     weights = (p for model in models for p in model.parameters() if p.requires_grad)
     largest_bytes = max((p.numel() * p.element_size() for p in weights), default=0)
     _steps_mb = MAX_MB if largest_bytes < _threshold_mb * 2**20 else 0.0
-    if not _sliced_mb:
-        _set(_steps_mb or _threshold_mb)
+    _set(_in_force())
 
 
 def trim() -> None:
@@ -137,7 +136,12 @@ def activations() -> Iterator[None]:
     try:
         yield
     finally:
-        _set(_threshold_mb)
+        _set(_in_force())
+
+
+def _in_force() -> float:
+    """The threshold outside a forward pass: sliced state's, else the steps' (small weights), else the set one."""
+    return _sliced_mb or _steps_mb or _threshold_mb
 
 
 def _set(threshold_mb: float) -> bool:
