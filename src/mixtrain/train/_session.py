@@ -118,8 +118,6 @@ class LoopSession:
     """The prepared models (a GAN's two): the host allocator's threshold follows the largest weight of them all."""
     _reports: int = 0
     _last_batch: tuple[float, float, int] | None = None  # (perf_counter, exchange seconds so far, samples)
-    _compute_s: float = 0.0
-    _samples: int = 0
     _hooks_s: float = 0.0  # what the after_compute hooks took at the last batch (it falls into the next one)
     _steps: int = 0
     _rebalancers: dict[int, Rebalancer] = field(default_factory=dict)
@@ -158,10 +156,8 @@ class LoopSession:
         t0, comm0, done = self._last_batch
         self._last_batch = None
         compute = max(0.0, now - t0 - (comm - comm0))
-        self._compute_s += compute  # what the hooks took included: the planner sees it
-        self._samples += done
         self._steps += 1
-        self._window.append((done, compute))
+        self._window.append((done, compute))  # what the hooks took included: the planner sees it
         if not self.grads:  # no prepared model told its work: the step's compute, less what the hooks took
             t1 = time.perf_counter()
             self.work_done(max(0.0, compute - self._hooks_s))
@@ -172,10 +168,6 @@ class LoopSession:
         self._last_batch = None  # the time between epochs (evaluation, a checkpoint) is not a step's
         self._hooks_s = 0.0
 
-    def speed(self) -> float:
-        """Samples per compute second over what this worker has trained so far (0: nothing measured yet)."""
-        return self._samples / self._compute_s if self._compute_s > 0 else 0.0
-
     def exchange_per_step(self) -> float:
         """Seconds in the exchange per step so far (waiting for slower workers included)."""
         return self._exchange_s() / self._steps if self._steps else 0.0
@@ -185,15 +177,15 @@ class LoopSession:
         from. The speed is the median of the measuring window's steps' own, once it holds MEASURE_STEPS of them (a
         step the scheduler, the garbage collector or a first step's warm-up stretched moves it little; until then
         the last window's, 0 before any: nothing measured yet); the window closes, and the next one opens, once it
-        holds MEASURE_WINDOW_S of compute. The exchange and the wall clock are since the last call (the wall clock
+        holds as many steps and MEASURE_WINDOW_S of compute. The exchange and the wall clock are since the last call (the wall clock
         0, unknown, where that was under 2 steps)."""
         steps0, exchange0, wall0 = self._mark
         exchange, now = self._exchange_s(), time.perf_counter()
         rates = [samples / compute for samples, compute in self._window if samples and compute > 0]
         if len(rates) >= MEASURE_STEPS:
             self._rate = statistics.median(rates)
-            if sum(compute for _, compute in self._window) >= MEASURE_WINDOW_S:
-                self._window = []
+        if len(self._window) >= MEASURE_STEPS and sum(compute for _, compute in self._window) >= MEASURE_WINDOW_S:
+            self._window = []  # (steps without samples count here, so that a window of them closes too)
         steps = self._steps - steps0
         self._mark = (self._steps, exchange, now)
         if steps >= 2:
