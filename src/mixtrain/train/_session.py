@@ -177,8 +177,8 @@ class LoopSession:
         from. The speed is the median of the measuring window's steps' own, once it holds MEASURE_STEPS of them (a
         step the scheduler, the garbage collector or a first step's warm-up stretched moves it little; until then
         the last window's, 0 before any: nothing measured yet); the window closes, and the next one opens, once it
-        holds as many steps and MEASURE_WINDOW_S of compute. The exchange and the wall clock are since the last call (the wall clock
-        0, unknown, where that was under 2 steps)."""
+        holds as many steps and MEASURE_WINDOW_S of compute. The exchange and the wall clock are since the last
+        call (the wall clock 0, unknown, where that was under 2 steps)."""
         steps0, exchange0, wall0 = self._mark
         exchange, now = self._exchange_s(), time.perf_counter()
         rates = [samples / compute for samples, compute in self._window if samples and compute > 0]
