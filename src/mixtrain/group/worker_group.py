@@ -4,6 +4,7 @@ membership's (group/membership.py): this starts, stops and renumbers the process
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
@@ -146,7 +147,7 @@ class WorkerGroup(GroupCalls):
                 "GLOO_SOCKET_IFNAME": self.scaling.network_interface,
                 "NCCL_SOCKET_IFNAME": self.scaling.network_interface,
             }
-        remote: Any = ray.remote(self.actor_cls)
+        remote = _actor_class(self.actor_cls)
         actor = remote.options(
             num_cpus=spec.bundle.get("CPU", 0.0),
             num_gpus=spec.bundle.get("GPU", 0.0),
@@ -297,3 +298,11 @@ class WorkerGroup(GroupCalls):
         warm_workers.keep(warm_workers.Idle(key, self.pg, actors, self._fits))
         self.pg = None
         return True
+
+
+@functools.cache
+def _actor_class(cls: type) -> Any:
+    """Ray's actor class for `cls`, made once per process: each `ray.remote(cls)` is a new one that Ray exports
+    again at its first `.remote()` (pickles it, hashes its disassembled code: 28 ms for TrainWorker, 2026-12-06),
+    once per worker started. Ray exports it again itself for a new cluster or job."""
+    return ray.remote(cls)
