@@ -31,6 +31,16 @@ def test_the_embedded_ray_starts_without_the_api_server_and_the_monitors_and_run
     assert out["agents"] and not out["agent_minimal"] and not out["deps_imported"], out
 
 
+def test_workers_start_in_a_second_embedded_ray_with_the_actor_class_made_once():
+    # WorkerGroup makes Ray's actor class once per worker class (each ray.remote(cls) was exported again at its
+    # first actor); a Ray stopped and started again in the same process (a notebook, a sweep) must still get it
+    out = run_cluster_script("restarted_ray.py", timeout=180)
+    for start in ("first", "second"):
+        assert sorted(w["rank"] for w in out[start]) == [0, 1], out
+    assert not {w["pid"] for w in out["first"]} & {w["pid"] for w in out["second"]}, out  # new worker processes
+    assert out["classes_made"] == 1 and out["reused"] == 3, out  # 4 workers started, one class
+
+
 def _listening() -> list[dict]:
     """Every TCP socket this process and its descendants (the test session's Ray: GCS, raylet, agents, workers)
     listen on."""
