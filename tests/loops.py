@@ -256,7 +256,7 @@ class Noisy(torch.utils.data.Dataset):
 
 def augmented_loop(config: dict[str, Any]) -> None:
     x, y = config["data"]
-    model = prepare_model(net())
+    model = prepare_model(net(config.get("width", 24)))
     loader = prepare_data_loader(DataLoader(Noisy(x, y), batch_size=config["batch"], shuffle=True, num_workers=1))
     opt, _ = _opt("sgd", model.parameters())
     for _ in range(config["epochs"]):
@@ -272,7 +272,7 @@ def augmented_reference(config: dict[str, Any], workers: int) -> dict[str, torch
 
     x, y = config["data"]
     data = Noisy(x, y)
-    model = net()
+    model = net(config.get("width", 24))
     opt, _ = _opt("sgd", model.parameters())
     big = config["batch"] * workers
     for epoch in range(config["epochs"]):

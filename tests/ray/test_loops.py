@@ -60,8 +60,10 @@ def test_a_loop_with_unequal_shares_trains_what_one_process_trains_on_the_whole_
 
 def test_augmentation_in_a_dataset_read_by_loader_processes_is_seeded_per_sample_and_stays_exact(tmp_path):
     # A Dataset, not tensors: read sample by sample in a loader process. Worker 2 is 3x slower (emulated), so the
-    # shares move within the first epoch and the loader is cut again mid-epoch: the samples stay the same.
-    config = {"data": loops.data(90), "batch": 5, "epochs": 2}  # global batch 15: 6 steps an epoch
+    # shares move within the first epoch and the loader is cut again mid-epoch: the samples stay the same. The
+    # net's width: steps long enough that the loop's measuring window (3 steps and 0.1 s of compute) closes
+    # within the first epoch on an idle machine too (at width 24 it did not, once in a fresh-clone run)
+    config = {"data": loops.data(90), "batch": 5, "epochs": 2, "width": 8192}  # global batch 15: 6 steps an epoch
     result = _fit(loops.augmented_loop, config, tmp_path, shares=None, emulate_slowdown={2: 3.0})
     _close(torch.load(tmp_path / "weights.pt"), loops.augmented_reference(config, workers=3))
     moves = [(r["epoch"], r["step"]) for r in _records(result) if r["kind"] == "plan" and r["moved"]]
