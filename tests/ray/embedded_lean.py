@@ -20,6 +20,7 @@ def main() -> None:
     node = ray._private.worker._global_node
     started = sorted(node.all_processes)
     answer = ray.get(_square.remote(7), timeout=60)
+    ports = {k: v for k, v in ray.nodes()[0].items() if k.endswith("Port")}  # as the raylet registered them
     agents = [p.cmdline() for p in psutil.Process().children(recursive=True) if "agent.py" in " ".join(p.cmdline())]
     agent_minimal = any("--minimal" in cmd for cmd in agents)
     deps_imported = "aiohttp" in sys.modules  # Ray's own check imports its dashboard packages in the driver
@@ -31,7 +32,8 @@ def main() -> None:
     restored = ray_node.Node.start_api_server.__name__ == "start_api_server"
     restored = restored and parameter.RayParams.__name__ == "RayParams" and services.get_node.__name__ == "get_node"
     restored = restored and utils.get_dashboard_dependency_error.__name__ == "get_dashboard_dependency_error"
-    out = {"processes": started, "answer": answer, "restored": restored, "agents": agents}
+    restored = restored and services.start_raylet.__name__ == "start_raylet"
+    out = {"processes": started, "answer": answer, "restored": restored, "agents": agents, "ports": ports}
     print(json.dumps({**out, "agent_minimal": agent_minimal, "deps_imported": deps_imported}))
 
 

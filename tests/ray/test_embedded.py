@@ -29,6 +29,11 @@ def test_the_embedded_ray_starts_without_the_api_server_and_the_monitors_and_run
     # the node's agent starts as Ray would start it here (ray[default] installed: not --minimal), yet the driver
     # found Ray's dashboard packages without importing them
     assert out["agents"] and not out["agent_minimal"] and not out["deps_imported"], out
+    # ... and its raylet registered without waiting for that agent: its metrics and HTTP ports "not served" (-1,
+    # written before the raylet started; the agent would have reported real ones), the runtime-env agent's real
+    ports = out["ports"]
+    assert ports["MetricsAgentPort"] == ports["MetricsExportPort"] == ports["DashboardAgentListenPort"] == -1, out
+    assert ports["RuntimeEnvAgentPort"] > 0 and ports["NodeManagerPort"] > 0, out
 
 
 def test_workers_start_in_a_second_embedded_ray_with_the_actor_class_made_once():

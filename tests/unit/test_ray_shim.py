@@ -73,6 +73,38 @@ def test_dashboard_deps_are_found_not_imported_with_rays_answer_and_without_the_
         assert not hasattr(utils, "get_dashboard_dependency_error")
 
 
+def test_the_agents_ports_are_written_as_not_served_before_the_raylet_starts_and_without_internals_not(
+    monkeypatch, tmp_path
+):
+    started = []
+
+    def start_raylet(redis_address, gcs_address, node_id, node_ip_address, session_dir, **rest):  # Ray's order
+        started.append((node_id, sorted(p.name for p in pathlib.Path(session_dir).iterdir()), rest))
+        return "raylet"
+
+    monkeypatch.setattr(services, "start_raylet", start_raylet)
+    node_id = "ab" * 28
+    with ray_shim.agent_not_awaited():
+        assert services.start_raylet(None, "gcs:1", node_id, "127.0.0.1", str(tmp_path), labels="{}") == "raylet"
+    assert services.start_raylet is start_raylet  # Ray's own again after the block
+    names = [getattr(ray._raylet, name) for name in ray_shim.AGENT_SERVICES]
+    assert started == [(node_id, sorted(f"{name}_{node_id}" for name in names), {"labels": "{}"})]
+    for name in names:  # Ray's own reader finds "not served", without waiting
+        assert ray._raylet.wait_for_persisted_port(str(tmp_path), node_id, name, timeout_ms=0) == -1
+    assert ray_shim.AGENT_SERVICES == (
+        "METRICS_AGENT_PORT_NAME",
+        "METRICS_EXPORT_PORT_NAME",
+        "DASHBOARD_AGENT_LISTEN_PORT_NAME",
+    )  # the runtime-env agent's is awaited
+    monkeypatch.setattr(services, "start_raylet", lambda *args: "no names to bind")  # a signature without them
+    with ray_shim.agent_not_awaited():
+        assert services.start_raylet() == "no names to bind"
+    monkeypatch.setattr(services, "start_raylet", start_raylet)
+    monkeypatch.delattr(ray._raylet, "persist_port")  # a Ray without it: nothing is patched
+    with ray_shim.agent_not_awaited():
+        assert services.start_raylet is start_raylet
+
+
 def test_installed_finds_modules_without_importing_them():
     assert ray_shim._installed("json.decoder") and not ray_shim._installed("json.no_such_module")
     assert not ray_shim._installed("no_such_package_here.sub") and not ray_shim._installed("json.decoder.deeper")

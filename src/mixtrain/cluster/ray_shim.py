@@ -11,6 +11,7 @@ taken away (the behaviour of a Ray without it).
 | lean_head | node.Node.start_api_server, services.get_node, state.GlobalState (2.4x-2.6x) | Ray's own start |
 | loopback_as_given | services.resolve_ip_for_localhost (2.x) | Ray's own resolution |
 | dashboard_deps_found | utils.get_dashboard_dependency_error, dashboard/optional_deps.py (2.x) | Ray's own check |
+| agent_not_awaited | services.start_raylet, ray._raylet.persist_port and port names (2.5x-2.6x) | Ray's own start |
 | gcs_client | ray._raylet.InnerGcsClient (2.5x-2.6x), else ray._raylet.GcsClient | Ray's client (30 s connect) |
 | token_auth_available, reload_auth_config | ray._raylet AuthenticationTokenLoader, Config (2.52+) | refused |
 | streaming | the actor option _generator_backpressure_num_objects (2.10+) | unbounded streaming |
@@ -127,6 +128,49 @@ def dashboard_deps_found() -> Iterator[None]:
         return ImportError(f"No module named {missing[0]!r}") if missing else None
 
     with _patched([(utils, "get_dashboard_dependency_error", found)]):
+        yield
+
+
+AGENT_SERVICES = ("METRICS_AGENT_PORT_NAME", "METRICS_EXPORT_PORT_NAME", "DASHBOARD_AGENT_LISTEN_PORT_NAME")
+"""The names (in ray._raylet) of the port files through which the node's dashboard agent tells the raylet where it
+serves metrics and HTTP; -1 in one means "not served" (what a Ray installed without its dashboard packages
+reports)."""
+
+
+@contextmanager
+def agent_not_awaited() -> Iterator[None]:
+    """A raylet started in this block registers its node without waiting for the node's dashboard agent: the
+    agent's three ports (metrics, metrics export, HTTP) are written as -1, "not served", into the session folder
+    before the raylet starts. Ray's raylet reads each from a file the agent writes once it is up (0.7 s after
+    its start on an idle 2-core machine, 4-5 s where another Ray holds the agent's HTTP port 52365 and it retries)
+    and registers only then; `ray.init` waits for that registration. A local run uses none of the three (no
+    dashboard, no metrics export): the raylet and the workers log "Metrics agent not available" once, as on a
+    Ray installed without its dashboard packages. The agent still starts and runs as before (the raylet watches
+    it); the runtime-env agent's port, which workers' environments need, is still awaited. Without any internal
+    used here, Ray's own start."""
+    from ray import _raylet
+    from ray._private import services
+
+    start_raylet: Callable[..., Any] | None = getattr(services, "start_raylet", None)
+    persist_port: Callable[..., Any] | None = getattr(_raylet, "persist_port", None)
+    names = [getattr(_raylet, name, None) for name in AGENT_SERVICES]
+    try:
+        signature = inspect.signature(start_raylet) if start_raylet is not None else inspect.Signature()
+    except (TypeError, ValueError):  # no signature to read: Ray's own start
+        signature = inspect.Signature()
+    needed = {"node_id", "session_dir"}
+    if start_raylet is None or persist_port is None or None in names or not needed <= set(signature.parameters):
+        yield
+        return
+    original, write = start_raylet, persist_port
+
+    def start_raylet_unawaited(*args: Any, **kwargs: Any) -> Any:
+        given = signature.bind_partial(*args, **kwargs).arguments
+        for name in names:
+            write(given["session_dir"], given["node_id"], name, -1)
+        return original(*args, **kwargs)
+
+    with _patched([(services, "start_raylet", start_raylet_unawaited)]):
         yield
 
 
