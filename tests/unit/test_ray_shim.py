@@ -73,12 +73,12 @@ def test_dashboard_deps_are_found_not_imported_with_rays_answer_and_without_the_
         assert not hasattr(utils, "get_dashboard_dependency_error")
 
 
-def test_the_agents_ports_are_written_as_not_served_before_the_raylet_starts_and_without_internals_not(
+def test_the_agents_ports_are_not_served_before_the_raylet_starts_and_without_the_internals_ray_waits(
     monkeypatch, tmp_path
 ):
     started = []
 
-    def start_raylet(redis_address, gcs_address, node_id, node_ip_address, session_dir, **rest):  # Ray's order
+    def start_raylet(redis_address, gcs_address, node_id, node_ip_address, session_dir, **rest):  # named as Ray's
         started.append((node_id, sorted(p.name for p in pathlib.Path(session_dir).iterdir()), rest))
         return "raylet"
 
