@@ -23,6 +23,9 @@ Command lines:
         # DataLoader(batch_size=64, num_workers=1, shuffle=True), 8 epochs; the whole loop timed, as its author
         # would time it (loader starts included); mxloop1: one worker through the loop API, mxloop: two,
         # mxloop-default: the default (one worker holding every core here), mixtrain1: the Task door
+    python benchmarks/compare.py --runners ddp,mixtrain-all,mxrun --workloads mlp --beside-ray
+        # the same with a second embedded Ray idling on the machine all along (another run at once, a `ray start`
+        # cluster, a test session): what a run's start finds when it is not alone
     python benchmarks/compare.py --emulate 1:3@4 --runners mixtrain-all --workloads cnn --repeats 1
         # a slowdown switched on at round 4: prints mixtrain's shares per round
     python benchmarks/compare.py --workloads cnn --emulate 1:3 --runners ddp,mx:allreduce,mx:ps,mx:ps-async,\
@@ -45,6 +48,7 @@ x 1 thread, the single process 2 threads. samples/s excludes warm-up steps.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
@@ -52,6 +56,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 T0_ENV = "MIXTRAIN_BENCH_T0"
@@ -505,6 +510,38 @@ def compile_mixtrain() -> None:
         compileall.compile_dir(folder, quiet=1)
 
 
+BESIDE_RAY = """
+import sys
+from mixtrain.cluster import connect
+connect.start_embedded(num_cpus=1, log_to_driver=False, logging_level="ERROR")
+print("up", flush=True)
+sys.stdin.read()  # until the comparison closes it
+connect.stop_ray_uninterrupted()
+"""
+
+
+@contextlib.contextmanager
+def beside_ray(on: bool) -> Iterator[None]:
+    """A second embedded Ray, started as mixtrain starts its own, idling on this machine for the block."""
+    if not on:
+        yield
+        return
+    proc = subprocess.Popen(
+        [sys.executable, "-c", BESIDE_RAY], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    )
+    assert proc.stdin is not None and proc.stdout is not None
+    try:
+        if proc.stdout.readline().strip() != "up":
+            raise RuntimeError("the second Ray (--beside-ray) did not start")
+        yield
+    finally:
+        proc.stdin.close()  # it stops its Ray and exits
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
 def compare(workloads: list[str], runners: list[str], repeats: int) -> dict:
     compile_mixtrain()
     results: dict = {}
@@ -601,6 +638,7 @@ def main() -> None:
     parser.add_argument("--runners", default=",".join(RUNNERS))
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--json", default="bench_results/compare.json", help="where the raw results go")
+    parser.add_argument("--beside-ray", action="store_true", help="a second Ray idles on the machine throughout")
     parser.add_argument("--emulate", help="EMULATION: RANK:FACTOR, e.g. 1:3 (sets MIXTRAIN_EMULATE_SLOWDOWN)")
     args = parser.parse_args()
     if args.emulate:
@@ -636,7 +674,8 @@ def main() -> None:
         }
         print(json.dumps(runner[args.runner](args.workload)))
         return
-    results = compare(args.workloads.split(","), args.runners.split(","), args.repeats)
+    with beside_ray(args.beside_ray):
+        results = compare(args.workloads.split(","), args.runners.split(","), args.repeats)
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
     Path(args.json).write_text(json.dumps(results, indent=1))
     print(table(results))
