@@ -26,11 +26,13 @@ def test_the_embedded_ray_starts_without_the_api_server_and_the_monitors_and_run
     assert not {"monitor", "log_monitor", "dashboard"} & set(out["processes"]), out
     assert out["answer"] == 49
     assert out["restored"], out
-    # the node's agent starts as Ray would start it here (ray[default] installed: not --minimal), yet the driver
-    # found Ray's dashboard packages without importing them
-    assert out["agents"] and not out["agent_minimal"] and not out["deps_imported"], out
-    # ... and its raylet registered without waiting for that agent: its metrics and HTTP ports "not served" (-1,
-    # written before the raylet started; the agent would have reported real ones), the runtime-env agent's real
+    # no dashboard agent: the raylet runs a stand-in where Ray would start it (with the arguments Ray builds here:
+    # ray[default] installed, not --minimal, found without importing Ray's dashboard packages in the driver); the
+    # runtime-env agent runs; the stand-in is gone once Ray has stopped
+    assert out["standins"] == 1 and out["agents"] == ["ray::RuntimeEnvAgent"], out
+    assert not out["agent_minimal"] and not out["deps_imported"] and out["standins_left"] == [], out
+    # ... and its raylet registered at once: the agent's metrics and HTTP ports "not served" (-1, written before
+    # the raylet started), the runtime-env agent's real
     ports = out["ports"]
     assert ports["MetricsAgentPort"] == ports["MetricsExportPort"] == ports["DashboardAgentListenPort"] == -1, out
     assert ports["RuntimeEnvAgentPort"] > 0 and ports["NodeManagerPort"] > 0, out

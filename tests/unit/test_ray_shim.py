@@ -6,11 +6,14 @@ would be: it falls back to what Ray does by itself, or refuses where nothing saf
 from __future__ import annotations
 
 import pathlib
+import subprocess
+import sys
 
+import psutil
 import pytest
 import ray
 import ray._raylet
-from ray._private import node, parameter, services, utils
+from ray._private import node, parameter, ray_constants, services, utils
 
 from mixtrain.cluster import ray_shim
 
@@ -84,7 +87,7 @@ def test_the_agents_ports_are_not_served_before_the_raylet_starts_and_without_th
 
     monkeypatch.setattr(services, "start_raylet", start_raylet)
     node_id = "ab" * 28
-    with ray_shim.agent_not_awaited():
+    with ray_shim.no_dashboard_agent():
         assert services.start_raylet(None, "gcs:1", node_id, "127.0.0.1", str(tmp_path), labels="{}") == "raylet"
     assert services.start_raylet is start_raylet  # Ray's own again after the block
     names = [getattr(ray._raylet, name) for name in ray_shim.AGENT_SERVICES]
@@ -97,12 +100,72 @@ def test_the_agents_ports_are_not_served_before_the_raylet_starts_and_without_th
         "DASHBOARD_AGENT_LISTEN_PORT_NAME",
     )  # the runtime-env agent's is awaited
     monkeypatch.setattr(services, "start_raylet", lambda *args: "no names to bind")  # a signature without them
-    with ray_shim.agent_not_awaited():
+    with ray_shim.no_dashboard_agent():
         assert services.start_raylet() == "no names to bind"
     monkeypatch.setattr(services, "start_raylet", start_raylet)
     monkeypatch.delattr(ray._raylet, "persist_port")  # a Ray without it: nothing is patched
-    with ray_shim.agent_not_awaited():
+    with ray_shim.no_dashboard_agent():
         assert services.start_raylet is start_raylet
+
+
+def test_the_raylet_is_given_the_stand_in_for_the_dashboard_agent_only_and_only_while_it_starts(monkeypatch, tmp_path):
+    build = services._build_python_executable_command_memory_profileable
+    commands = {}
+
+    def start_raylet(redis_address, gcs_address, node_id, node_ip_address, session_dir, **rest):  # as Ray builds
+        for agent in (ray_constants.PROCESS_TYPE_DASHBOARD_AGENT, ray_constants.PROCESS_TYPE_RUNTIME_ENV_AGENT):
+            commands[agent] = services._build_python_executable_command_memory_profileable(agent, session_dir)
+        return "raylet"
+
+    monkeypatch.setattr(services, "start_raylet", start_raylet)
+    with ray_shim.no_dashboard_agent():
+        assert services._build_python_executable_command_memory_profileable is build  # not before the raylet
+        services.start_raylet(None, "gcs:1", "cd" * 28, "127.0.0.1", str(tmp_path))
+        assert services._build_python_executable_command_memory_profileable is build  # nor after it
+    assert commands[ray_constants.PROCESS_TYPE_DASHBOARD_AGENT] == [sys.executable, "-S", "-c", ray_shim.AGENT_STANDIN]
+    assert commands[ray_constants.PROCESS_TYPE_RUNTIME_ENV_AGENT] == build(  # Ray's own: it starts and is awaited
+        ray_constants.PROCESS_TYPE_RUNTIME_ENV_AGENT, str(tmp_path)
+    )
+    monkeypatch.delattr(ray_constants, "PROCESS_TYPE_DASHBOARD_AGENT")  # a Ray that names it otherwise
+    builders = []
+
+    def start_raylet_recording(redis_address, gcs_address, node_id, node_ip_address, session_dir):
+        builders.append(services._build_python_executable_command_memory_profileable)
+
+    monkeypatch.setattr(services, "start_raylet", start_raylet_recording)
+    with ray_shim.no_dashboard_agent():
+        services.start_raylet(None, "gcs:1", "ef" * 28, "127.0.0.1", str(tmp_path))
+    assert builders == [build]  # the agent starts (Ray's own command), unawaited: its port files are written
+    assert {f"{getattr(ray._raylet, name)}_{'ef' * 28}" for name in ray_shim.AGENT_SERVICES} <= {
+        p.name for p in tmp_path.iterdir()
+    }
+
+
+def test_the_stand_in_lives_as_long_as_its_parent_and_reads_no_arguments():
+    # what the raylet does with it: start it with the agent's arguments after the command, and stop when it exits
+    parent = subprocess.Popen(
+        [sys.executable, "-c", _STANDIN_PARENT, ray_shim.AGENT_STANDIN],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    standin = psutil.Process(int(parent.stdout.readline()))
+    try:
+        assert standin.cmdline()[1:4] == ["-S", "-c", ray_shim.AGENT_STANDIN]
+        with pytest.raises(psutil.TimeoutExpired):  # it lives while its parent does
+            standin.wait(timeout=1.0)
+    finally:
+        parent.communicate("", timeout=30)  # the parent exits (as a raylet that was killed)
+    assert parent.returncode == 0
+    standin.wait(timeout=10)  # and the stand-in goes by itself (it looks every 0.5 s)
+
+
+_STANDIN_PARENT = """
+import subprocess, sys
+child = subprocess.Popen([sys.executable, "-S", "-c", sys.argv[1], "agent.py", "--node-id=x", "--minimal"])
+print(child.pid, flush=True)
+sys.stdin.read()
+"""
 
 
 def test_installed_finds_modules_without_importing_them():

@@ -46,11 +46,13 @@ include_dashboard=False, to run the usage-statistics module alone (off: RAY_USAG
 waits for: 1.0-1.4 s on a 2-core machine. It serves Ray's job submission, state API and dashboard, none of which
 mixtrain's drivers use; `mixtrain cluster up --dashboard` is the way to have them.
 
-Nor does its raylet wait for the dashboard agent to come up before it registers the node (ray_shim.
-agent_not_awaited): the agent's metrics and HTTP ports, which no local run uses, are "not served" from the start.
-On an idle 2-core machine `ray.init` took 1.15-1.31 s against 1.20-1.46 s (the runtime-env agent, still
-awaited, comes up nearly as late); where another Ray on the machine held the agent's HTTP port (two runs at
-once, a `ray start` cluster, a test session), 1.24-1.39 s against 4.65-5.05 s (2026-12-06)."""
+Nor does it start the dashboard agent, or wait for it (ray_shim.no_dashboard_agent): the raylet registers the
+node with the agent's metrics and HTTP ports "not served" from the start, and runs a stand-in that only lives as
+long as the raylet where the agent would be (0.7-0.9 s of CPU at start-up and 118 MB of memory, to serve what
+only the API server above and Ray's metrics export use). Where another Ray on the machine held the agent's HTTP
+port (two runs at once, a `ray start` cluster, a test session), `ray.init` took 4.65-5.05 s with the agent
+awaited and 1.24-1.39 s without; the first step of `compare.py`'s MLP came 0.4-0.6 s sooner without the agent
+than with it unawaited, on an idle 2-core machine (2026-12-06)."""
 
 
 LOCAL_NODE_IP = "127.0.0.1"
@@ -102,7 +104,7 @@ def start_embedded(**init_args: Any) -> None:
         ray_shim.node_params(LOCAL_NODE_IP, LEAN_HEAD),
         ray_shim.lean_head(REGISTER_POLL_S),
         ray_shim.dashboard_deps_found(),
-        ray_shim.agent_not_awaited(),
+        ray_shim.no_dashboard_agent(),
     ):
         ray.init(
             address="local",  # a new embedded Ray, even where a `ray start` cluster runs on this machine

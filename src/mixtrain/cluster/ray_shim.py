@@ -11,7 +11,8 @@ taken away (the behaviour of a Ray without it).
 | lean_head | node.Node.start_api_server, services.get_node, state.GlobalState (2.4x-2.6x) | Ray's own start |
 | loopback_as_given | services.resolve_ip_for_localhost (2.x) | Ray's own resolution |
 | dashboard_deps_found | utils.get_dashboard_dependency_error, dashboard/optional_deps.py (2.x) | Ray's own check |
-| agent_not_awaited | services.start_raylet, ray._raylet.persist_port and port names (2.5x-2.6x) | Ray's own start |
+| no_dashboard_agent | services.start_raylet, ray._raylet.persist_port and port names (2.5x-2.6x) | Ray's own start |
+| (its stand-in) | services._build_python_executable_command_memory_profileable (2.60) | agent unawaited |
 | gcs_client | ray._raylet.InnerGcsClient (2.5x-2.6x), else ray._raylet.GcsClient | Ray's client (30 s connect) |
 | token_auth_available, reload_auth_config | ray._raylet AuthenticationTokenLoader, Config (2.52+) | refused |
 | streaming | the actor option _generator_backpressure_num_objects (2.10+) | unbounded streaming |
@@ -136,18 +137,31 @@ AGENT_SERVICES = ("METRICS_AGENT_PORT_NAME", "METRICS_EXPORT_PORT_NAME", "DASHBO
 serves metrics and HTTP; -1 in one means "not served" (what a Ray installed without its dashboard packages
 reports)."""
 
+AGENT_STANDIN = (
+    "import os, time; p = os.getppid(); any(time.sleep(0.5) for _ in iter(lambda: os.getppid() == p, False))"
+)
+"""What the raylet runs in place of its dashboard agent (`python -S -c`, the agent's arguments after it unread): a
+process that lives until its raylet goes. The raylet stops when one of its agents exits, so the stand-in waits: the
+raylet stops it when it stops itself, and it leaves by itself within 0.5 s of a raylet that was killed (its
+parent is then another process)."""
+
 
 @contextmanager
-def agent_not_awaited() -> Iterator[None]:
-    """A raylet started in this block registers its node without waiting for the node's dashboard agent: the
-    agent's three ports (metrics, metrics export, HTTP) are written as -1, "not served", into the session folder
-    before the raylet starts. Ray's raylet reads each from a file the agent writes once it is up (0.7 s after
-    its start on an idle 2-core machine, 4-5 s where another Ray holds the agent's HTTP port 52365 and it retries)
-    and registers only then; `ray.init` waits for that registration. A local run uses none of the three (no
-    dashboard, no metrics export): the raylet and the workers log "Metrics agent not available" once, as on a
-    Ray installed without its dashboard packages. The agent still starts and runs as before (the raylet watches
-    it); the runtime-env agent's port, which workers' environments need, is still awaited. Without any internal
-    used here, Ray's own start."""
+def no_dashboard_agent() -> Iterator[None]:
+    """A raylet started in this block runs without Ray's dashboard agent and registers its node at once.
+
+    The agent's three ports (metrics, metrics export, HTTP) are written as -1, "not served", into the session folder
+    before the raylet starts: Ray's raylet reads each from a file the agent writes once it is up (0.7 s after its
+    start on an idle 2-core machine, 4-5 s where another Ray holds the agent's HTTP port 52365 and it retries) and
+    registers only then, and `ray.init` waits for that registration. And the raylet runs a stand-in
+    (AGENT_STANDIN) where it would start the agent: the agent's start is 0.8-0.9 s of CPU (Ray, grpc, aiohttp,
+    opentelemetry and its seven modules) and 100 MB or more of memory, on the cores the workers need then, to
+    serve what a local run does not use: Ray's metrics export, the state API's logs and node stats, job
+    submission (the API server these answer to is not started either: lean_head). The raylet and the workers
+    log "Metrics agent not available" once, as on a Ray installed without its dashboard packages. The runtime-env
+    agent starts and is awaited as before (workers' environments need it). Where this Ray lacks the internal
+    that builds the agent's command, the agent starts and runs, unawaited; without any internal used for the
+    port files, Ray's own start."""
     from ray import _raylet
     from ray._private import services
 
@@ -163,15 +177,38 @@ def agent_not_awaited() -> Iterator[None]:
         yield
         return
     original, write = start_raylet, persist_port
+    standin = _agent_standin()
 
-    def start_raylet_unawaited(*args: Any, **kwargs: Any) -> Any:
+    def start_raylet_without_agent(*args: Any, **kwargs: Any) -> Any:
         given = signature.bind_partial(*args, **kwargs).arguments
         for name in names:
             write(given["session_dir"], given["node_id"], name, -1)
-        return original(*args, **kwargs)
+        with _patched(standin):
+            return original(*args, **kwargs)
 
-    with _patched([(services, "start_raylet", start_raylet_unawaited)]):
+    with _patched([(services, "start_raylet", start_raylet_without_agent)]):
         yield
+
+
+def _agent_standin() -> list[tuple[Any, str, Callable[..., Any]]]:
+    """The patch that has Ray's start_raylet give its raylet the stand-in's command for the dashboard agent's
+    (Ray builds each agent's command from `_build_python_executable_command_memory_profileable(component, ...)`,
+    the Python to run, followed by the agent's script and arguments); [] where this Ray builds it otherwise."""
+    import sys
+
+    from ray._private import ray_constants, services
+
+    build = getattr(services, "_build_python_executable_command_memory_profileable", None)
+    agent = getattr(ray_constants, "PROCESS_TYPE_DASHBOARD_AGENT", None)
+    if build is None or agent is None:
+        return []
+
+    def python_command(component: str, *args: Any, **kwargs: Any) -> Any:
+        if component == agent:
+            return [sys.executable, "-S", "-c", AGENT_STANDIN]
+        return build(component, *args, **kwargs)
+
+    return [(services, "_build_python_executable_command_memory_profileable", python_command)]
 
 
 def _dashboard_packages() -> list[str]:
