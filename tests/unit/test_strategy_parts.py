@@ -190,24 +190,53 @@ def test_one_rank_keeps_plain_gradients_and_agrees_on_finiteness():
     assert torch.equal(params[3].grad, torch.zeros_like(params[3])) and grads.all_finite(loss)
 
 
-def test_local_sgd_checks_finiteness_with_one_norm_and_elementwise_only_when_it_is_not_finite(monkeypatch):
+@pytest.mark.parametrize("fused", [True, False], ids=["fused-check", "norms"])
+def test_local_sgd_checks_finiteness_in_one_call_or_one_norm_and_elementwise_only_when_that_is_not_finite(
+    monkeypatch, fused
+):
     """The inner step ran an elementwise isfinite over every gradient each step (40 ms a step for the 6.4M
-    slow-link model on this CPU, 9% of the worker's main thread); now one norm, as all-reduce's check does."""
+    slow-link model on this CPU, 9% of the worker's main thread); now, on a CPU or a CUDA device, torch's fused
+    check (elementwise, no mask, one call), elsewhere (MPS: FUSED_CHECK without it) one norm, and the elementwise
+    check only where that norm is not finite."""
     from types import SimpleNamespace
 
     from mixtrain import devices
+    from mixtrain.comm import buckets
     from mixtrain.comm.local_sgd import LocalSGDStrategy
     from mixtrain.devices.precision import LossScale
 
+    if not fused:
+        monkeypatch.setattr(buckets, "FUSED_CHECK", ())
     model = torch.nn.Linear(4, 3)
     task = SimpleNamespace(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), max_grad_norm=None)
     strategy = SimpleNamespace(params=list(model.parameters()), loss_scale=LossScale(enabled=False))
     elementwise = []
     real = devices.all_finite
     monkeypatch.setattr(devices, "all_finite", lambda ts: elementwise.append(1) or real(ts))
-    for grad, finite, checked in ((1.0, True, 0), (1e38, True, 1), (float("nan"), False, 1)):
+    for grad, loss, finite, checked in (
+        (1.0, 0.5, True, 0),
+        (1e38, 0.5, True, 0 if fused else 1),  # finite values whose norm overflows
+        (float("nan"), 0.5, False, 0 if fused else 1),
+        (1.0, float("inf"), False, 0 if fused else 1),  # the loss is checked too
+    ):
         elementwise.clear()
         for p in model.parameters():
-            p.grad = torch.full_like(p, grad)  # 1e38: finite values whose norm overflows
-        ok, _ = LocalSGDStrategy._optimizer_step(strategy, task, 1.0, also=(torch.tensor([0.5]),))
+            p.grad = torch.full_like(p, grad)
+        before = [p.grad.clone() for p in model.parameters()]
+        ok, _ = LocalSGDStrategy._optimizer_step(strategy, task, 1.0, also=(torch.tensor([loss]),))
         assert (ok, len(elementwise)) == (finite, checked)
+        if not finite:  # the check changes nothing it reads (the fused one multiplies by 1)
+            for p, b in zip(model.parameters(), before):
+                torch.testing.assert_close(p.grad, b, rtol=0, atol=0, equal_nan=True)
+
+
+def test_the_finite_check_takes_what_the_fused_call_does_not_by_norms():
+    """An expanded view set by hand as a gradient (the fused call cannot write it in place), an integer extra: the
+    fused call refuses them, and the verdict comes from norms (and the elementwise check), the same."""
+    from mixtrain.comm.buckets import grads_finite
+
+    dense = torch.ones(3)
+    assert grads_finite([dense, torch.ones(1).expand(4)]) and grads_finite([torch.full((1,), 1e38).expand(4)])
+    assert not grads_finite([dense, torch.full((1,), float("inf")).expand(4)])
+    assert grads_finite([dense], torch.tensor([3])) and grads_finite([])
+    assert not grads_finite([], torch.tensor([-torch.inf]))
