@@ -68,7 +68,8 @@ def forward_backward(
         weight = len(chunk) / step_total
         if n == len(chunks) - 1:
             strategy.before_last_backward(task)
-        (loss * (pace.grad_weight(len(chunk), step_total) * strategy.loss_scale.scale)).backward()
+        factor = pace.grad_weight(len(chunk), step_total) * strategy.loss_scale.scale
+        (loss * factor if factor != 1.0 else loss).backward()  # x * 1.0 is x: a kernel and a graph node fewer
         term = loss.detach() * weight
         total = term if total is None else total + term
     if total is None:  # no samples for this rank in this step
