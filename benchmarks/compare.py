@@ -5,6 +5,8 @@ Command lines:
     python benchmarks/compare.py --repeats 1 --workloads cnn
     python benchmarks/compare.py --runner mixtrain --workload mlp   # one runner, prints one JSON line
     python benchmarks/compare.py --runners single1,mixtrain1 --repeats 5   # mixtrain's own cost per step (us)
+    python benchmarks/compare.py --runners single1,mixtrain1 --workloads deep   # the same on a step of many small
+        # operations (24 layers of width 16), launch-bound as a small model's step on a GPU
     python benchmarks/compare.py --runners single,mixtrain,mixtrain-default --repeats 3   # the first run's default
         # (mixtrain-default: no --workers, i.e. auto: one CPU worker holding every core here) against the plain loop
     python benchmarks/compare.py --emulate 1:3 --runners single1,ddp,mixtrain,mixtrain-all,mixtrain-equal
@@ -66,6 +68,7 @@ WORKLOADS = {
     # name: (samples per epoch, epochs, warm-up steps excluded from samples/s)
     "mlp": (128 * 100, 4, 40),
     "cnn": (128 * 30, 2, 6),
+    "deep": (128 * 100, 4, 40),  # 24 layers of width 16: a step of many small ops, as a GPU step is launch-bound
     "newcomer": (1438, 8, 0),  # scikit-learn's digits less a held-out fifth; the whole loop is timed
 }
 NEWCOMER_BATCH = 64  # the newcomer's DataLoader(batch_size=64): the global batch on every runner
@@ -83,6 +86,8 @@ def make_model(workload: str):
 
     if workload == "mlp":
         return nn.Sequential(nn.Linear(784, 512), nn.ReLU(), nn.Linear(512, 512), nn.ReLU(), nn.Linear(512, 10))
+    if workload == "deep":
+        return nn.Sequential(*[m for _ in range(24) for m in (nn.Linear(16, 16), nn.ReLU())], nn.Linear(16, 10))
     return nn.Sequential(
         nn.Conv2d(1, 32, 3),
         nn.ReLU(),
@@ -101,7 +106,7 @@ def make_data(workload: str):
 
     n = WORKLOADS[workload][0]
     g = torch.Generator().manual_seed(0)
-    shape = (n, 784) if workload == "mlp" else (n, 1, 28, 28)
+    shape = {"mlp": (n, 784), "deep": (n, 16)}.get(workload, (n, 1, 28, 28))
     return torch.randn(shape, generator=g), torch.randint(0, 10, (n,), generator=g)
 
 
