@@ -587,7 +587,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("step", choices=["env", "exactness", "sliced", "caps", "loop", "overhead", "nccl", "lost-worker"])
     ap.add_argument("--devices", choices=["cpu", "cuda"], default="cpu")
     ap.add_argument("--epochs", type=int, default=OVERHEAD_EPOCHS, help="overhead: epochs (the first untimed)")
-    ap.add_argument("--work", type=Path, default=Path("."))
+    ap.add_argument("--work", type=Path, default=Path("mixtrain_runs", "gpu-steps"), help="the steps' run folders")
     ap.add_argument("--out", type=Path, required=True)
     args = ap.parse_args(argv)
     try:
