@@ -182,15 +182,10 @@ class GradBuckets:
             b.flat.mul_(factor)
 
     def all_finite(self, *extra: torch.Tensor) -> bool:
-        """True when every summed gradient (and every `extra` tensor) is finite. After the sum a NaN or Inf on
-        any rank is on every rank, so all ranks reach the same verdict without another collective.
-        A NaN or Inf makes a bucket's sum non-finite; the sums of every bucket are stacked and read once (one
-        wait for the device per step, not one per bucket), and only when that is not finite does the
-        elementwise check run, to tell a real NaN/Inf from a sum that merely overflowed."""
-        summed = [*(b.host for b in self.buckets), *extra]  # all on the comm device (all_reduce_'s sum too)
-        if bool(torch.isfinite(torch.stack([t.sum().float() for t in summed])).all()):
-            return True
-        return devices.all_finite(summed)
+        """True when every summed gradient (and every `extra` tensor) is finite: grads_finite over the buckets, the
+        same check as one rank's. After the sum a NaN or Inf on any rank is on every rank, so all ranks reach the
+        same verdict without another collective."""
+        return grads_finite([b.host for b in self.buckets], *extra)  # all on the comm device (all_reduce_'s sum too)
 
 
 class SoloGrads:
